@@ -1,0 +1,125 @@
+"""What every benchmark shares: spawning gloo processes, peak memory, machine information,
+the result JSON of DESIGN.md ("Benchmarks") and a plain-text table."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import socket
+import statistics
+import sys
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+# ---- processes ---------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo processes (spawned, so
+    each process's peak memory is its own) and wait for them; raises if any of them fails."""
+    mp.spawn(_entry, args=(world_size, free_port(), threads, fn, args), nprocs=world_size, join=True)
+
+
+def start_gloo(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> list[mp.Process]:
+    """Start ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo processes of their own
+    (own port, own process group) without waiting: several groups can then take turns, driven
+    through queues (``mp.get_context("spawn")`` ones). Pair with `join_all`."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, threads, fn, args), daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def get_from(queue: Any, procs: Sequence[mp.Process], timeout: float = 600.0) -> Any:
+    """``queue.get()`` that fails instead of hanging when a worker died or ``timeout`` passed."""
+    import queue as queue_module
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_module.Empty:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"worker process(es) failed: {[(p.name, p.exitcode) for p in dead]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no message from the workers within {timeout:.0f} s")
+
+
+def join_all(procs: Sequence[mp.Process], timeout: float = 120.0) -> None:
+    for p in procs:
+        p.join(timeout)
+    bad = [(p.name, p.exitcode) for p in procs if p.exitcode != 0]
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    if bad:
+        raise RuntimeError(f"worker process(es) did not exit cleanly: {bad}")
+
+
+# ---- measurements ------------------------------------------------------------------------
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process so far, in MB (MiB); Linux reports KiB, macOS bytes."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def machine_info() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "torch": torch.__version__.split("+")[0], "device": "cpu"}
+
+
+# ---- output ------------------------------------------------------------------------------
+def figure(value: float, unit: str, digits: int = 4) -> dict[str, Any]:
+    return {"value": round(float(value), digits), "unit": unit}
+
+
+def write_result(name: str, figures: dict[str, dict[str, Any]], config: dict[str, Any],
+                 machine: dict[str, Any] | None = None, results_dir: Path | None = None) -> Path:
+    """Write ``<results_dir>/<name>.json`` in DESIGN.md's format; returns its path."""
+    out_dir = results_dir or RESULTS_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    data = {"benchmark": name, "figures": figures, "config": config, "machine": machine or machine_info()}
+    path.write_text(json.dumps(data, indent=2) + "\n")
+    return path
+
+
+def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in header]] + [[c if isinstance(c, str) else f"{c:.1f}" if isinstance(c, float) else str(c)
+                                           for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Samples and their metadata (DESIGN.md principle 4: decide on metadata, move data once).
+
+A sample's metadata says, before any payload is decoded, how many tokens each module will see:
+the image sizes give the vision encoder's patch count, the audio lengths give the audio
+encoder's frame count, the text length gives the LLM's text tokens. Balancing, planning and
+the simulator work on metadata only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ImageMeta:
+    """An RGB image of ``height`` x ``width`` pixels."""
+
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
+class AudioMeta:
+    """A mono clip of ``num_samples`` samples at ``sample_rate`` Hz."""
+
+    num_samples: int
+    sample_rate: int
+
+    @property
+    def seconds(self) -> float:
+        return self.num_samples / self.sample_rate
+
+
+@dataclass(frozen=True)
+class SampleMeta:
+    """Everything the planner and balancer need about a sample, without its payload.
+
+    ``segments`` is the order of the sample's segments, e.g. ``("image", "text", "audio",
+    "text")``; ``text_tokens`` counts the tokenizer's ids for the text alone (with BOS/EOS,
+    one id per modality placeholder *before* expansion).
+    """
+
+    sample_id: int
+    text_tokens: int
+    images: tuple[ImageMeta, ...] = ()
+    audios: tuple[AudioMeta, ...] = ()
+    segments: tuple[str, ...] = ()
+
+
+@dataclass
+class Sample:
+    """A sample's metadata and payload.
+
+    ``text`` carries one ``<image>`` / ``<audio>`` marker per item, in the order of
+    ``images`` / ``audios``. Images are float32 ``[3, H, W]`` in [0, 1]; audio clips are
+    float32 ``[num_samples]`` in [-1, 1].
+    """
+
+    meta: SampleMeta
+    text: str
+    images: list[torch.Tensor] = field(default_factory=list)
+    audios: list[torch.Tensor] = field(default_factory=list)
+
+    def check_payload(self) -> None:
+        """Raise ``ValueError`` naming the field when the payload disagrees with the metadata."""
+        if len(self.images) != len(self.meta.images):
+            raise ValueError(
+                f"sample {self.meta.sample_id}: {len(self.images)} images in the payload but "
+                f"{len(self.meta.images)} in meta.images; regenerate the sample's metadata"
+            )
+        for i, (img, m) in enumerate(zip(self.images, self.meta.images)):
+            if img.dim() != 3 or img.shape[0] != 3 or tuple(img.shape[1:]) != (m.height, m.width):
+                raise ValueError(
+                    f"sample {self.meta.sample_id}: images[{i}] has shape {tuple(img.shape)}, "
+                    f"meta.images[{i}] says [3, {m.height}, {m.width}]"
+                )
+        if len(self.audios) != len(self.meta.audios):
+            raise ValueError(
+                f"sample {self.meta.sample_id}: {len(self.audios)} audio clips in the payload but "
+                f"{len(self.meta.audios)} in meta.audios; regenerate the sample's metadata"
+            )
+        for i, (clip, m) in enumerate(zip(self.audios, self.meta.audios)):
+            if clip.dim() != 1 or clip.shape[0] != m.num_samples:
+                raise ValueError(
+                    f"sample {self.meta.sample_id}: audios[{i}] has shape {tuple(clip.shape)}, "
+                    f"meta.audios[{i}] says [{m.num_samples}]"
+                )
+
+
+@dataclass
+class Batch:
+    """A collated (micro)batch, ready for ``MultimodalModel``.
+
+    - ``input_ids`` ``[B, L]``: text ids with every modality marker expanded to as many
+      placeholder ids as its encoder emits tokens; right-padded with the pad id.
+    - ``labels`` ``[B, L]``: the *next* token at each position (already shifted), ``-100``
+      where nothing is to be predicted (placeholders, padding, the last position).
+    - ``modality_inputs``: per encoder name, the keyword inputs of its ``context()``, e.g.
+      ``{"vision": {"images": [...]}, "audio": {"waveforms": [...]}}``, items in sample order.
+    - ``sample_ids``: which samples, in order.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    modality_inputs: dict[str, dict[str, list[torch.Tensor]]]
+    sample_ids: list[int]
+
+    @property
+    def num_targets(self) -> int:
+        return int((self.labels != -100).sum())

@@ -1,0 +1,221 @@
+"""Layer adapters for Hugging Face models, used unmodified (DESIGN.md principle 3).
+
+A Hugging Face causal LM with the Llama layout
+
+    model.embed_tokens, model.layers[i], model.norm, model.rotary_emb, lm_head
+
+(Llama, and Mistral / Qwen2 which share it) is exposed as the layer list
+
+    "model.embed_tokens" (embedding), "model.layers.0" .. (block), "model.norm" (norm),
+    "lm_head" (head)
+
+whose names are the modules' paths inside the HF model, so a stage's parameters keep their
+names. ``context()`` rebuilds, from the raw inputs alone, what ``LlamaModel.forward`` computes
+before its decoder loop: position ids, the rotary ``position_embeddings`` (from the model's own
+``rotary_emb``) and the attention mask(s), made by the installed transformers' own mask
+functions so that every attention implementation (sdpa, eager, flash, ...) gets the argument it
+expects. Dispatch is by structure, not by class, and transformers is imported lazily so loom
+works without it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from loom.model.layers import Layer
+
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+
+
+def has_llama_layout(module: nn.Module) -> bool:
+    """True for a causal LM laid out like HF's ``LlamaForCausalLM`` whose decoder layers take
+    precomputed ``position_embeddings`` (transformers >= 4.48)."""
+    body = getattr(module, "model", None)
+    if not isinstance(body, nn.Module) or not isinstance(getattr(module, "lm_head", None), nn.Linear):
+        return False
+    if getattr(module, "config", None) is None:
+        return False
+    if not isinstance(getattr(body, "embed_tokens", None), nn.Embedding):
+        return False
+    blocks = getattr(body, "layers", None)
+    if not isinstance(blocks, nn.ModuleList) or len(blocks) == 0:
+        return False
+    if not isinstance(getattr(body, "norm", None), nn.Module) or not isinstance(
+        getattr(body, "rotary_emb", None), nn.Module
+    ):
+        return False
+    return "position_embeddings" in inspect.signature(blocks[0].forward).parameters
+
+
+def adapter_for(module: nn.Module) -> HFCausalLMAdapter | None:
+    """The layer adapter for a supported Hugging Face model, or None when ``module`` is not one.
+
+    Raises ``ValueError`` for a supported layout that cannot be cut into stages (tied
+    embeddings).
+    """
+    if has_llama_layout(module):
+        return HFCausalLMAdapter(module)
+    return None
+
+
+def _attention_type(config: Any, layer_index: int) -> str:
+    """Which mask a decoder layer uses, mirroring the HF model code: ``config.layer_types`` when
+    the config has it (Qwen2, recent versions), else sliding when the config sets a window
+    (Mistral), else full causal (Llama)."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return layer_types[layer_index]
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return SLIDING_ATTENTION
+    return FULL_ATTENTION
+
+
+class HFCausalLMAdapter:
+    """``LayerAdapter`` over an unmodified HF causal LM with the Llama layout.
+
+    Inputs of ``context``: ``{"input_ids": LongTensor[B, L]}``, optionally ``"attention_mask"``
+    ``[B, L]`` (1 = token, 0 = padding, as in HF) and ``"position_ids"`` ``[B, L]`` or ``[1, L]``.
+    The head returns logits ``[B, L, vocab_size]``, like ``model(input_ids).logits``.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        if not has_llama_layout(model):
+            raise TypeError(
+                f"{type(model).__name__} does not have the Llama layout (model.embed_tokens, model.layers, "
+                "model.norm, model.rotary_emb, lm_head)"
+            )
+        config = model.config
+        head_weight = model.lm_head.weight
+        embed_weight = model.model.embed_tokens.weight
+        if head_weight is embed_weight or getattr(config, "tie_word_embeddings", False):
+            raise ValueError(
+                f"{type(model).__name__} ties lm_head to model.embed_tokens; tied weights cannot be cut "
+                "across pipeline stages: set tie_word_embeddings=False in its config (when loading a "
+                "checkpoint with tied weights, copy model.embed_tokens.weight into lm_head.weight)"
+            )
+        self.model = model
+        self.config = config
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        # LlamaModel.forward runs layers[:num_hidden_layers]; do the same.
+        num_blocks = getattr(config, "num_hidden_layers", len(model.model.layers))
+        self.blocks = list(model.model.layers[:num_blocks])
+        self.attention_types = [_attention_type(config, i) for i in range(len(self.blocks))]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers())
+
+    def layers(self) -> list[Layer]:
+        body = self.model.model
+        result = [
+            Layer(
+                "model.embed_tokens",
+                body.embed_tokens,
+                lambda x, ctx: body.embed_tokens(ctx["input_ids"]),
+                kind="embedding",
+            )
+        ]
+        for i, block in enumerate(self.blocks):
+            result.append(
+                Layer(f"model.layers.{i}", block, partial(self._run_block, block, self.attention_types[i]))
+            )
+        result.append(Layer("model.norm", body.norm, lambda x, ctx: body.norm(x), kind="norm"))
+        result.append(Layer("lm_head", self.model.lm_head, lambda x, ctx: self.model.lm_head(x), kind="head"))
+        return result
+
+    @staticmethod
+    def _run_block(block: nn.Module, attention_type: str, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+        out = block(
+            x,
+            attention_mask=ctx["attention_masks"][attention_type],
+            position_ids=ctx["position_ids"],
+            position_embeddings=ctx["position_embeddings"],
+        )
+        # transformers < 5 returns a tuple (hidden_states, ...); 5.x returns the tensor.
+        return out[0] if isinstance(out, tuple) else out
+
+    def context(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """Position ids, rotary tables and attention masks, as ``LlamaModel.forward`` builds them."""
+        input_ids: torch.Tensor = inputs["input_ids"]
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected [batch, length]")
+        batch, length = input_ids.shape
+        device = input_ids.device
+        padding_mask = inputs.get("attention_mask")
+        position_ids = inputs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(length, device=device).unsqueeze(0)
+        position_ids = position_ids.to(device)
+
+        # transformers reads only the shape, dtype and device of inputs_embeds for the rotary
+        # tables and the masks; a zero-stride stand-in avoids running the embedding here.
+        dtype = self.model.model.embed_tokens.weight.dtype
+        like_embeds = torch.zeros((), dtype=dtype, device=device).expand(batch, length, self.hidden_size)
+        with torch.no_grad():
+            cos, sin = self.model.model.rotary_emb(like_embeds, position_ids)
+
+        masks = {
+            kind: self._attention_mask(kind, like_embeds, padding_mask, position_ids)
+            for kind in sorted(set(self.attention_types))
+        }
+        return {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "position_embeddings": (cos, sin),
+            "attention_masks": masks,
+        }
+
+    def _attention_mask(
+        self,
+        kind: str,
+        like_embeds: torch.Tensor,
+        padding_mask: torch.Tensor | None,
+        position_ids: torch.Tensor,
+    ) -> Any:
+        """The ``attention_mask`` argument the installed transformers' decoder layers expect.
+
+        With sdpa and no padding this is None, and sdpa then runs with ``is_causal=True``; with
+        eager attention it is a materialised additive mask. Passing None to an eager layer
+        would silently drop causality, so the mask always comes from transformers' own
+        factory when it has one.
+        """
+        try:
+            from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+        except ImportError:  # transformers < 4.53: no mask factory; build the 4D additive mask.
+            return self._additive_mask(kind, like_embeds, padding_mask)
+        factory = create_sliding_window_causal_mask if kind == SLIDING_ATTENTION else create_causal_mask
+        params = inspect.signature(factory).parameters
+        # The factory's argument names moved between versions (input_embeds -> inputs_embeds,
+        # cache_position dropped); pass what this version takes.
+        kwargs: dict[str, Any] = {"config": self.config, "attention_mask": padding_mask, "past_key_values": None}
+        kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = like_embeds
+        if "cache_position" in params:
+            kwargs["cache_position"] = torch.arange(like_embeds.shape[1], device=like_embeds.device)
+        if "position_ids" in params:
+            kwargs["position_ids"] = position_ids
+        return factory(**kwargs)
+
+    def _additive_mask(
+        self, kind: str, like_embeds: torch.Tensor, padding_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[B, 1, L, L]`` float mask, 0 where attention is allowed and the dtype's minimum
+        elsewhere: what older decoder layers accept for both eager and sdpa attention."""
+        batch, length, _ = like_embeds.shape
+        device, dtype = like_embeds.device, like_embeds.dtype
+        query = torch.arange(length, device=device)[:, None]
+        key = torch.arange(length, device=device)[None, :]
+        allowed = key <= query
+        if kind == SLIDING_ATTENTION:
+            allowed = allowed & (query - key < self.config.sliding_window)
+        allowed = allowed[None, None].expand(batch, 1, length, length)
+        if padding_mask is not None:
+            allowed = allowed & padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+        mask = torch.zeros(batch, 1, length, length, dtype=dtype, device=device)
+        return mask.masked_fill(~allowed, torch.finfo(dtype).min)

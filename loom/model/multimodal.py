@@ -1,0 +1,257 @@
+"""`ModalityEncoder` and `MultimodalModel`: the model tree and its single-process reference
+semantics (cornstarch.md §2.2 call order, §2.4 merge, §3.1 modality parallelism).
+
+A `MultimodalModel` holds named encoders (each an encoder + projector with callbacks) and an
+LLM. Run in one process it *is* the reference: a parallel run must produce the same loss and
+gradients on the same global batch (DESIGN.md principle 1). For parallel runs every module is
+also exposed as a flat list of layers (`module_layers`) with a context builder
+(`module_context`), so a pipeline stage is a slice of that list.
+
+Call order per encoder (Cornstarch Listing 5):
+``before_encoder(inputs) -> encoder -> after_encoder(inputs, out) -> projector ->
+after_projector(inputs, out)``, then the LLM's first layer embeds the text with placeholders
+masked and scatters each encoder's projected tokens into its placeholder positions.
+
+Freezing is ``requires_grad`` and nothing else (DESIGN.md principle 3), set through
+`MultimodalModel.freeze` / `unfreeze` on parts named ``"vision"``, ``"vision.encoder"``,
+``"vision.projector"``, ``"llm"``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from loom.model.layers import Layer, adapter_for, prefixed, run_layers
+
+if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md layers): types only
+    from loom.data.sample import AudioMeta, Batch, ImageMeta
+
+IGNORE_INDEX = -100
+
+BeforeEncoder = Callable[[dict[str, Any]], dict[str, Any]]
+AfterModule = Callable[[dict[str, Any], torch.Tensor], torch.Tensor]
+
+
+class MLPProjector(nn.Sequential):
+    """LLaVA-1.5 style two-layer projector: Linear -> GELU -> Linear."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__(nn.Linear(in_features, out_features), nn.GELU(), nn.Linear(out_features, out_features))
+        self.in_features, self.out_features = in_features, out_features
+
+
+def make_projector(kind: str, in_features: int, out_features: int) -> nn.Module:
+    if kind == "linear":
+        return nn.Linear(in_features, out_features)
+    if kind == "mlp":
+        return MLPProjector(in_features, out_features)
+    raise ValueError(f"projector = {kind!r}: choose 'linear', 'mlp' or pass an nn.Module")
+
+
+class ModalityEncoder(nn.Module):
+    """An encoder, its projector into the LLM's embedding space, and Cornstarch's callbacks.
+
+    ``projector`` may be ``"linear"`` / ``"mlp"`` (built by `MultimodalModel` once the LLM's
+    width is known) or a ready module. The encoder must have a layer adapter
+    (`loom.model.layers.adapter_for`) and a ``num_tokens(item_meta)`` method that gives the
+    number of output tokens of one item from its metadata alone.
+    """
+
+    def __init__(
+        self,
+        encoder: nn.Module,
+        projector: str | nn.Module = "linear",
+        before_encoder: BeforeEncoder | None = None,
+        after_encoder: AfterModule | None = None,
+        after_projector: AfterModule | None = None,
+    ):
+        super().__init__()
+        self.encoder = encoder
+        self._projector_kind = projector if isinstance(projector, str) else None
+        if isinstance(projector, nn.Module):
+            self.projector = projector
+        elif projector not in ("linear", "mlp"):
+            raise ValueError(f"projector = {projector!r}: choose 'linear', 'mlp' or pass an nn.Module")
+        self.before_encoder = before_encoder
+        self.after_encoder = after_encoder
+        self.after_projector = after_projector
+
+    def build_projector(self, out_features: int) -> None:
+        """Create the projector lazily, as Cornstarch does, once the LLM's width is known."""
+        if self._projector_kind is None:
+            return
+        in_features = getattr(self.encoder, "hidden_size", None)
+        if in_features is None:
+            raise ValueError(f"{type(self.encoder).__name__} has no hidden_size: pass a projector module instead")
+        self.projector = make_projector(self._projector_kind, in_features, out_features)
+        self._projector_kind = None
+
+    def num_tokens(self, item: "ImageMeta | AudioMeta") -> int:
+        return self.encoder.num_tokens(item)
+
+    # ---- layer-list adapter --------------------------------------------------------------
+    def layers(self) -> list[Layer]:
+        if self._projector_kind is not None:
+            raise RuntimeError("projector not built yet: wrap the encoder in a MultimodalModel first")
+        encoder_layers = prefixed(adapter_for(self.encoder).layers(), "encoder")
+
+        def project(x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+            inputs = ctx["inputs"]
+            if self.after_encoder is not None:
+                x = self.after_encoder(inputs, x)
+            x = self.projector(x)
+            if self.after_projector is not None:
+                x = self.after_projector(inputs, x)
+            return x
+
+        return encoder_layers + [Layer("projector", self.projector, project, kind="projector")]
+
+    def context(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        if self.before_encoder is not None:
+            inputs = self.before_encoder(dict(inputs))
+        ctx = adapter_for(self.encoder).context(inputs)
+        ctx["inputs"] = inputs
+        return ctx
+
+    def forward(self, **inputs: Any) -> torch.Tensor:
+        return run_layers(self.layers(), None, self.context(inputs))
+
+
+class MultimodalModel(nn.Module):
+    """Encoders feeding an LLM; runs standalone as the reference semantics.
+
+    ``placeholder_ids[name]`` is the token id that marks encoder ``name``'s tokens in
+    ``input_ids`` (the collated batch expands each item's marker to ``num_tokens`` copies).
+    """
+
+    def __init__(self, encoders: dict[str, ModalityEncoder], llm: nn.Module, placeholder_ids: dict[str, int]):
+        super().__init__()
+        if "llm" in encoders:
+            raise ValueError("encoders may not be named 'llm': that name is the language model's")
+        missing = [n for n in encoders if n not in placeholder_ids]
+        if missing:
+            raise ValueError(f"placeholder_ids lacks {missing}: give each encoder its placeholder token id")
+        self.encoders = nn.ModuleDict(encoders)
+        self.llm = llm
+        self.placeholder_ids = dict(placeholder_ids)
+        llm_width = getattr(llm, "hidden_size", None) or llm.config.hidden_size
+        for enc in self.encoders.values():
+            enc.build_projector(llm_width)
+
+    @property
+    def module_names(self) -> list[str]:
+        """Modules in graph order: encoders (as given), then ``"llm"``."""
+        return [*self.encoders.keys(), "llm"]
+
+    # ---- freezing ------------------------------------------------------------------------
+    def _part(self, part: str) -> nn.Module:
+        if part == "llm":
+            return self.llm
+        name, _, sub = part.partition(".")
+        if name not in self.encoders:
+            raise ValueError(f"unknown part {part!r}: parts are 'llm', or '<encoder>[.encoder|.projector]' with encoders {list(self.encoders)}")
+        enc = self.encoders[name]
+        if sub == "":
+            return enc
+        if sub in ("encoder", "projector"):
+            return getattr(enc, sub)
+        raise ValueError(f"unknown part {part!r}: after {name!r} use '.encoder' or '.projector'")
+
+    def freeze(self, *parts: str) -> "MultimodalModel":
+        """Freeze parts (``requires_grad=False``): their parameters get no gradient at all."""
+        for p in parts:
+            self._part(p).requires_grad_(False)
+        return self
+
+    def unfreeze(self, *parts: str) -> "MultimodalModel":
+        for p in parts:
+            self._part(p).requires_grad_(True)
+        return self
+
+    # ---- layer lists, per module -----------------------------------------------------------
+    def module_layers(self, name: str) -> list[Layer]:
+        """The ordered layers of module ``name``, named as in this model's ``named_parameters``.
+
+        The LLM's first layer is its embedding followed by the merge of encoder tokens
+        (Cornstarch's ``cb_before_llm``), so it takes ``x = {encoder name: tokens}``.
+        """
+        if name != "llm":
+            if name not in self.encoders:
+                raise ValueError(f"unknown module {name!r}; modules are {self.module_names}")
+            return prefixed(self.encoders[name].layers(), f"encoders.{name}")
+        layers = prefixed(adapter_for(self.llm).layers(), "llm")
+        embed = layers[0]
+
+        def embed_and_merge(x: dict[str, torch.Tensor] | None, ctx: dict[str, Any]) -> torch.Tensor:
+            return self.merge(embed(None, ctx), x or {}, ctx)
+
+        layers[0] = Layer(embed.name, embed.module, embed_and_merge, kind="embedding")
+        return layers
+
+    def layer_counts(self) -> dict[str, int]:
+        return {n: len(self.module_layers(n)) for n in self.module_names}
+
+    def module_context(self, name: str, batch: "Batch") -> dict[str, Any]:
+        """Everything module ``name``'s layers need from the microbatch besides the activation."""
+        if name != "llm":
+            enc = self.encoders[name]
+            inputs = batch.modality_inputs.get(name)
+            if inputs is None:
+                raise ValueError(
+                    f"batch.modality_inputs has no entry for encoder {name!r}: collate with a token "
+                    f"count for every encoder of the model ({list(self.encoders)})"
+                )
+            # the device lets an encoder build its (empty) context when a microbatch has no items
+            return enc.context({**inputs, "device": batch.input_ids.device})
+        ids = batch.input_ids
+        masks = {n: ids == pid for n, pid in self.placeholder_ids.items() if n in self.encoders}
+        masked = ids.clone()
+        for m in masks.values():
+            masked[m] = 0  # placeholder ids need not exist in the LLM's vocabulary
+        ctx = adapter_for(self.llm).context({"input_ids": masked})
+        ctx["placeholder_masks"] = masks
+        return ctx
+
+    def merge(self, embeds: torch.Tensor, features: dict[str, torch.Tensor], ctx: dict[str, Any]) -> torch.Tensor:
+        """Scatter each encoder's projected tokens into its placeholder positions."""
+        for name, mask in ctx["placeholder_masks"].items():
+            feats = features.get(name)
+            n_slots = int(mask.sum())
+            n_feats = 0 if feats is None else feats.shape[0]
+            if n_slots != n_feats:
+                raise ValueError(
+                    f"encoder {name!r} produced {n_feats} tokens but the batch has {n_slots} "
+                    f"placeholder tokens for it: the sample's placeholder count does not match its "
+                    f"encoder output (check the collation's token counts against the encoder's num_tokens)"
+                )
+            if n_feats:
+                embeds = embeds.masked_scatter(mask.unsqueeze(-1), feats.to(embeds.dtype))
+        return embeds
+
+    # ---- reference forward -----------------------------------------------------------------
+    def encode(self, batch: "Batch") -> dict[str, torch.Tensor]:
+        return {
+            n: run_layers(self.module_layers(n), None, self.module_context(n, batch)) for n in self.encoders
+        }
+
+    def forward(self, batch: "Batch") -> torch.Tensor:
+        """Logits ``[B, L, vocab]`` of the whole batch in one process."""
+        features = self.encode(batch)
+        return run_layers(self.module_layers("llm"), features, self.module_context("llm", batch))
+
+    def loss(self, batch: "Batch", num_targets: int | None = None) -> torch.Tensor:
+        """Mean next-token loss, normalised by ``num_targets`` (the *global* batch's target
+        count in parallel runs, so moving samples between ranks never changes the math)."""
+        n = batch.num_targets if num_targets is None else num_targets
+        return loss_sum(self(batch), batch.labels) / n
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy over positions whose label is not ``IGNORE_INDEX``."""
+    return F.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten().to(logits.device), ignore_index=IGNORE_INDEX, reduction="sum"
+    )

@@ -1,0 +1,239 @@
+"""`Plan` and `ModuleSpec`: how a multimodal model is laid out over ranks (DESIGN.md, "Plans
+and schedules are data").
+
+A plan lists, per module (encoders in graph order, then ``"llm"``), its data-parallel degree
+and its pipeline stages with layer boundaries, plus the microbatching and the schedule kind.
+Placement here is *disaggregated*: every module has ranks of its own and the encoders run in
+parallel on disjoint ranks (Cornstarch modality parallelism, ``cornstarch.md`` §3.1).
+
+Rank layout (as Cornstarch's ``[global_stage, dp]`` mesh): modules in plan order, and inside a
+module stage-major, so module ``m``, stage ``s``, replica ``d`` sits on
+``offset(m) + s * dp(m) + d``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+LLM = "llm"
+SCHEDULES = ("gpipe", "1f1b")
+PLACEMENTS = ("disaggregated",)
+
+
+class PlanError(ValueError):
+    """A plan that does not fit the world size or the model; the message names the field."""
+
+
+@dataclass
+class ModuleSpec:
+    """One module's parallel layout.
+
+    ``stage_boundaries`` has ``num_stages + 1`` increasing layer indices from 0 to the module's
+    layer count; stage ``s`` holds layers ``[b[s], b[s+1])``. ``None`` means an even split by
+    layer count, filled in by ``Plan.resolve``.
+    """
+
+    name: str
+    data_parallel: int = 1
+    num_stages: int = 1
+    stage_boundaries: list[int] | None = None
+
+    @property
+    def num_ranks(self) -> int:
+        return self.data_parallel * self.num_stages
+
+
+def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
+    """Split ``num_layers`` into ``num_stages`` contiguous runs whose sizes differ by at most
+    one; earlier stages take the extra layer."""
+    base, extra = divmod(num_layers, num_stages)
+    bounds = [0]
+    for s in range(num_stages):
+        bounds.append(bounds[-1] + base + (1 if s < extra else 0))
+    return bounds
+
+
+@dataclass
+class Plan:
+    modules: list[ModuleSpec]
+    num_microbatches: int = 4
+    schedule: str = "1f1b"
+    placement: str = "disaggregated"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ---- lookups -------------------------------------------------------------------------
+    @property
+    def module_names(self) -> list[str]:
+        return [m.name for m in self.modules]
+
+    @property
+    def encoder_names(self) -> list[str]:
+        return [m.name for m in self.modules if m.name != LLM]
+
+    def spec(self, name: str) -> ModuleSpec:
+        for m in self.modules:
+            if m.name == name:
+                return m
+        raise PlanError(f"plan.modules has no module named {name!r}; it has {self.module_names}")
+
+    @property
+    def world_size(self) -> int:
+        return sum(m.num_ranks for m in self.modules)
+
+    def rank_offset(self, name: str) -> int:
+        offset = 0
+        for m in self.modules:
+            if m.name == name:
+                return offset
+            offset += m.num_ranks
+        raise PlanError(f"plan.modules has no module named {name!r}; it has {self.module_names}")
+
+    def rank_of(self, name: str, stage: int, replica: int) -> int:
+        spec = self.spec(name)
+        return self.rank_offset(name) + stage * spec.data_parallel + replica
+
+    def role_of(self, rank: int) -> tuple[str, int, int]:
+        """``(module, stage, replica)`` held by ``rank``."""
+        offset = 0
+        for m in self.modules:
+            if rank < offset + m.num_ranks:
+                stage, replica = divmod(rank - offset, m.data_parallel)
+                return m.name, stage, replica
+            offset += m.num_ranks
+        raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
+
+    def replica_of_microbatch(self, name: str, microbatch: int) -> int:
+        """Which data-parallel replica of ``name`` runs ``microbatch`` (round-robin, so edges
+        between modules of different DP degrees route each microbatch explicitly)."""
+        return microbatch % self.spec(name).data_parallel
+
+    def microbatches_of(self, name: str, replica: int) -> list[int]:
+        return [j for j in range(self.num_microbatches) if self.replica_of_microbatch(name, j) == replica]
+
+    def layers_of(self, name: str, stage: int) -> tuple[int, int]:
+        b = self.spec(name).stage_boundaries
+        if b is None:
+            raise PlanError(f"plan.modules[{name!r}].stage_boundaries is unresolved; call Plan.resolve first")
+        return b[stage], b[stage + 1]
+
+    # ---- checks --------------------------------------------------------------------------
+    def resolve(self, layer_counts: dict[str, int], world_size: int | None = None) -> "Plan":
+        """Check the plan against the model (``layer_counts``: module name -> number of layers)
+        and, if given, the world size; fill in default stage boundaries. Returns ``self``."""
+        if not self.modules:
+            raise PlanError("plan.modules is empty: list at least the 'llm' module")
+        names = self.module_names
+        if len(set(names)) != len(names):
+            raise PlanError(f"plan.modules names a module twice: {names}")
+        if names[-1] != LLM:
+            raise PlanError(f"plan.modules must end with the {LLM!r} module (encoders first, in graph order); got {names}")
+        for n in names:
+            if n not in layer_counts:
+                raise PlanError(
+                    f"plan.modules[{n!r}]: unknown module name; the model has {sorted(layer_counts)}"
+                )
+        missing = [n for n in layer_counts if n not in names]
+        if missing:
+            raise PlanError(f"plan.modules lacks {missing}: every module of the model needs a spec")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan.schedule = {self.schedule!r}: choose one of {list(SCHEDULES)}")
+        if self.placement not in PLACEMENTS:
+            raise PlanError(f"plan.placement = {self.placement!r}: choose one of {list(PLACEMENTS)}")
+        if self.num_microbatches < 1:
+            raise PlanError(f"plan.num_microbatches = {self.num_microbatches}: must be at least 1")
+        for m in self.modules:
+            where = f"plan.modules[{m.name!r}]"
+            if m.data_parallel < 1:
+                raise PlanError(f"{where}.data_parallel = {m.data_parallel}: must be at least 1")
+            if m.num_stages < 1:
+                raise PlanError(f"{where}.num_stages = {m.num_stages}: must be at least 1")
+            n_layers = layer_counts[m.name]
+            if m.num_stages > n_layers:
+                raise PlanError(
+                    f"{where}.num_stages = {m.num_stages} exceeds the module's {n_layers} layers"
+                )
+            if m.data_parallel > self.num_microbatches:
+                raise PlanError(
+                    f"{where}.data_parallel = {m.data_parallel} exceeds plan.num_microbatches = "
+                    f"{self.num_microbatches}: every replica needs at least one microbatch"
+                )
+            if m.stage_boundaries is None:
+                m.stage_boundaries = even_boundaries(n_layers, m.num_stages)
+            b = list(m.stage_boundaries)
+            if len(b) != m.num_stages + 1:
+                raise PlanError(
+                    f"{where}.stage_boundaries has {len(b)} entries; {m.num_stages} stages need "
+                    f"{m.num_stages + 1} (0, the cut points, {n_layers})"
+                )
+            if b[0] != 0 or b[-1] != n_layers:
+                raise PlanError(
+                    f"{where}.stage_boundaries = {b} out of range: must start at 0 and end at the "
+                    f"module's layer count {n_layers}"
+                )
+            if any(b[i] >= b[i + 1] for i in range(len(b) - 1)):
+                raise PlanError(f"{where}.stage_boundaries = {b}: must strictly increase (no empty stage)")
+        if world_size is not None and world_size != self.world_size:
+            detail = " + ".join(f"{m.name} {m.num_stages}x{m.data_parallel}" for m in self.modules)
+            raise PlanError(
+                f"plan needs {self.world_size} ranks ({detail}, stages x data_parallel) but the "
+                f"world size is {world_size}: change the degrees or launch {self.world_size} processes"
+            )
+        return self
+
+    # ---- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        d = dict(d)
+        known = {"modules", "num_microbatches", "schedule", "placement", "extra"}
+        unknown = set(d) - known
+        if unknown:
+            raise PlanError(f"plan has unknown fields {sorted(unknown)}; known fields are {sorted(known)}")
+        mods = d.pop("modules", None)
+        if not isinstance(mods, list):
+            raise PlanError("plan.modules must be a list of module specs ([[plan.modules]] in TOML)")
+        specs = []
+        spec_fields = {"name", "data_parallel", "num_stages", "stage_boundaries"}
+        for i, m in enumerate(mods):
+            if not isinstance(m, dict) or "name" not in m:
+                raise PlanError(f"plan.modules[{i}] must be a table with a 'name'")
+            bad = set(m) - spec_fields
+            if bad:
+                raise PlanError(f"plan.modules[{i}] ({m['name']!r}) has unknown fields {sorted(bad)}; known: {sorted(spec_fields)}")
+            specs.append(ModuleSpec(**m))
+        return cls(modules=specs, **d)
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "Plan":
+        p = Path(text_or_path)
+        text = p.read_text() if p.suffix == ".json" and p.exists() else str(text_or_path)
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "Plan":
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+        return cls.from_dict(data.get("plan", data))
+
+    def to_toml(self) -> str:
+        lines = ["[plan]", f"num_microbatches = {self.num_microbatches}", f'schedule = "{self.schedule}"',
+                 f'placement = "{self.placement}"', ""]
+        for m in self.modules:
+            lines += ["[[plan.modules]]", f'name = "{m.name}"', f"data_parallel = {m.data_parallel}",
+                      f"num_stages = {m.num_stages}"]
+            if m.stage_boundaries is not None:
+                lines.append(f"stage_boundaries = {list(m.stage_boundaries)}")
+            lines.append("")
+        return "\n".join(lines)

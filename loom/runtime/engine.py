@@ -1,0 +1,63 @@
+"""Wiring a rank for a parallel run: plan check, schedule, stage, groups, executor.
+
+`ParallelEngine.create` is what the training loop and the multi-process tests both call after
+``torch.distributed`` is initialised, so the tests exercise exactly the production path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from loom.data.sample import Batch
+from loom.model.multimodal import MultimodalModel
+from loom.plan.plan import Plan
+from loom.runtime.executor import PipelineExecutor, StepResult
+from loom.runtime.stage import Stage, build_stage, data_parallel_groups, trainable_stages
+from loom.schedule.generators import build_schedule
+from loom.schedule.ir import Schedule
+from loom.schedule.validate import validate_schedule
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+@dataclass
+class ParallelEngine:
+    plan: Plan
+    schedule: Schedule
+    stage: Stage
+    executor: PipelineExecutor
+    optimizer: torch.optim.Optimizer | None
+
+    @classmethod
+    def create(
+        cls,
+        model: MultimodalModel,
+        plan: Plan,
+        device: torch.device,
+        optimizer_factory: OptimizerFactory | None = None,
+        release_others: bool = True,
+    ) -> "ParallelEngine":
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        plan.resolve(model.layer_counts(), world_size)
+        trainable = trainable_stages(model, plan)
+        schedule = build_schedule(plan, trainable)
+        validate_schedule(schedule, plan)
+        stage = build_stage(model, plan, rank, release_others=release_others)
+        for layer in stage.layers:
+            layer.module.to(device)
+        groups = data_parallel_groups(plan)
+        params = stage.trainable_parameters()
+        optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
+        executor = PipelineExecutor(model, plan, schedule, stage, rank, device, groups, trainable, optimizer)
+        return cls(plan, schedule, stage, executor, optimizer)
+
+    def microbatches_to_load(self) -> list[int]:
+        """Global indices of the microbatches this rank works on."""
+        return self.plan.microbatches_of(self.stage.module, self.stage.replica)
+
+    def step(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0) -> StepResult:
+        return self.executor.run(microbatches, num_targets, step)

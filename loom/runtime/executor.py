@@ -1,0 +1,188 @@
+"""The executor: runs one rank's list of IR actions with real tensors and communication.
+
+It is the runtime half of DESIGN.md's "schedule IR": the same actions the validator checks (and
+the simulator will play) are executed here one by one, and each is recorded in a timeline.
+
+Semantics that make a parallel run equal the single-process reference:
+- the LLM's last stage scales each microbatch's summed token loss by the *global* number of
+  target tokens, so the sum over microbatches and replicas is the reference mean loss;
+- data-parallel gradient synchronisation is therefore a SUM all-reduce (no averaging);
+- frozen parameters never get a ``.grad`` (backward runs only where the schedule says a stage
+  needs one, and only through tensors that require grad).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from loom.data.sample import Batch
+from loom.model.layers import run_layers
+from loom.model.multimodal import MultimodalModel, loss_sum
+from loom.plan.plan import LLM, Plan
+from loom.runtime.comm import P2PCommunicator
+from loom.runtime.stage import Stage, move_batch
+from loom.runtime.timeline import TimelineEvent
+from loom.schedule.generators import backward_flow
+from loom.schedule.ir import Action, ActionKind, Schedule
+
+StageId = tuple[str, int]
+
+
+@dataclass
+class StepResult:
+    loss: float  # this rank's share of the global mean loss (0 unless it computes the loss)
+    timeline: list[TimelineEvent] = field(default_factory=list)
+
+
+class PipelineExecutor:
+    """Runs ``schedule.actions[rank]`` for one iteration at a time."""
+
+    def __init__(
+        self,
+        model: MultimodalModel,
+        plan: Plan,
+        schedule: Schedule,
+        stage: Stage,
+        rank: int,
+        device: torch.device,
+        dp_groups: dict[StageId, dist.ProcessGroup | None],
+        trainable: dict[StageId, bool],
+        optimizer: torch.optim.Optimizer | None = None,
+    ):
+        self.model, self.plan, self.schedule, self.stage = model, plan, schedule, stage
+        self.rank, self.device, self.optimizer = rank, device, optimizer
+        self.actions = schedule.actions[rank]
+        self.dp_group = dp_groups.get((stage.module, stage.stage))
+        self.needs_backward, self.grad_edges = backward_flow(plan, trainable)
+        self.edge_ids = _edge_ids(plan)
+        self.comm = P2PCommunicator(device)
+
+    # ---- one iteration -------------------------------------------------------------------
+    def run(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0) -> StepResult:
+        """Run the iteration. ``microbatches`` holds (at least) the microbatches this rank
+        works on, by global index; ``num_targets`` is the global batch's target-token count."""
+        me: StageId = (self.stage.module, self.stage.stage)
+        inputs: dict[int, dict[str, torch.Tensor]] = {}  # mb -> {source module: received activation}
+        saved: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor | None]] = {}
+        out_grads: dict[int, torch.Tensor] = {}
+        contexts: dict[int, dict[str, Any]] = {}
+        batches: dict[int, Batch] = {}
+        loss_total = 0.0
+        events: list[TimelineEvent] = []
+        cuda = self.device.type == "cuda"
+
+        for a in self.actions:
+            start = time.time()
+            j = a.microbatch
+            if a.kind is ActionKind.RECV_ACT:
+                x = self.comm.recv(a.peer, self._tag((a.peer_module, a.peer_stage), me, j, grad=False))
+                if ((a.peer_module, a.peer_stage), me) in self.grad_edges:
+                    x.requires_grad_(True)
+                inputs.setdefault(j, {})[a.peer_module] = x
+            elif a.kind is ActionKind.FORWARD:
+                if j not in batches:
+                    batches[j] = move_batch(self._microbatch(microbatches, j), self.device)
+                    contexts[j] = self.model.module_context(self.stage.module, batches[j])
+                received = inputs.pop(j, {})
+                with torch.set_grad_enabled(self.needs_backward[me]):
+                    out = run_layers(self.stage.layers, self._stage_input(received), contexts[j])
+                    if self.stage.computes_loss:
+                        out = loss_sum(out, batches[j].labels) / num_targets
+                        loss_total += float(out.detach())
+                saved[j] = (received, out)
+            elif a.kind is ActionKind.SEND_ACT:
+                out = saved[j][1]
+                self.comm.send(out, a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, grad=False))
+                if not self.needs_backward[me]:
+                    saved.pop(j)  # nothing will flow back: drop the activation now
+            elif a.kind is ActionKind.RECV_GRAD:
+                out_grads[j] = self.comm.recv(a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, grad=True))
+            elif a.kind is ActionKind.BACKWARD:
+                received, out = saved[j]
+                grad = None if self.stage.computes_loss else out_grads.pop(j)
+                # An output can be independent of everything trainable for one microbatch (a
+                # frozen LLM stage whose microbatch has no image tokens to merge): then there is
+                # nothing to propagate and the input gradient sent back is zero.
+                if out.requires_grad:
+                    torch.autograd.backward(out, grad)
+                # keep only the inputs whose gradients still have to be sent back
+                pending = {k: t for k, t in received.items() if t.requires_grad}
+                if pending:
+                    saved[j] = (pending, None)
+                else:
+                    saved.pop(j)
+                contexts.pop(j, None)
+                batches.pop(j, None)
+            elif a.kind is ActionKind.SEND_GRAD:
+                received, _ = saved[j]
+                x = received[a.peer_module]
+                g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
+                self.comm.send(g, a.peer, self._tag((a.peer_module, a.peer_stage), me, j, grad=True))
+                del received[a.peer_module]
+                if not received:
+                    saved.pop(j)
+            elif a.kind is ActionKind.GRAD_SYNC:
+                self._sync_gradients()
+            elif a.kind is ActionKind.OPTIMIZER_STEP:
+                if self.optimizer is not None:
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+            else:  # pragma: no cover - the validator rejects unknown kinds
+                raise ValueError(f"rank {self.rank}: cannot execute {a.short()}")
+            if cuda and a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+                torch.cuda.synchronize(self.device)
+            events.append(_event(self.rank, a, start, time.time(), step))
+
+        self.comm.wait_sends()
+        return StepResult(loss_total, events)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _stage_input(self, received: dict[str, torch.Tensor]) -> Any:
+        if self.stage.is_first and self.stage.module != LLM:
+            return None  # encoder first stages read the microbatch from their context
+        if self.stage.is_first:  # the LLM's first stage merges every encoder's tokens
+            return received
+        (x,) = received.values()
+        return x
+
+    def _microbatch(self, microbatches: dict[int, Batch], j: int) -> Batch:
+        if j not in microbatches:
+            raise KeyError(f"rank {self.rank} runs microbatch {j} but was not given it (has {sorted(microbatches)})")
+        return microbatches[j]
+
+    def _tag(self, src: StageId, dst: StageId, microbatch: int, grad: bool) -> int:
+        return (microbatch * len(self.edge_ids) + self.edge_ids[(src, dst)]) * 2 + int(grad)
+
+    def _sync_gradients(self) -> None:
+        """SUM all-reduce of the stage's trainable gradients across its data-parallel replicas,
+        in one flat bucket."""
+        if self.dp_group is None:
+            return
+        params = self.stage.trainable_parameters()
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
+            p.grad = g
+
+
+def _edge_ids(plan: Plan) -> dict[tuple[StageId, StageId], int]:
+    edges: list[tuple[StageId, StageId]] = []
+    for m in plan.modules:
+        for s in range(m.num_stages - 1):
+            edges.append(((m.name, s), (m.name, s + 1)))
+        if m.name != LLM:
+            edges.append(((m.name, m.num_stages - 1), (LLM, 0)))
+    return {e: i for i, e in enumerate(edges)}
+
+
+def _event(rank: int, a: Action, start: float, end: float, step: int) -> TimelineEvent:
+    return TimelineEvent(rank, a.kind.value, a.short(), a.module, a.stage, a.microbatch, start, end, step)

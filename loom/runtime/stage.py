@@ -1,0 +1,88 @@
+"""Pipeline stages cut from a `MultimodalModel` by a `Plan`, and the process groups they need.
+
+Every rank builds the same full model from the same seed (so initial weights agree with the
+single-process reference), keeps the layers of its own stage, and moves the others to the meta
+device so their memory is released. Parameter names stay those of the full model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from loom.model.layers import Layer
+from loom.model.multimodal import MultimodalModel
+from loom.plan.plan import LLM, Plan
+
+
+@dataclass
+class Stage:
+    """The slice of one module that one rank runs."""
+
+    module: str
+    stage: int
+    replica: int
+    layers: list[Layer]
+    is_first: bool  # first stage of its module (encoders read the microbatch here)
+    is_last: bool  # last stage of its module (the LLM's computes the loss)
+
+    @property
+    def computes_loss(self) -> bool:
+        return self.module == LLM and self.is_last
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return {f"{l.name}.{n}": p for l in self.layers for n, p in l.module.named_parameters()}
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return [p for p in self.named_parameters().values() if p.requires_grad]
+
+
+def stage_layers(model: MultimodalModel, plan: Plan, module: str, stage: int) -> list[Layer]:
+    start, end = plan.layers_of(module, stage)
+    return model.module_layers(module)[start:end]
+
+
+def trainable_stages(model: MultimodalModel, plan: Plan) -> dict[tuple[str, int], bool]:
+    """Whether each stage holds a trainable parameter (input to frozen-aware scheduling)."""
+    return {
+        (m.name, s): any(p.requires_grad for l in stage_layers(model, plan, m.name, s) for p in l.module.parameters())
+        for m in plan.modules
+        for s in range(m.num_stages)
+    }
+
+
+def build_stage(model: MultimodalModel, plan: Plan, rank: int, release_others: bool = True) -> Stage:
+    module, stage, replica = plan.role_of(rank)
+    layers = stage_layers(model, plan, module, stage)
+    if release_others:
+        held = {id(l.module) for l in layers}
+        for name in plan.module_names:
+            for layer in model.module_layers(name):
+                if id(layer.module) not in held:
+                    layer.module.to("meta")
+    return Stage(module, stage, replica, layers, is_first=stage == 0,
+                 is_last=stage == plan.spec(module).num_stages - 1)
+
+
+def data_parallel_groups(plan: Plan) -> dict[tuple[str, int], dist.ProcessGroup | None]:
+    """One group per stage over its data-parallel replicas. Every rank must call this (group
+    creation is collective) and in the same order; stages with one replica get ``None``."""
+    groups: dict[tuple[str, int], dist.ProcessGroup | None] = {}
+    for m in plan.modules:
+        for s in range(m.num_stages):
+            ranks = [plan.rank_of(m.name, s, d) for d in range(m.data_parallel)]
+            groups[(m.name, s)] = dist.new_group(ranks) if len(ranks) > 1 else None
+    return groups
+
+
+def move_batch(batch, device: torch.device):
+    """A copy of a `Batch` with every tensor on ``device``."""
+    from dataclasses import replace
+
+    inputs = {
+        name: {k: [t.to(device) for t in v] for k, v in d.items()} for name, d in batch.modality_inputs.items()
+    }
+    return replace(batch, input_ids=batch.input_ids.to(device), labels=batch.labels.to(device), modality_inputs=inputs)

@@ -1,0 +1,261 @@
+"""Schedule generators: GPipe and (multimodal) 1F1B over a plan's stage graph.
+
+The pipeline graph comes from a resolved `Plan`. Its nodes are stages ``(module, stage)``;
+its edges run inside each module from stage ``s`` to ``s + 1``, and from every encoder's last
+stage to the LLM's first stage (Cornstarch modality parallelism, ``cornstarch.md`` §3.1: the
+encoders are independent pipelines running in parallel on their own ranks, and the LLM's first
+stage is the only node with several incoming edges). With no encoders this is a plain chain,
+so one generator handles both.
+
+Microbatch ``j`` runs on replica ``plan.replica_of_microbatch(m, j)`` of every stage of module
+``m``, so the peer of an edge is chosen per microbatch; modules may have different
+data-parallel degrees (DESIGN.md, "Placement": edges route microbatches explicitly).
+
+Backward work is frozen-aware (``cornstarch.md`` §3.2.1): a stage with nothing trainable in or
+upstream of it runs no backward and receives no gradient; see `backward_flow`.
+"""
+
+from __future__ import annotations
+
+import math
+
+from loom.plan.plan import LLM, Plan, PlanError
+from loom.schedule.ir import Action, ActionKind, Schedule, stage_key
+
+Stage = tuple[str, int]
+Edge = tuple[Stage, Stage]
+
+KINDS = ("gpipe", "1f1b")
+
+
+# ---- the stage graph ---------------------------------------------------------------------
+def _check_graph(plan: Plan) -> None:
+    names = plan.module_names
+    if not names or names[-1] != LLM:
+        raise PlanError(
+            f"plan.modules must end with the {LLM!r} module (encoders first, in graph order); got {names}"
+        )
+    for spec in plan.modules:
+        if spec.num_stages < 1:
+            raise PlanError(f"plan.modules[{spec.name!r}].num_stages = {spec.num_stages}: must be at least 1")
+
+
+def pipeline_stages(plan: Plan) -> list[Stage]:
+    """All stages in plan order (encoders, then the LLM), stages increasing inside a module.
+
+    This is a topological order of the stage graph: every edge goes from an earlier entry to a
+    later one."""
+    _check_graph(plan)
+    return [(spec.name, s) for spec in plan.modules for s in range(spec.num_stages)]
+
+
+def pipeline_edges(plan: Plan) -> list[Edge]:
+    """The forward edges ``(src, dst)`` of the stage graph: inside each module ``(m, s) ->
+    (m, s + 1)``; each encoder's last stage -> ``("llm", 0)``, encoders in plan order (the order
+    in which the LLM's first stage receives them, cornstarch.md §3.1)."""
+    edges: list[Edge] = []
+    for m, s in pipeline_stages(plan):
+        spec = plan.spec(m)
+        if s + 1 < spec.num_stages:
+            edges.append(((m, s), (m, s + 1)))
+        elif m != LLM:
+            edges.append(((m, s), (LLM, 0)))
+    return edges
+
+
+def _neighbours(plan: Plan) -> tuple[dict[Stage, list[Stage]], dict[Stage, list[Stage]]]:
+    """``(predecessors, successors)`` of every stage, in edge order."""
+    preds: dict[Stage, list[Stage]] = {st: [] for st in pipeline_stages(plan)}
+    succs: dict[Stage, list[Stage]] = {st: [] for st in preds}
+    for src, dst in pipeline_edges(plan):
+        succs[src].append(dst)
+        preds[dst].append(src)
+    return preds, succs
+
+
+def _trainable_map(plan: Plan, trainable: dict[Stage, bool] | None) -> dict[Stage, bool]:
+    """Every stage's trainable flag; a stage missing from ``trainable`` counts as trainable
+    (the default of an unfrozen model), a key naming no stage of the plan is an error."""
+    stages = pipeline_stages(plan)
+    if trainable is None:
+        return {st: True for st in stages}
+    unknown = [k for k in trainable if k not in set(stages)]
+    if unknown:
+        raise ValueError(f"trainable names stages {unknown} that the plan does not have; its stages are {stages}")
+    return {st: bool(trainable.get(st, True)) for st in stages}
+
+
+# ---- frozen-aware backward ---------------------------------------------------------------
+def backward_flow(
+    plan: Plan, trainable: dict[Stage, bool] | None = None
+) -> tuple[dict[Stage, bool], set[Edge]]:
+    """Which stages run a backward and which edges carry a gradient (cornstarch.md §3.2.1).
+
+    ``trainable[(m, s)]`` says whether stage ``(m, s)`` holds trainable parameters (``None``:
+    every stage does). Following the paper's rule (backward cost 0 if "frozen and no trainable
+    module prior to this module"), and the dissertation's ``p(L)`` propagation (§3.2.2, eq. 3.3):
+
+    - a stage *wants gradient* if it or anything upstream of it is trainable;
+    - an edge ``src -> dst`` carries a gradient iff ``src`` wants gradient (someone at or
+      before ``src`` has parameters whose gradient flows through that activation);
+    - a stage needs a backward iff it is trainable (weight gradients) or one of its incoming
+      edges carries a gradient (it must produce that input gradient).
+
+    Returns ``(needs_backward, gradient_edges)``: ``needs_backward`` maps every stage to a bool,
+    ``gradient_edges`` is the set of gradient-carrying ``(src, dst)`` edges.
+
+    Example: a frozen vision encoder whose last stage holds a trainable projector, and a frozen
+    LLM: the vision encoder's last stage and every LLM stage (input gradient only) need a
+    backward, the earlier vision stages do not, and the edge vision -> llm carries a gradient.
+    """
+    train = _trainable_map(plan, trainable)
+    preds, _ = _neighbours(plan)
+    wants: dict[Stage, bool] = {}
+    for st in pipeline_stages(plan):  # topological order: predecessors are already decided
+        wants[st] = train[st] or any(wants[p] for p in preds[st])
+    gradient_edges = {(src, dst) for src, dst in pipeline_edges(plan) if wants[src]}
+    needs_backward = {
+        st: train[st] or any((p, st) in gradient_edges for p in preds[st]) for st in wants
+    }
+    return needs_backward, gradient_edges
+
+
+# ---- schedules ---------------------------------------------------------------------------
+def _check_resolved(plan: Plan) -> None:
+    _check_graph(plan)
+    if plan.num_microbatches < 1:
+        raise PlanError(f"plan.num_microbatches = {plan.num_microbatches}: must be at least 1")
+    for spec in plan.modules:
+        where = f"plan.modules[{spec.name!r}]"
+        if spec.stage_boundaries is None:
+            raise PlanError(f"{where}.stage_boundaries is unresolved; call Plan.resolve(layer_counts) first")
+        if spec.data_parallel < 1:
+            raise PlanError(f"{where}.data_parallel = {spec.data_parallel}: must be at least 1")
+        if spec.data_parallel > plan.num_microbatches:
+            raise PlanError(
+                f"{where}.data_parallel = {spec.data_parallel} exceeds plan.num_microbatches = "
+                f"{plan.num_microbatches}: every replica needs at least one microbatch"
+            )
+
+
+def warmup_count(plan: Plan, stage: Stage) -> int:
+    """Forwards a 1F1B rank runs before its first backward, minus one (cornstarch.md §3.1):
+    ``P_llm - s - 1`` for LLM stage ``s``, ``P_m + P_llm - s - 1`` for stage ``s`` of encoder
+    ``m`` (``P`` counts stages). An encoder's warmup is longer because its microbatches must
+    also travel the whole LLM pipeline before their gradients come back."""
+    m, s = stage
+    p_llm = plan.spec(LLM).num_stages
+    if m == LLM:
+        return p_llm - s - 1
+    return plan.spec(m).num_stages + p_llm - s - 1
+
+
+def _lookahead(plan: Plan, kind: str) -> dict[Stage, float]:
+    """Per stage, how far ahead (in *global* microbatch indices) a rank forwards before each
+    backward: before ``B(a)`` it runs every forward of its own microbatches ``j <= a + D``.
+
+    GPipe forwards everything first (``D`` infinite). For 1F1B, ``D = warmup * dp`` gives
+    exactly Cornstarch's warmup of ``warmup`` own microbatches, since a replica's microbatches
+    are ``dp`` apart. Across an edge ``src -> dst`` the sender must look at least as far ahead
+    as the receiver (``D_src >= D_dst``): otherwise ``dst`` may wait for the activation of a
+    microbatch that ``src`` only forwards after a backward whose gradient ``dst`` has not yet
+    sent, a deadlock. With equal data-parallel degrees Cornstarch's formula already satisfies
+    this; when a downstream module has more replicas we raise the sender's lookahead (it then
+    holds more microbatches in flight than the formula, which is the price of the routing).
+    """
+    stages = pipeline_stages(plan)
+    if kind == "gpipe":
+        return {st: math.inf for st in stages}
+    _, succs = _neighbours(plan)
+    lookahead: dict[Stage, float] = {}
+    for st in reversed(stages):  # successors first
+        d = warmup_count(plan, st) * plan.spec(st[0]).data_parallel
+        lookahead[st] = max([d] + [lookahead[dst] for dst in succs[st]])
+    return lookahead
+
+
+def _compute_order(microbatches: list[int], lookahead: float | None) -> list[tuple[ActionKind, int]]:
+    """Order one rank's forwards and backwards. ``lookahead`` ``None``: no backward at all.
+
+    Backwards run in increasing microbatch order (for GPipe too: any order is valid, and
+    increasing keeps gradients flowing in the same order as activations); before the backward
+    of ``a`` the rank forwards every microbatch ``j <= a + lookahead``. For 1F1B this yields
+    warmup forwards, then one forward / one backward, then the cooldown backwards."""
+    if lookahead is None:
+        return [(ActionKind.FORWARD, j) for j in microbatches]
+    order: list[tuple[ActionKind, int]] = []
+    next_forward = 0
+    for a in microbatches:
+        while next_forward < len(microbatches) and microbatches[next_forward] <= a + lookahead:
+            order.append((ActionKind.FORWARD, microbatches[next_forward]))
+            next_forward += 1
+        order.append((ActionKind.BACKWARD, a))
+    return order
+
+
+def build_schedule(plan: Plan, trainable: dict[Stage, bool] | None = None, kind: str | None = None) -> Schedule:
+    """Build the schedule of one training iteration for a resolved plan.
+
+    ``kind`` is ``"gpipe"`` or ``"1f1b"`` (default ``plan.schedule``); ``trainable`` as in
+    `backward_flow`. Rank ``(m, s, r)`` handles ``plan.microbatches_of(m, r)`` in increasing
+    order:
+
+    - forward of ``j``: ``RECV_ACT`` from each predecessor's replica for ``j`` (at the LLM's first
+      stage one per encoder, in plan order; encoder first stages load ``j`` from data instead),
+      ``FORWARD``, ``SEND_ACT`` to the successor's replica for ``j``;
+    - backward of ``j`` (only where `backward_flow` says so): ``RECV_GRAD`` from the successor
+      (none at the LLM's last stage, which computes the loss), ``BACKWARD``, ``SEND_GRAD`` to each
+      predecessor whose edge carries a gradient;
+    - at the end, for stages holding trainable parameters: ``GRAD_SYNC`` then ``OPTIMIZER_STEP``.
+
+    GPipe runs all forwards, then all backwards (increasing order). 1F1B uses Cornstarch's
+    multimodal warmup (cornstarch.md §3.1, `warmup_count`), capped at the rank's microbatch
+    count, then alternates one forward and one backward, then drains; see `_lookahead` for how
+    the warmup carries over to modules of different data-parallel degrees.
+    """
+    kind = plan.schedule if kind is None else kind
+    if kind not in KINDS:
+        raise ValueError(f"schedule kind {kind!r} is unknown: choose one of {list(KINDS)}")
+    _check_resolved(plan)
+    train = _trainable_map(plan, trainable)
+    needs_backward, gradient_edges = backward_flow(plan, trainable)
+    preds, succs = _neighbours(plan)
+    lookahead = _lookahead(plan, kind)
+
+    def peer_rank(stage: Stage, microbatch: int) -> int:
+        m, s = stage
+        return plan.rank_of(m, s, plan.replica_of_microbatch(m, microbatch))
+
+    actions: dict[int, list[Action]] = {}
+    for rank in range(plan.world_size):
+        m, s, replica = plan.role_of(rank)
+        me = (m, s)
+        acts: list[Action] = []
+        order = _compute_order(plan.microbatches_of(m, replica), lookahead[me] if needs_backward[me] else None)
+        for kind_, j in order:
+            if kind_ is ActionKind.FORWARD:
+                for src in preds[me]:
+                    acts.append(Action(ActionKind.RECV_ACT, m, s, j, peer_rank(src, j), src[0], src[1]))
+                acts.append(Action(ActionKind.FORWARD, m, s, j))
+                for dst in succs[me]:
+                    acts.append(Action(ActionKind.SEND_ACT, m, s, j, peer_rank(dst, j), dst[0], dst[1]))
+            else:
+                for dst in succs[me]:
+                    # A stage that needs a backward wants gradient, so every outgoing edge carries one.
+                    if (me, dst) in gradient_edges:
+                        acts.append(Action(ActionKind.RECV_GRAD, m, s, j, peer_rank(dst, j), dst[0], dst[1]))
+                acts.append(Action(ActionKind.BACKWARD, m, s, j))
+                for src in preds[me]:
+                    if (src, me) in gradient_edges:
+                        acts.append(Action(ActionKind.SEND_GRAD, m, s, j, peer_rank(src, j), src[0], src[1]))
+        if train[me]:
+            acts.append(Action(ActionKind.GRAD_SYNC, m, s))
+            acts.append(Action(ActionKind.OPTIMIZER_STEP, m, s))
+        actions[rank] = acts
+
+    return Schedule(
+        kind=kind,
+        num_microbatches=plan.num_microbatches,
+        actions=actions,
+        needs_backward={stage_key(m, s): nb for (m, s), nb in needs_backward.items()},
+    )

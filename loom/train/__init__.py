@@ -1,0 +1,1 @@
+"""The training loop (the torchrun target) and its configuration."""

@@ -1,0 +1,140 @@
+"""The training loop: the ``torchrun`` target.
+
+    torchrun --nproc-per-node 4 -m loom.train.main --config runs/demo/config.toml --run-dir runs/demo
+
+One obvious loop (torchtitan style): every rank builds the model from the same seed, keeps its
+stage, and for each step takes the global batch's sample indices from the seeded sampler, loads
+and collates only the microbatches its stage works on, and runs its share of the schedule.
+Rank 0 writes ``metrics.jsonl`` and, at the end, ``trace.json`` with every rank's timeline of
+the last step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from loom.data.collate import collate, split_microbatches
+from loom.data.sampler import GlobalBatchSampler
+from loom.runtime.engine import ParallelEngine
+from loom.runtime.timeline import write_chrome_trace
+from loom.train.build import build_data, build_model, num_targets, token_counters
+from loom.train.config import TrainConfig, load_config
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak at the last step."""
+    warm, total, floor = cfg.optim.warmup_steps, cfg.run.steps, cfg.optim.min_lr_ratio
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        progress = (step - warm) / max(1, total - warm)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    return f
+
+
+def init_distributed(device_kind: str) -> torch.device:
+    if device_kind == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl", timeout=timedelta(minutes=10))
+        return torch.device("cuda", local)
+    torch.set_num_threads(1)  # several ranks share the cores of one CPU machine
+    dist.init_process_group("gloo", timeout=timedelta(minutes=10))
+    return torch.device("cpu")
+
+
+def train(cfg: TrainConfig, run_dir: Path) -> None:
+    device = init_distributed(cfg.run.device)
+    rank = dist.get_rank()
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+    counters = token_counters(model)
+
+    def make_optimizer(params):
+        return torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
+
+    engine = ParallelEngine.create(model, cfg.plan, device, make_optimizer)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg)) if engine.optimizer else None
+    if rank == 0:
+        cfg.plan.to_json(run_dir / "plan.json")
+        engine.schedule.to_json(run_dir / "schedule.json")
+    sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
+    mine = engine.microbatches_to_load()
+
+    progress = None
+    metrics = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(total=cfg.run.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)
+        metrics = open(run_dir / "metrics.jsonl", "w")
+
+    last_timeline = []
+    for step in range(cfg.run.steps):
+        t0 = time.perf_counter()
+        indices = sampler.batch(step)
+        parts = split_microbatches(indices, cfg.plan.num_microbatches)
+        targets = sum(num_targets(dataset.meta(i)) for i in indices)
+        batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters) for j in mine}
+        result = engine.step(batches, targets, step)
+        if scheduler is not None:
+            scheduler.step()
+        loss = torch.tensor([result.loss], dtype=torch.float64)
+        dist.all_reduce(loss)  # only the LLM's last stages contribute
+        step_time = time.perf_counter() - t0
+        last_timeline = result.timeline
+        if rank == 0:
+            row = {
+                "step": step,
+                "loss": round(float(loss), 6),
+                "samples_per_s": round(len(indices) / step_time, 3),
+                "step_time_s": round(step_time, 4),
+                "target_tokens": targets,
+                "lr": cfg.optim.lr * lr_lambda(cfg)(step),
+            }
+            metrics.write(json.dumps(row) + "\n")
+            metrics.flush()
+            progress.set_postfix(loss=f"{float(loss):.3f}", samples_s=f"{row['samples_per_s']:.1f}")
+            progress.update(1)
+
+    gathered = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object(last_timeline, gathered, dst=0)
+    if rank == 0:
+        progress.close()
+        metrics.close()
+        events = [e for per_rank in gathered for e in per_rank]
+        t_min = min(e.start_s for e in events)
+        for e in events:
+            e.start_s -= t_min
+            e.end_s -= t_min
+        roles = {r: "{}.stage{} dp{}".format(*cfg.plan.role_of(r)) for r in range(dist.get_world_size())}
+        write_chrome_trace(events, run_dir / "trace.json", roles)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="loom training process (launched by torchrun; see `loom train`)")
+    ap.add_argument("--config", required=True, help="resolved TOML config")
+    ap.add_argument("--run-dir", required=True, help="run directory for metrics and traces")
+    args = ap.parse_args(argv)
+    cfg = load_config(args.config)
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train(cfg, run_dir)
+
+
+if __name__ == "__main__":
+    main()
