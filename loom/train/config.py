@@ -33,7 +33,7 @@ class RunConfig:
     steps: int = 120
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per process)
-    log_every: int = 1
+    log_every: int = 10  # log-line interval when stdout is not a terminal
 
 
 @dataclass

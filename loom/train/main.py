@@ -76,10 +76,11 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     progress = None
     metrics = None
     if rank == 0:
-        from tqdm import tqdm
-
-        progress = tqdm(total=cfg.run.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)
         metrics = open(run_dir / "metrics.jsonl", "w")
+        if sys.stdout.isatty():  # a live bar in a terminal; plain log lines in files and CI logs
+            from tqdm import tqdm
+
+            progress = tqdm(total=cfg.run.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)
 
     last_timeline = []
     for step in range(cfg.run.steps):
@@ -106,13 +107,18 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
             }
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
-            progress.set_postfix(loss=f"{float(loss):.3f}", samples_s=f"{row['samples_per_s']:.1f}")
-            progress.update(1)
+            if progress is not None:
+                progress.set_postfix(loss=f"{float(loss):.3f}", samples_s=f"{row['samples_per_s']:.1f}")
+                progress.update(1)
+            elif step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
+                print(f"step {step:5d}/{cfg.run.steps}  loss {float(loss):.4f}  "
+                      f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step", flush=True)
 
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(last_timeline, gathered, dst=0)
     if rank == 0:
-        progress.close()
+        if progress is not None:
+            progress.close()
         metrics.close()
         events = [e for per_rank in gathered for e in per_rank]
         t_min = min(e.start_s for e in events)
