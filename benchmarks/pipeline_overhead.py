@@ -243,8 +243,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Nam
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     defaults = BenchConfig()
     for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value)
-    parser.add_argument("--out", type=Path, default=None, help="results directory (default: benchmarks/results)")
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=" ")
+    parser.add_argument("--out", type=Path, default=None, help="results directory; None: benchmarks/results")
     parser.add_argument("--profile", type=Path, default=None,
                         help="write cProfile stats of every rank's timed steps into this directory")
     args = parser.parse_args(argv)

@@ -59,6 +59,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"loom: {world} processes, plan " + ", ".join(
         f"{m.name} {m.num_stages} stage(s) x dp {m.data_parallel}" for m in cfg.plan.modules)
         + f", {cfg.plan.num_microbatches} microbatches, {cfg.plan.schedule}; run dir {run_dir}", flush=True)
+    if args.dry_run:
+        print("would run: " + " ".join(cmd))
+        return 0
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.call(cmd, env=env)
@@ -81,7 +84,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for r in range(plan.world_size):
         print("rank {} = {} stage {} replica {}".format(r, *plan.role_of(r)))
     print()
-    print(render(schedule))
+    print(render(schedule, communication=args.comm))
     return 0
 
 
@@ -93,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", default=None, help=f"TOML config (default: {DEFAULT_CONFIG.name})")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
+        if name == "train":
+            p.add_argument("--dry-run", action="store_true",
+                           help="check and write runs/<name>/config.toml, print the torchrun command, start nothing")
+        if name == "plan":
+            p.add_argument("--comm", action="store_true", help="also show sends and receives in the schedule")
         p.set_defaults(fn=fn)
     args = ap.parse_args(argv)
     try:

@@ -55,4 +55,6 @@ def test_plan_prints_layout_and_schedule(tmp_path):
     out = loom("plan", "--config", str(ROOT / "configs/demo.toml"), cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     assert "rank 3 = llm stage 1 replica 0" in out.stdout
-    assert "F llm.1 mb0" in out.stdout
+    assert "F llm.1 mb0" in out.stdout and "sendA" not in out.stdout
+    out = loom("plan", "--config", str(ROOT / "configs/demo.toml"), "--comm", cwd=tmp_path)
+    assert "sendA vision.0 mb0 -> r2" in out.stdout

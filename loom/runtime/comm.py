@@ -63,6 +63,10 @@ class P2PCommunicator:
             dist.irecv(out, peer, group=self.group, tag=2 * tag + 1).wait()
         return out
 
+    def release_completed(self) -> None:
+        """Drop sends that have completed, so their tensors are freed before the iteration ends."""
+        self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
+
     def wait_sends(self) -> None:
         for work, _ in self._pending:
             work.wait()

@@ -59,5 +59,5 @@ class ParallelEngine:
         """Global indices of the microbatches this rank works on."""
         return self.plan.microbatches_of(self.stage.module, self.stage.replica)
 
-    def step(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0) -> StepResult:
-        return self.executor.run(microbatches, num_targets, step)
+    def step(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0, exact_timing: bool = True) -> StepResult:
+        return self.executor.run(microbatches, num_targets, step, exact_timing)

@@ -64,18 +64,22 @@ class PipelineExecutor:
         self.comm = P2PCommunicator(device)
 
     # ---- one iteration -------------------------------------------------------------------
-    def run(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0) -> StepResult:
+    def run(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0, exact_timing: bool = True) -> StepResult:
         """Run the iteration. ``microbatches`` holds (at least) the microbatches this rank
-        works on, by global index; ``num_targets`` is the global batch's target-token count."""
+        works on, by global index; ``num_targets`` is the global batch's target-token count.
+
+        On a GPU, ``exact_timing`` synchronises after every compute action so the timeline
+        shows when kernels ran, not when they were queued; turn it off for steps whose
+        timeline is not kept, so the host can run ahead."""
         me: StageId = (self.stage.module, self.stage.stage)
         inputs: dict[int, dict[str, torch.Tensor]] = {}  # mb -> {source module: received activation}
         saved: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor | None]] = {}
         out_grads: dict[int, torch.Tensor] = {}
         contexts: dict[int, dict[str, Any]] = {}
         batches: dict[int, Batch] = {}
-        loss_total = 0.0
+        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on device: no sync per microbatch
         events: list[TimelineEvent] = []
-        cuda = self.device.type == "cuda"
+        sync = exact_timing and self.device.type == "cuda"
 
         for a in self.actions:
             start = time.time()
@@ -94,7 +98,7 @@ class PipelineExecutor:
                     out = run_layers(self.stage.layers, self._stage_input(received), contexts[j])
                     if self.stage.computes_loss:
                         out = loss_sum(out, batches[j].labels) / num_targets
-                        loss_total += float(out.detach())
+                        loss_total += out.detach()
                 saved[j] = (received, out)
             elif a.kind is ActionKind.SEND_ACT:
                 out = saved[j][1]
@@ -135,12 +139,14 @@ class PipelineExecutor:
                     self.optimizer.zero_grad(set_to_none=True)
             else:  # pragma: no cover - the validator rejects unknown kinds
                 raise ValueError(f"rank {self.rank}: cannot execute {a.short()}")
-            if cuda and a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
+            if sync and a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
                 torch.cuda.synchronize(self.device)
             events.append(_event(self.rank, a, start, time.time(), step))
+            if a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
+                self.comm.release_completed()
 
         self.comm.wait_sends()
-        return StepResult(loss_total, events)
+        return StepResult(float(loss_total), events)
 
     # ---- helpers -------------------------------------------------------------------------
     def _stage_input(self, received: dict[str, torch.Tensor]) -> Any:

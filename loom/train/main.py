@@ -89,7 +89,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         parts = split_microbatches(indices, cfg.plan.num_microbatches)
         targets = sum(num_targets(dataset.meta(i)) for i in indices)
         batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters) for j in mine}
-        result = engine.step(batches, targets, step)
+        result = engine.step(batches, targets, step, exact_timing=step == cfg.run.steps - 1)  # traced step
         if scheduler is not None:
             scheduler.step()
         loss = torch.tensor([result.loss], dtype=torch.float64)
