@@ -6,55 +6,23 @@ from __future__ import annotations
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from loom.runtime.local import run_local, start_local
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 # ---- processes ---------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
-    torch.set_num_threads(threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=300))
-    try:
-        fn(rank, world_size, *args)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-def run_gloo(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo processes (spawned, so
-    each process's peak memory is its own) and wait for them; raises if any of them fails."""
-    mp.spawn(_entry, args=(world_size, free_port(), threads, fn, args), nprocs=world_size, join=True)
-
-
-def start_gloo(fn: Callable, world_size: int, *args: Any, threads: int = 1) -> list[mp.Process]:
-    """Start ``fn(rank, world_size, *args)`` on ``world_size`` fresh gloo processes of their own
-    (own port, own process group) without waiting: several groups can then take turns, driven
-    through queues (``mp.get_context("spawn")`` ones). Pair with `join_all`."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(rank, world_size, port, threads, fn, args), daemon=True)
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    return procs
+# Process start-up is loom's own local launcher (`loom.runtime.local`), shared with the tests.
+run_gloo = run_local
+start_gloo = start_local
 
 
 def get_from(queue: Any, procs: Sequence[mp.Process], timeout: float = 600.0) -> Any:

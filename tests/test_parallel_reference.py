@@ -20,7 +20,7 @@ from loom.train.build import build_data, build_model, num_targets, token_counter
 from loom.train.config import ModelConfig, TrainConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 
-from distributed import run_distributed
+from loom.runtime.local import run_local as run_distributed
 
 pytestmark = pytest.mark.multiprocess
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from loom.model.layers import Layer
+from loom.model.layers import Layer, decoder_layers
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
@@ -113,22 +113,8 @@ class HFCausalLMAdapter:
         return len(self.layers())
 
     def layers(self) -> list[Layer]:
-        body = self.model.model
-        result = [
-            Layer(
-                "model.embed_tokens",
-                body.embed_tokens,
-                lambda x, ctx: body.embed_tokens(ctx["input_ids"]),
-                kind="embedding",
-            )
-        ]
-        for i, block in enumerate(self.blocks):
-            result.append(
-                Layer(f"model.layers.{i}", block, partial(self._run_block, block, self.attention_types[i]))
-            )
-        result.append(Layer("model.norm", body.norm, lambda x, ctx: body.norm(x), kind="norm"))
-        result.append(Layer("lm_head", self.model.lm_head, lambda x, ctx: self.model.lm_head(x), kind="head"))
-        return result
+        return decoder_layers(self.model.model, self.model.lm_head, self.blocks,
+                              lambda i, block: partial(self._run_block, block, self.attention_types[i]))
 
     @staticmethod
     def _run_block(block: nn.Module, attention_type: str, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:

@@ -64,6 +64,21 @@ def prefixed(layers: list[Layer], prefix: str) -> list[Layer]:
     return [Layer(f"{prefix}.{l.name}" if prefix else l.name, l.module, l.forward, l.kind) for l in layers]
 
 
+def decoder_layers(
+    body: nn.Module, lm_head: nn.Module, blocks: list[nn.Module], block_forward: Callable[[int, nn.Module], LayerForward]
+) -> list[Layer]:
+    """The layer list of a Llama-layout causal LM: ``model.embed_tokens`` (reads
+    ``ctx["input_ids"]``), ``model.layers.i`` for each of ``blocks`` (run by ``block_forward(i, block)``),
+    ``model.norm`` and ``lm_head``. Shared by the zoo Llama and the Hugging Face adapter, so
+    both cut the same way and keep Hugging Face's parameter names."""
+    layers = [Layer("model.embed_tokens", body.embed_tokens, lambda x, ctx: body.embed_tokens(ctx["input_ids"]),
+                    kind="embedding")]
+    layers += [Layer(f"model.layers.{i}", block, block_forward(i, block)) for i, block in enumerate(blocks)]
+    layers.append(Layer("model.norm", body.norm, lambda x, ctx: body.norm(x), kind="norm"))
+    layers.append(Layer("lm_head", lm_head, lambda x, ctx: lm_head(x), kind="head"))
+    return layers
+
+
 def adapter_for(module: nn.Module) -> LayerAdapter:
     """The layer adapter of ``module``: the module itself when it implements the protocol
     (the zoo), else a registered adapter for its class (Hugging Face models)."""

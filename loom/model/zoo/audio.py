@@ -16,15 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.data.sample import AudioMeta
 from loom.model.layers import Layer, run_layers
 from loom.model.zoo.vision import EncoderBlock, block_diagonal_mask, run_encoder_block, run_norm, sinusoidal_embedding
+
+if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md): metadata types only
+    from loom.data.sample import AudioMeta
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.model.layers import Layer, run_layers
+from loom.model.layers import Layer, decoder_layers, run_layers
 
 
 @dataclass
@@ -221,21 +221,7 @@ class LlamaForCausalLM(nn.Module):
         return {"input_ids": input_ids, "position_ids": position_ids, "rope_cos": cos, "rope_sin": sin}
 
     def layers(self) -> list[Layer]:
-        body = self.model
-        result = [
-            # The embedding reads the ids from the context and ignores x.
-            Layer(
-                "model.embed_tokens",
-                body.embed_tokens,
-                lambda x, ctx: body.embed_tokens(ctx["input_ids"]),
-                kind="embedding",
-            )
-        ]
-        for i, layer in enumerate(body.layers):
-            result.append(Layer(f"model.layers.{i}", layer, partial(_run_decoder_layer, layer), kind="block"))
-        result.append(Layer("model.norm", body.norm, lambda x, ctx: body.norm(x), kind="norm"))
-        result.append(Layer("lm_head", self.lm_head, lambda x, ctx: self.lm_head(x), kind="head"))
-        return result
+        return decoder_layers(self.model, self.lm_head, list(self.model.layers), lambda i, block: partial(_run_decoder_layer, block))
 
     def forward(self, **inputs: Any) -> torch.Tensor:
         return run_layers(self.layers(), None, self.context(inputs))

@@ -19,14 +19,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.data.sample import ImageMeta
 from loom.model.layers import Layer, run_layers
+
+if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md): metadata types only
+    from loom.data.sample import ImageMeta
 
 
 @dataclass
