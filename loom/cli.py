@@ -1,7 +1,7 @@
 """The ``loom`` command.
 
-    loom train [--config FILE] [dotted.key=value ...]   launch a training run with torchrun
-    loom plan  [--config FILE] [dotted.key=value ...]   print the resolved plan and its schedule
+    loom train [--config FILE] [--dry-run] [dotted.key=value ...]   launch a training run
+    loom plan  [--config FILE] [--comm] [dotted.key=value ...]      print the plan and its schedule
 
 ``loom train`` checks the configuration and the plan against the model *before* starting any
 process, writes ``runs/<name>/config.toml``, then runs, on this machine,
@@ -9,7 +9,8 @@ process, writes ``runs/<name>/config.toml``, then runs, on this machine,
     python -m torch.distributed.run --standalone --nproc-per-node <plan world size> \\
         -m loom.train.main --config runs/<name>/config.toml --run-dir runs/<name>
 
-On several nodes, run the same module with torchrun's rendezvous on every node instead, e.g.
+With ``--dry-run`` it stops after writing the config and prints that command. On several nodes,
+copy the config and run the same module with torchrun's rendezvous on every node, e.g.
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m loom.train.main --config runs/<name>/config.toml --run-dir runs/<name>

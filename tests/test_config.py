@@ -21,6 +21,17 @@ def test_overrides_reach_nested_fields_and_plan_modules():
     assert cfg.plan.spec("llm").num_stages == 3 and cfg.plan.schedule == "gpipe"
 
 
+def test_stage_count_override_on_a_resolved_config(tmp_path):
+    from loom.train.build import build_data, build_model
+
+    cfg = load_config("configs/demo.toml")
+    tokenizer, _ = build_data(cfg)
+    cfg.plan.resolve(build_model(cfg.model, tokenizer).layer_counts())
+    (tmp_path / "resolved.toml").write_text(config_to_toml(cfg))
+    again = load_config(tmp_path / "resolved.toml", ["plan.modules.llm.num_stages=3"])
+    assert again.plan.spec("llm").stage_boundaries is None and again.plan.spec("llm").num_stages == 3
+
+
 def test_disabling_an_encoder():
     cfg = load_config(None, ["model.audio=none", "model.vision=none",
                              'plan.modules=[{name="llm", num_stages=2}]', 'data.demo.mix={text=1.0}'])

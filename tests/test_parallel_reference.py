@@ -52,6 +52,11 @@ def _config(case: str) -> TrainConfig:
     elif case == "frozen":
         model = dataclasses.replace(model, freeze=["vision.encoder", "audio.encoder", "llm"])
         plan = Plan([*enc, llm2], num_microbatches=4)
+    elif case == "missing_modality":
+        # no audio anywhere in the global batch: the audio encoder still runs (on nothing) and its
+        # trainable parameters get zero gradients on both sides
+        demo = dataclasses.replace(demo, mix={"text": 0.3, "image": 0.7})
+        plan = Plan([*enc, llm2], num_microbatches=4)
     elif case == "mixed_dp":
         # vision in 2 stages with 2 replicas feeding one LLM pipeline: explicit routing per microbatch
         plan = Plan([ModuleSpec("vision", num_stages=2, data_parallel=2), ModuleSpec("audio"), llm2],
@@ -107,6 +112,7 @@ CASES = {
     "multimodal_gpipe": 4,
     "multimodal_dp2": 8,
     "frozen": 4,
+    "missing_modality": 4,
     "mixed_dp": 7,
 }
 
@@ -132,6 +138,9 @@ def test_parallel_matches_single_process(case: str, tmp_path: Path) -> None:
             assert not ref[name].requires_grad, f"rank {r}: trainable {name} got no gradient"
     expected = {n for n, p in ref.items() if p.grad is not None}
     assert seen == expected, f"parameters whose gradient no rank checked: {sorted(expected - seen)}"
+    if case == "missing_modality":
+        audio = [n for n in expected if n.startswith("encoders.audio.")]
+        assert audio and all(torch.count_nonzero(ref[n].grad) == 0 for n in audio)
     if case == "frozen":
         frozen = {n for n, p in ref.items() if not p.requires_grad}
         assert frozen and all(ref[n].grad is None for n in frozen)

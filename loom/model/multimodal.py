@@ -230,6 +230,11 @@ class MultimodalModel(nn.Module):
                 )
             if n_feats:
                 embeds = embeds.masked_scatter(mask.unsqueeze(-1), feats.to(embeds.dtype))
+            elif feats is not None:
+                # No tokens of this modality: keep the (empty) output in the graph, so its
+                # encoder's trainable parameters get a zero gradient, as they do in a parallel
+                # run where the microbatch is processed by the encoder's own ranks.
+                embeds = embeds + feats.sum().to(embeds.dtype) * 0
         return embeds
 
     # ---- reference forward -----------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,6 @@ class Plan:
     num_microbatches: int = 4
     schedule: str = "1f1b"
     placement: str = "disaggregated"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     # ---- lookups -------------------------------------------------------------------------
     @property
@@ -197,7 +196,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
-        known = {"modules", "num_microbatches", "schedule", "placement", "extra"}
+        known = {"modules", "num_microbatches", "schedule", "placement"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown fields {sorted(unknown)}; known fields are {sorted(known)}")

@@ -24,7 +24,7 @@ class TimelineEvent:
     module: str
     stage: int
     microbatch: int
-    start_s: float  # seconds since the iteration began on the earliest rank's clock
+    start_s: float  # wall-clock seconds (time.time()); writers shift them to start at 0
     end_s: float
     step: int = 0
 

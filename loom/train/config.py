@@ -141,6 +141,8 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         for m in mods:
             if m.get("name") == parts[2]:
                 m[parts[3]] = value
+                if parts[3] == "num_stages":
+                    m.pop("stage_boundaries", None)  # a new stage count takes the default split
                 return
         raise ConfigError(f"override {item!r}: plan.modules has no module {parts[2]!r}")
     node = data
