@@ -67,3 +67,19 @@ def test_unknown_plan_fields_are_rejected():
         Plan.from_dict({"modules": [{"name": "llm"}], "microbatches": 4})
     with pytest.raises(PlanError, match="'stages'"):
         Plan.from_dict({"modules": [{"name": "llm", "stages": 2}]})
+
+
+def test_tensor_and_context_parallel_ranks_form_one_pipeline_unit():
+    plan = Plan([ModuleSpec("vision", tensor_parallel=2), ModuleSpec("llm", num_stages=2, data_parallel=2,
+                                                                      tensor_parallel=4, context_parallel=2)],
+                num_microbatches=4).resolve({"vision": 5, "llm": 7}, world_size=2 + 2 * 2 * 8)
+    assert plan.num_units == 1 + 4
+    assert [plan.role_of(r) for r in (0, 1)] == [("vision", 0, 0)] * 2
+    # llm stage 0 replica 1 owns ranks 2 + 8 .. 2 + 15; TP groups are contiguous
+    assert plan.rank_of("llm", 0, 1) == 10 and plan.rank_of("llm", 0, 1, tp=3, cp=1) == 17
+    assert {plan.role_of(r) for r in range(10, 18)} == {("llm", 0, 1)}
+    assert plan.unit_of("llm", 1, 0) == 3 and plan.role_of_unit(3) == ("llm", 1, 0)
+    with pytest.raises(PlanError, match="tensor_parallel = 0"):
+        Plan([ModuleSpec("llm", tensor_parallel=0)]).resolve({"llm": 7})
+    with pytest.raises(PlanError, match="zero_stage = 4"):
+        Plan([ModuleSpec("llm", zero_stage=4)]).resolve({"llm": 7})

@@ -6,9 +6,14 @@ and its pipeline stages with layer boundaries, plus the microbatching and the sc
 Placement here is *disaggregated*: every module has ranks of its own and the encoders run in
 parallel on disjoint ranks (Cornstarch modality parallelism, ``cornstarch.md`` §3.1).
 
-Rank layout (as Cornstarch's ``[global_stage, dp]`` mesh): modules in plan order, and inside a
-module stage-major, so module ``m``, stage ``s``, replica ``d`` sits on
-``offset(m) + s * dp(m) + d``.
+A *pipeline unit* is one (module, stage, replica): the group of ``tensor_parallel x
+context_parallel`` ranks that run that stage replica together. Schedules (the IR) and the
+simulator address units; with TP = CP = 1, as the runtime requires today, a unit is a rank.
+
+Rank layout (as Cornstarch's ``[global_stage, dp, cp, tp]`` mesh): modules in plan order, inside
+a module stage-major, then replica, then CP, then TP, so TP groups are contiguous ranks (inside
+a node) and unit ``offset(m) + s * dp(m) + d`` owns ranks starting at
+``rank_offset(m) + (s * dp(m) + d) * cp(m) * tp(m)``.
 """
 
 from __future__ import annotations
@@ -41,10 +46,22 @@ class ModuleSpec:
     data_parallel: int = 1
     num_stages: int = 1
     stage_boundaries: list[int] | None = None
+    tensor_parallel: int = 1
+    context_parallel: int = 1
+    zero_stage: int = 0  # optimizer-state (1), gradient (2) and parameter (3) sharding over DP
+    recompute: bool = False  # activation checkpointing of every block
+
+    @property
+    def num_units(self) -> int:
+        return self.data_parallel * self.num_stages
+
+    @property
+    def ranks_per_unit(self) -> int:
+        return self.tensor_parallel * self.context_parallel
 
     @property
     def num_ranks(self) -> int:
-        return self.data_parallel * self.num_stages
+        return self.num_units * self.ranks_per_unit
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
@@ -91,19 +108,43 @@ class Plan:
             offset += m.num_ranks
         raise PlanError(f"plan.modules has no module named {name!r}; it has {self.module_names}")
 
-    def rank_of(self, name: str, stage: int, replica: int) -> int:
+    def rank_of(self, name: str, stage: int, replica: int, tp: int = 0, cp: int = 0) -> int:
         spec = self.spec(name)
-        return self.rank_offset(name) + stage * spec.data_parallel + replica
+        unit = stage * spec.data_parallel + replica
+        return self.rank_offset(name) + (unit * spec.context_parallel + cp) * spec.tensor_parallel + tp
 
     def role_of(self, rank: int) -> tuple[str, int, int]:
         """``(module, stage, replica)`` held by ``rank``."""
         offset = 0
         for m in self.modules:
-            if rank < offset + m.num_ranks:
-                stage, replica = divmod(rank - offset, m.data_parallel)
+            if 0 <= rank < offset + m.num_ranks:
+                stage, replica = divmod((rank - offset) // m.ranks_per_unit, m.data_parallel)
                 return m.name, stage, replica
             offset += m.num_ranks
         raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
+
+    # ---- pipeline units (what the IR addresses) ----------------------------------------------
+    @property
+    def num_units(self) -> int:
+        return sum(m.num_units for m in self.modules)
+
+    def unit_of(self, name: str, stage: int, replica: int) -> int:
+        offset = 0
+        for m in self.modules:
+            if m.name == name:
+                return offset + stage * m.data_parallel + replica
+            offset += m.num_units
+        raise PlanError(f"plan.modules has no module named {name!r}; it has {self.module_names}")
+
+    def role_of_unit(self, unit: int) -> tuple[str, int, int]:
+        """``(module, stage, replica)`` of a pipeline unit."""
+        offset = 0
+        for m in self.modules:
+            if 0 <= unit < offset + m.num_units:
+                stage, replica = divmod(unit - offset, m.data_parallel)
+                return m.name, stage, replica
+            offset += m.num_units
+        raise PlanError(f"unit {unit} is outside the plan's {self.num_units} pipeline units")
 
     def replica_of_microbatch(self, name: str, microbatch: int) -> int:
         """Which data-parallel replica of ``name`` runs ``microbatch`` (round-robin, so edges
@@ -150,6 +191,11 @@ class Plan:
                 raise PlanError(f"{where}.data_parallel = {m.data_parallel}: must be at least 1")
             if m.num_stages < 1:
                 raise PlanError(f"{where}.num_stages = {m.num_stages}: must be at least 1")
+            for degree in ("tensor_parallel", "context_parallel"):
+                if getattr(m, degree) < 1:
+                    raise PlanError(f"{where}.{degree} = {getattr(m, degree)}: must be at least 1")
+            if m.zero_stage not in (0, 1, 2, 3):
+                raise PlanError(f"{where}.zero_stage = {m.zero_stage}: choose 0, 1, 2 or 3")
             n_layers = layer_counts[m.name]
             if m.num_stages > n_layers:
                 raise PlanError(
@@ -176,9 +222,13 @@ class Plan:
             if any(b[i] >= b[i + 1] for i in range(len(b) - 1)):
                 raise PlanError(f"{where}.stage_boundaries = {b}: must strictly increase (no empty stage)")
         if world_size is not None and world_size != self.world_size:
-            detail = " + ".join(f"{m.name} {m.num_stages}x{m.data_parallel}" for m in self.modules)
+            detail = " + ".join(
+                f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
+                for m in self.modules
+            )
             raise PlanError(
-                f"plan needs {self.world_size} ranks ({detail}, stages x data_parallel) but the "
+                f"plan needs {self.world_size} ranks ({detail}, stages x data x tensor x context "
+                f"parallel) but the "
                 f"world size is {world_size}: change the degrees or launch {self.world_size} processes"
             )
         return self
@@ -204,7 +254,8 @@ class Plan:
         if not isinstance(mods, list):
             raise PlanError("plan.modules must be a list of module specs ([[plan.modules]] in TOML)")
         specs = []
-        spec_fields = {"name", "data_parallel", "num_stages", "stage_boundaries"}
+        spec_fields = {"name", "data_parallel", "num_stages", "stage_boundaries", "tensor_parallel",
+                       "context_parallel", "zero_stage", "recompute"}
         for i, m in enumerate(mods):
             if not isinstance(m, dict) or "name" not in m:
                 raise PlanError(f"plan.modules[{i}] must be a table with a 'name'")
@@ -231,7 +282,9 @@ class Plan:
                  f'placement = "{self.placement}"', ""]
         for m in self.modules:
             lines += ["[[plan.modules]]", f'name = "{m.name}"', f"data_parallel = {m.data_parallel}",
-                      f"num_stages = {m.num_stages}"]
+                      f"num_stages = {m.num_stages}", f"tensor_parallel = {m.tensor_parallel}",
+                      f"context_parallel = {m.context_parallel}", f"zero_stage = {m.zero_stage}",
+                      f"recompute = {'true' if m.recompute else 'false'}"]
             if m.stage_boundaries is not None:
                 lines.append(f"stage_boundaries = {list(m.stage_boundaries)}")
             lines.append("")

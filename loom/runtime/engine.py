@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
-from loom.plan.plan import Plan
+from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
 from loom.runtime.stage import Stage, build_stage, data_parallel_groups, trainable_stages
 from loom.schedule.generators import build_schedule
@@ -43,6 +43,13 @@ class ParallelEngine:
     ) -> "ParallelEngine":
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
+        for m in plan.modules:
+            if m.ranks_per_unit > 1 or m.zero_stage or m.recompute:
+                raise PlanError(
+                    f"plan.modules[{m.name!r}]: tensor_parallel, context_parallel, zero_stage and recompute "
+                    f"are modelled by the cost model and simulator but not yet executed by the runtime; "
+                    f"set them to 1, 1, 0 and false to train"
+                )
         trainable = trainable_stages(model, plan)
         schedule = build_schedule(plan, trainable)
         validate_schedule(schedule, plan)

@@ -224,11 +224,11 @@ def build_schedule(plan: Plan, trainable: dict[Stage, bool] | None = None, kind:
 
     def peer_rank(stage: Stage, microbatch: int) -> int:
         m, s = stage
-        return plan.rank_of(m, s, plan.replica_of_microbatch(m, microbatch))
+        return plan.unit_of(m, s, plan.replica_of_microbatch(m, microbatch))
 
     actions: dict[int, list[Action]] = {}
-    for rank in range(plan.world_size):
-        m, s, replica = plan.role_of(rank)
+    for rank in range(plan.num_units):  # a pipeline unit; a rank when TP = CP = 1
+        m, s, replica = plan.role_of_unit(rank)
         me = (m, s)
         acts: list[Action] = []
         order = _compute_order(plan.microbatches_of(m, replica), lookahead[me] if needs_backward[me] else None)

@@ -1,7 +1,8 @@
 """The schedule IR (DESIGN.md, "The schedule IR").
 
 A schedule is, per rank, the ordered list of actions that rank performs in one training
-iteration. Generators (`loom.schedule.generators`) build it from a `Plan`; the validator
+iteration. Strictly, per *pipeline unit* (`loom.plan.plan`): the TP x CP ranks of one stage
+replica run the same list together, and with TP = CP = 1 a unit is a rank. Generators (`loom.schedule.generators`) build it from a `Plan`; the validator
 (`loom.schedule.validate`) proves it well formed; the executor (`loom.runtime.executor`) runs
 it with real tensors and the simulator will play it under a cost model. Both record timelines
 in the same format.

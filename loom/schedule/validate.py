@@ -211,9 +211,9 @@ def _check_compute(schedule: Schedule) -> None:
 
 
 def _check_against_plan(schedule: Schedule, plan: Plan) -> None:
-    if sorted(schedule.actions) != list(range(plan.world_size)):
+    if sorted(schedule.actions) != list(range(plan.num_units)):
         raise ScheduleError(
-            f"the schedule has ranks {sorted(schedule.actions)} but the plan needs ranks 0..{plan.world_size - 1}"
+            f"the schedule has ranks {sorted(schedule.actions)} but the plan needs pipeline units 0..{plan.num_units - 1}"
         )
     if schedule.num_microbatches != plan.num_microbatches:
         raise ScheduleError(
@@ -222,7 +222,7 @@ def _check_against_plan(schedule: Schedule, plan: Plan) -> None:
     edges = set(pipeline_edges(plan))
     forwarded: dict[tuple[str, int], set[int]] = defaultdict(set)
     for rank, acts in schedule.actions.items():
-        m, s, replica = plan.role_of(rank)
+        m, s, replica = plan.role_of_unit(rank)
         for a in acts:
             if (a.module, a.stage) != (m, s):
                 raise _fail(rank, a, f"the plan places {m}.{s} (replica {replica}) on this rank, not {a.module}.{a.stage}")
@@ -232,9 +232,9 @@ def _check_against_plan(schedule: Schedule, plan: Plan) -> None:
             if a.kind is ActionKind.FORWARD:
                 forwarded[(m, s)].add(a.microbatch)
             if a.kind in COMMUNICATION and a.peer is not None:
-                if not 0 <= a.peer < plan.world_size:
-                    raise _fail(rank, a, f"peer rank {a.peer} outside the plan's {plan.world_size} ranks")
-                pm, ps, _ = plan.role_of(a.peer)
+                if not 0 <= a.peer < plan.num_units:
+                    raise _fail(rank, a, f"peer {a.peer} outside the plan's {plan.num_units} pipeline units")
+                pm, ps, _ = plan.role_of_unit(a.peer)
                 if (a.peer_module, a.peer_stage) != (pm, ps):
                     raise _fail(rank, a, f"peer rank {a.peer} runs {pm}.{ps}, not {a.peer_module}.{a.peer_stage}")
                 # Activations go downstream, gradients upstream, always along a graph edge.
