@@ -1,0 +1,91 @@
+"""`UniformCostModel`: constant per-stage costs, for closed-form tests and examples.
+
+Every forward of a stage takes the same time whatever the microbatch holds, and likewise every
+backward, transfer, gradient sync and optimizer step. Pipeline schedules have closed forms under
+such costs (an S-stage chain with M microbatches runs 1F1B or GPipe in ``(M + S - 1)(F + B)``),
+which is what the simulator's tests check against. A real plan uses the analytic or profiled
+model instead.
+
+Each cost is a number, or a mapping keyed by ``(module, stage)`` or by ``module`` (the
+``(module, stage)`` key wins), so different modules and stages can cost different amounts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Union
+
+from loom.cost.model import CostModel, MicrobatchWork, StageKind, Workload
+from loom.plan.plan import Plan
+
+# A constant, or per-module / per-stage constants: {"llm": 2.0, ("llm", 0): 3.0}.
+Constant = Union[float, Mapping[Union[str, tuple[str, int]], float]]
+
+
+def _lookup(value: Constant, module: str, stage: int, what: str) -> float:
+    if not isinstance(value, Mapping):
+        return float(value)
+    if (module, stage) in value:
+        return float(value[(module, stage)])
+    if module in value:
+        return float(value[module])
+    raise KeyError(f"UniformCostModel.{what} has no entry for {module}.{stage}: give ({module!r}, {stage}) or {module!r}")
+
+
+@dataclass
+class UniformCostModel(CostModel):
+    """Constant costs per stage; the workload is ignored.
+
+    - ``forward``, ``backward``: seconds of one microbatch's forward / backward on the stage;
+    - ``transfer``: seconds to move one activation (or its gradient) along an edge, keyed by the
+      stage whose output it is;
+    - ``grad_sync``: seconds of the stage's gradient all-reduce; as the `CostModel` contract says,
+      a stage with a single replica has nothing to synchronise and gets 0;
+    - ``optimizer``: seconds of the stage's optimizer step;
+    - ``static``, ``activation``: bytes per rank held for the run / kept per microbatch in flight;
+    - ``flops_per_microbatch``, ``peak_flops``: the MFU numerator per microbatch and the peak
+      FLOP/s of one rank. With ``flops_per_microbatch = peak_flops * Σ_stages ranks_per_unit *
+      (F + B)``, MFU equals the fraction of GPU time spent computing.
+    """
+
+    plan: Plan
+    forward: Constant = 1.0
+    backward: Constant = 2.0
+    transfer: Constant = 0.0
+    grad_sync: Constant = 0.0
+    optimizer: Constant = 0.0
+    static: Constant = 0.0
+    activation: Constant = 0.0
+    flops_per_microbatch: float = 0.0
+    peak_flops: float = 1.0
+
+    def stage_time(self, module: str, stage: int, kind: StageKind, work: Workload) -> float:
+        if kind == "forward":
+            return _lookup(self.forward, module, stage, "forward")
+        if kind == "backward":
+            return _lookup(self.backward, module, stage, "backward")
+        raise ValueError(f"stage_time kind {kind!r}: choose 'forward' or 'backward'")
+
+    def transfer_time(self, src_unit: int, dst_unit: int, module: str, stage: int, work: Workload) -> float:
+        return _lookup(self.transfer, module, stage, "transfer")
+
+    def grad_sync_time(self, module: str, stage: int) -> float:
+        if self.plan.spec(module).data_parallel <= 1:
+            return 0.0
+        return _lookup(self.grad_sync, module, stage, "grad_sync")
+
+    def optimizer_time(self, module: str, stage: int) -> float:
+        return _lookup(self.optimizer, module, stage, "optimizer")
+
+    def static_memory(self, module: str, stage: int) -> float:
+        return _lookup(self.static, module, stage, "static")
+
+    def activation_memory(self, module: str, stage: int, work: Workload) -> float:
+        return _lookup(self.activation, module, stage, "activation")
+
+    def model_flops(self, work: MicrobatchWork) -> float:
+        return float(self.flops_per_microbatch)
+
+    def peak_flops_per_rank(self) -> float:
+        return float(self.peak_flops)
