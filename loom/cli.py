@@ -2,6 +2,7 @@
 
     loom train [--config FILE] [--dry-run] [dotted.key=value ...]   launch a training run
     loom plan  [--config FILE] [--comm] [dotted.key=value ...]      print the plan and its schedule
+    loom profile [--config FILE] [--out PATH] [dotted.key=value ...] measure the model's layers here
 
 ``loom train`` checks the configuration and the plan against the model *before* starting any
 process, writes ``runs/<name>/config.toml``, then runs, on this machine,
@@ -89,11 +90,108 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Profile the config's model on this machine (`loom.cost.profile`) and write the JSON."""
+    from loom.cost.profile import profile_model
+    from loom.train.build import build_data, build_model
+
+    cfg = load_config(args.config if args.config else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None),
+                      args.overrides)
+    tokenizer, _ = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+    out = Path(args.out) if args.out else Path(cfg.run.out_dir) / cfg.run.name / "profile.json"
+    token_counts = tuple(int(t) for t in args.tokens.split(","))
+    print(f"loom: profiling {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters on {args.device} "
+          f"with {args.threads} thread(s), token counts {list(token_counts)}, {args.repeats} repeats", flush=True)
+    profile = profile_model(model, token_counts=token_counts, repeats=args.repeats, device=args.device,
+                            threads=args.threads, measure_comm=not args.no_comm)
+    profile.save(out)
+    print(profile.table())
+    print(f"profiled in {profile.settings['seconds']:.1f} s; wrote {out} (model signature {profile.signature_hash})")
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Simulate one iteration of each plan of a scenario and print a comparison table."""
+    import json
+
+    from loom.sim.scenario import ScenarioError, load_scenario
+
+    if args.config is None:
+        print("loom: error: simulate needs --config with a scenario (see configs/sim/)", file=sys.stderr)
+        return 2
+    try:
+        scenario = load_scenario(args.config)
+        plans: dict[str, object] = {}
+        if args.compare:
+            plans["megatron-style"] = scenario.megatron_plan()
+            plans["frozen-aware"] = scenario.frozen_aware_plan()[0]
+        plans.update(scenario.plans)
+        if not plans:
+            plans["frozen-aware"] = scenario.frozen_aware_plan()[0]
+        metas = scenario.metas()
+        out_dir = Path(args.out) / scenario.name
+        out_dir.mkdir(parents=True, exist_ok=True)
+        rows = []
+        capacity = scenario.memory_capacity()
+        for name, plan in plans.items():
+            plan.resolve(scenario.arch.layer_counts())
+            result = scenario.run(plan, scenario.microbatch_work(metas, plan.num_microbatches))
+            worst = max(result.peak_memory, key=result.peak_memory.get)
+            peak = result.peak_memory[worst]
+            over = peak - capacity
+            if over > 0 and not args.compare and not args.allow_oom:
+                m, st, d = result.roles[worst]
+                raise ScenarioError(
+                    f"plan {name!r} does not fit: rank {result.first_rank[worst]} ({m} stage {st}, replica {d}) "
+                    f"needs {peak / 2**30:.1f} GiB but a {scenario.cluster.spec.name} has {capacity / 2**30:.1f} GiB, "
+                    f"over by {over / 2**30:.1f} GiB: add stages, raise tensor_parallel or zero_stage, or turn on recompute"
+                )
+            trace = out_dir / f"{name}.trace.json"
+            result.to_chrome_trace(trace)
+            png = None
+            if not args.no_png:
+                png = result.plot_gantt(out_dir / f"{name}.png", title=f"{scenario.name}: {name} (simulated)")
+            plan.to_json(out_dir / f"{name}.plan.json")
+            rows.append({
+                "plan": name,
+                "layout": ", ".join(f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}" for m in plan.modules),
+                **result.summary(),
+                "peak_memory_gib": peak / 2**30,
+                "fits_memory": over <= 0,
+                "trace": str(trace),
+                "gantt": str(png) if png else None,
+            })
+    except (ScenarioError, PlanError, ValueError) as e:
+        print(f"loom: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"scenario": scenario.name, "simulated": True, "plans": rows}, indent=2))
+        return 0
+    print(f"{scenario.name}: {scenario.cluster.num_gpus} x {scenario.cluster.spec.name}, data mix "
+          f"{scenario.mix!r}, global batch {scenario.global_batch_size} (simulated)")
+    header = ("plan", "layout (stages x DP x TP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB")
+    table = [header] + [(
+        r["plan"], r["layout"], f"{r['iteration_time_s']:.3f}", f"{r['samples_per_s']:.1f}",
+        f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%",
+        f"{r['peak_memory_gib']:.1f}" + ("" if r["fits_memory"] else " OOM"),
+    ) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print(f"timelines (Chrome trace, open in https://ui.perfetto.dev) and Gantt charts in {out_dir}/")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="loom", description="train multimodal LLMs across processes")
     sub = ap.add_subparsers(dest="command", required=True)
     for name, fn, help_ in (("train", cmd_train, "launch a training run"),
-                            ("plan", cmd_plan, "print the resolved plan and schedule")):
+                            ("plan", cmd_plan, "print the resolved plan and schedule"),
+                            ("profile", cmd_profile, "time every layer on this machine and write a profile"),
+                            ("simulate", cmd_simulate, "simulate plans of a scenario at cluster scale")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--config", default=None, help=f"TOML config (default: {DEFAULT_CONFIG.name})")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
@@ -102,6 +200,20 @@ def main(argv: list[str] | None = None) -> int:
                            help="check and write runs/<name>/config.toml, print the torchrun command, start nothing")
         if name == "plan":
             p.add_argument("--comm", action="store_true", help="also show sends and receives in the schedule")
+        if name == "simulate":
+            p.add_argument("--compare", action="store_true",
+                           help="also build and simulate the Megatron-style and the frozen-aware plans")
+            p.add_argument("--json", action="store_true", help="print the results as JSON")
+            p.add_argument("--out", default="runs/sim", help="where timelines and plans go")
+            p.add_argument("--no-png", action="store_true", help="skip the Gantt charts")
+            p.add_argument("--allow-oom", action="store_true", help="report plans that exceed GPU memory instead of failing")
+        if name == "profile":
+            p.add_argument("--out", default=None, help="profile JSON (default: <run.out_dir>/<run.name>/profile.json)")
+            p.add_argument("--tokens", default="64,128,256,512,1024", help="token counts to measure, comma-separated")
+            p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
+            p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (1: as a local rank)")
+            p.add_argument("--device", default="cpu", help="cpu or cuda")
+            p.add_argument("--no-comm", action="store_true", help="skip the 2-process communication measurements")
         p.set_defaults(fn=fn)
     args = ap.parse_args(argv)
     try:

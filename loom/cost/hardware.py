@@ -158,14 +158,18 @@ def get_gpu(name: str, field: str = "gpu") -> GPUSpec:
 @dataclass(frozen=True)
 class Cluster:
     """``num_gpus`` GPUs of one type, ``gpus_per_node`` to a node; rank ``r`` sits on node
-    ``r // gpus_per_node`` (ranks fill nodes in order, as torchrun places them)."""
+    ``r // gpus_per_node`` (ranks fill nodes in order, as torchrun places them). ``gpu`` names
+    a type of `GPUS`, or is a `GPUSpec` for a device the registry lacks."""
 
-    gpu: str
+    gpu: str | GPUSpec
     num_gpus: int
     gpus_per_node: int = 8
 
     def __post_init__(self) -> None:
-        get_gpu(self.gpu, field="cluster.gpu")
+        if not isinstance(self.gpu, (str, GPUSpec)):
+            raise TypeError(f"cluster.gpu = {self.gpu!r}: give a GPU type name ({list(GPUS)}) or a GPUSpec")
+        if isinstance(self.gpu, str):
+            get_gpu(self.gpu, field="cluster.gpu")
         if not isinstance(self.num_gpus, int) or self.num_gpus < 1:
             raise ValueError(f"cluster.num_gpus = {self.num_gpus!r}: must be a positive integer")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -178,7 +182,7 @@ class Cluster:
 
     @property
     def spec(self) -> GPUSpec:
-        return get_gpu(self.gpu, field="cluster.gpu")
+        return self.gpu if isinstance(self.gpu, GPUSpec) else get_gpu(self.gpu, field="cluster.gpu")
 
     @property
     def num_nodes(self) -> int:

@@ -60,7 +60,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
 from loom.cost.model import CostModel, MicrobatchWork, StageKind, Workload
 from loom.data.sample import Batch
@@ -302,7 +301,7 @@ class Profile:
     def table(self, tokens: int = 256) -> str:
         """Per layer, the fitted milliseconds of each phase for one sequence of ``tokens`` tokens."""
         work = Workload(tokens, tokens * tokens, 1)
-        rows = [["module", "layer", "params", f"F ms", "Bi ms", "Bw ms"]]
+        rows = [["module", "layer", "params", "F ms", "Bi ms", "Bw ms"]]
         for m, ls in self.layers.items():
             rows.append([m, "(context)", "", f"{evaluate(self.context.get(m, [0] * 5), work) * 1e3:.3f}", "", ""])
             for l in ls:
@@ -584,14 +583,18 @@ def _profile_module(model: MultimodalModel, name: str, token_counts: Sequence[in
     fitted = []
     for layer, ss, width in zip(layers, samples, widths):
         works = [s.work for s in ss]
-        bw = [max(s.backward_full - s.backward_input, 0.0) for s in ss]
+        # backward_weight = fit(full) - fit(input only), coefficient by coefficient, so that
+        # backward_input + backward_weight is exactly the fitted full backward (differences of
+        # single noisy timings would be noisier than the difference of two fits)
+        full = fit_cost(works, [s.backward_full for s in ss])
+        inp = (fit_cost(works, [s.backward_input for s in ss]) if any(s.backward_input for s in ss)
+               else [0.0] * len(FEATURES))
         fitted.append(LayerProfile(
             name=layer.name, kind=layer.kind, params=sum(p.numel() for p in layer.module.parameters()),
             out_width=width,
             forward=fit_cost(works, [s.forward for s in ss]),
-            backward_input=fit_cost(works, [s.backward_input for s in ss]) if any(s.backward_input for s in ss)
-            else [0.0] * len(FEATURES),
-            backward_weight=fit_cost(works, bw) if any(bw) else [0.0] * len(FEATURES),
+            backward_input=inp,
+            backward_weight=[f - i for f, i in zip(full, inp)],
             activation_bytes=fit_cost(works, [float(s.saved) for s in ss], relative=False),
         ))
     ctx_fit = fit_cost([w for w, _ in context], [t for _, t in context])
@@ -758,21 +761,24 @@ def profile_model(
 
 
 # ==== the cost model ============================================================================
-TrainableSpec = Mapping[str, bool | Sequence[bool]]
+TrainableSpec = Mapping[str, "bool | Sequence[bool]"]
 
 
 class ProfiledCostModel(CostModel):
     """The `CostModel` contract answered from a `Profile` (measured, not specified).
 
-    - ``model``: the model the costs are for; its signature must match the profile's (else
-      `ProfileError`), and its ``requires_grad`` flags say what is trainable. Without a model,
-      ``trainable`` (module -> bool, or per-layer bools) does, default everything trainable.
-    - compute: the sum of the stage's fitted layers, frozen-aware (Cornstarch eqs. 3.1-3.3, as
-      `loom.cost.model` states): ``backward_weight`` for trainable layers, ``backward_input``
-      for layers at or after the first trainable one (for the LLM: also when any encoder is
-      trainable); every stage's forward adds its context build, the LLM's last stage its loss.
-      Recompute adds the forward to the backward. TP/CP were not profiled: their stages are
-      charged the TP=CP=1 time divided by ``TP x CP`` (ideal scaling, no collective cost).
+    - ``model``: what the costs are for: a `MultimodalModel` (its signature must match the
+      profile's, else `ProfileError`; its ``requires_grad`` flags say what is trainable), or a
+      `loom.cost.arch.ModelArch` (same module names, layer names and parameter counts as the
+      profile; its ``trainable`` flags count), or ``None`` with ``trainable`` (module -> bool or
+      per-layer bools; default: everything trainable).
+    - compute: the sum of the stage's fitted layers, frozen-aware by Cornstarch's rule as
+      `loom.cost.frozen.backward_needs` states it (``backward_weight`` for trainable layers,
+      ``backward_input`` from the first trainable layer on, for the LLM also when an encoder is
+      trainable); every stage's forward adds its context build (the executor builds it on every
+      stage), the LLM's last stage its loss. Recompute adds the forward to the backward. TP/CP
+      were not profiled: such stages are charged the TP=CP=1 time divided by ``TP x CP`` (ideal
+      scaling, no collective cost; use the analytic model to plan TP/CP).
     - communication: the measured one-way time of loom's communicator for the activation's
       bytes (tokens x output width x dtype bytes); gradient sync from the 2-rank all-reduce fit,
       carried to ``n`` ranks as a ring (``(n-1) alpha + 2 (n-1)/n bytes / bandwidth``).
@@ -783,32 +789,26 @@ class ProfiledCostModel(CostModel):
       measured matmul FLOP/s.
     """
 
-    def __init__(self, profile: Profile, model: MultimodalModel | None = None, plan: Plan | None = None,
+    def __init__(self, profile: Profile, model: Any = None, plan: Plan | None = None,
                  trainable: TrainableSpec | None = None):
+        from loom.cost.arch import ModelArch
+
         self.profile = profile
-        if model is not None:
+        self._tensor_counts = {m: [len(layer[1]) for layer in ls] for m, ls in profile.signature.items()}
+        if isinstance(model, MultimodalModel):
             profile.check_matches(model)
             trainable = {m: [any(p.requires_grad for p in l.module.parameters()) for l in model.module_layers(m)]
                          for m in model.module_names}
-            self._tensor_counts = {m: [sum(1 for _ in l.module.parameters()) for l in model.module_layers(m)]
-                                   for m in model.module_names}
-        else:
-            self._tensor_counts = {m: [len(sig[1]) for sig in ls] for m, ls in profile.signature.items()}
+        elif isinstance(model, ModelArch):
+            _check_arch(profile, model)
+            trainable = {m: [l.trainable for l in mod.layers] for m, mod in model.modules.items()}
+        elif model is not None:
+            raise TypeError(f"model must be a MultimodalModel, a ModelArch or None, not {type(model).__name__}")
         self._trainable = self._trainable_flags(trainable)
-        any_encoder = any(any(f) for m, f in self._trainable.items() if m != LLM)
-        self._needs_input: dict[str, list[bool]] = {}
-        for m, flags in self._trainable.items():
-            seen = any_encoder if m == LLM else False
-            out = []
-            for f in flags:
-                seen = seen or f
-                out.append(seen)
-            self._needs_input[m] = out
+        self._needs_input = _input_needs(profile, self._trainable)
         if plan is None:
-            plan = Plan([])
-        elif plan.modules:
-            plan.resolve(profile.layer_counts())
-        self.plan = plan
+            raise ValueError("ProfiledCostModel needs the plan whose stages it costs")
+        self.plan = plan.resolve(profile.layer_counts())
 
     def _trainable_flags(self, trainable: TrainableSpec | None) -> dict[str, list[bool]]:
         counts = self.profile.layer_counts()
@@ -834,7 +834,7 @@ class ProfiledCostModel(CostModel):
         return module == LLM and stage == self.plan.spec(LLM).num_stages - 1
 
     def stage_needs_backward(self, module: str, stage: int) -> bool:
-        return any(self._needs_input[module][i] for i in self._layers(module, stage))
+        return any(self._needs_input[module][i] or self._trainable[module][i] for i in self._layers(module, stage))
 
     def _split(self, module: str) -> int:
         spec = self.plan.spec(module)
@@ -947,6 +947,40 @@ class ProfiledCostModel(CostModel):
 
     def peak_flops_per_rank(self) -> float:
         return self.profile.matmul_flops_per_s
+
+
+
+def _check_arch(profile: Profile, arch: Any) -> None:
+    """A `ModelArch` has no parameter shapes: compare modules, layer names and parameter counts."""
+    where = f"profile file {profile.path!r}" if profile.path else "the profile"
+    for m in list(profile.layers) + [m for m in arch.modules if m not in profile.layers]:
+        if m not in arch.modules or m not in profile.layers:
+            side = "profile" if m in profile.layers else "architecture"
+            raise ProfileError(f"{where} does not fit this architecture: module {m!r} is only in the {side}; "
+                               f"re-run `loom profile` on this model")
+        ours, theirs = profile.layers[m], arch.modules[m].layers
+        for a, b in zip(ours, theirs):
+            if a.name != b.name or a.params != b.params:
+                raise ProfileError(f"{where} does not fit this architecture: module {m!r} layer {a.name!r} "
+                                   f"({a.params} parameters) is {b.name!r} ({b.params} parameters) there; "
+                                   f"re-run `loom profile` on this model")
+        if len(ours) != len(theirs):
+            raise ProfileError(f"{where} does not fit this architecture: module {m!r} has {len(ours)} layers in "
+                               f"the profile, {len(theirs)} there; re-run `loom profile` on this model")
+
+
+def _input_needs(profile: Profile, trainable: dict[str, list[bool]]) -> dict[str, list[bool]]:
+    """Per layer, whether its backward computes the input-gradient part: the rule of
+    `loom.cost.frozen.backward_needs`, applied to the profile's layer kinds and these flags."""
+    from types import SimpleNamespace
+
+    from loom.cost.frozen import backward_needs
+
+    arch = SimpleNamespace(modules={
+        m: SimpleNamespace(layers=[SimpleNamespace(kind=l.kind, trainable=f) for l, f in zip(ls, trainable[m])])
+        for m, ls in profile.layers.items()
+    })
+    return {m: [n.input for n in needs] for m, needs in backward_needs(arch).items()}
 
 
 def load_profile_for(path: str | Path, model: MultimodalModel) -> Profile:

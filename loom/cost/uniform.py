@@ -24,6 +24,8 @@ Constant = Union[float, Mapping[Union[str, tuple[str, int]], float]]
 
 
 def _lookup(value: Constant, module: str, stage: int, what: str) -> float:
+    if isinstance(value, (int, float)):  # the common case first: an ABC check per call is slow
+        return float(value)
     if not isinstance(value, Mapping):
         return float(value)
     if (module, stage) in value:

@@ -27,7 +27,7 @@ from loom.model.multimodal import MultimodalModel, loss_sum
 from loom.plan.plan import LLM, Plan
 from loom.runtime.comm import P2PCommunicator
 from loom.runtime.stage import Stage, move_batch
-from loom.runtime.timeline import TimelineEvent
+from loom.schedule.timeline import TimelineEvent
 from loom.schedule.generators import backward_flow
 from loom.schedule.ir import Action, ActionKind, Schedule
 

@@ -71,17 +71,20 @@ class Action:
 
     def short(self) -> str:
         """A compact label for traces and error messages, e.g. ``F llm.1 mb3``."""
-        tag = {
-            ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "sendA",
-            ActionKind.RECV_ACT: "recvA", ActionKind.SEND_GRAD: "sendG", ActionKind.RECV_GRAD: "recvG",
-            ActionKind.GRAD_SYNC: "sync", ActionKind.OPTIMIZER_STEP: "step",
-        }[self.kind]
-        s = f"{tag} {self.module}.{self.stage}"
+        s = f"{_TAGS[self.kind]} {self.module}.{self.stage}"
         if self.microbatch >= 0:
             s += f" mb{self.microbatch}"
         if self.peer is not None:
-            s += f" {'->' if self.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD) else '<-'} r{self.peer}"
+            s += f"{_ARROWS[self.kind]}{self.peer}"
         return s
+
+
+_TAGS = {
+    ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "sendA", ActionKind.RECV_ACT: "recvA",
+    ActionKind.SEND_GRAD: "sendG", ActionKind.RECV_GRAD: "recvG", ActionKind.GRAD_SYNC: "sync",
+    ActionKind.OPTIMIZER_STEP: "step",
+}
+_ARROWS = {k: (" -> r" if k in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD) else " <- r") for k in ActionKind}
 
 
 @dataclass

@@ -38,11 +38,7 @@ from typing import Any
 from loom.cost.model import CostModel, MicrobatchWork, Workload
 from loom.plan.plan import Plan
 
-# Layering: DESIGN.md lets `loom.sim` use `loom.schedule` and `loom.cost` only, but the timeline
-# record must be the executor's own so that simulated and measured timelines overlay. The module
-# imported here is dependency-free (no torch, no distributed); it could move to
-# `loom.schedule.timeline` if the layering rule is to be kept to the letter.
-from loom.runtime.timeline import TimelineEvent, write_chrome_trace
+from loom.schedule.timeline import TimelineEvent, write_chrome_trace
 from loom.schedule.ir import ActionKind, Schedule, stage_key
 from loom.schedule.validate import ScheduleError
 
@@ -52,7 +48,7 @@ RECV_ACT, RECV_GRAD = ActionKind.RECV_ACT, ActionKind.RECV_GRAD
 GRAD_SYNC, OPTIMIZER_STEP = ActionKind.GRAD_SYNC, ActionKind.OPTIMIZER_STEP
 
 _EMPTY = Workload()  # a module a microbatch does not touch (no audio in it) costs its empty workload
-
+_NAME = {k: k.value for k in ActionKind}  # enum .value is a property call; this is a dict hit
 
 class DeadlockError(ScheduleError):
     """The IR cannot finish: some unit waits forever. The message names every blocked unit and
@@ -213,7 +209,8 @@ def simulate(
     messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
     waiting: dict[tuple, int] = {}  # message key -> the unit blocked on it
     arrived: dict[tuple[str, int], dict[int, float]] = {}  # stage -> {unit: arrival} at its grad sync
-    ready = list(reversed(units))  # a stack; unit 0 first, for no reason but readability when debugging
+    # Units that may advance, as a stack. The order is free: it changes no time (module docstring).
+    ready = list(reversed(units))
 
     stage_time, transfer_time = cost.stage_time, cost.transfer_time
 
@@ -225,8 +222,8 @@ def simulate(
             a = acts[i]
             k = a.kind
             if k is FORWARD or k is BACKWARD:
-                d = stage_time(a.module, a.stage, k.value, works[a.microbatch].get(a.module, _EMPTY))
-                log.append(TimelineEvent(first_rank[u], k.value, a.short(), a.module, a.stage, a.microbatch, t, t + d, step))
+                d = stage_time(a.module, a.stage, _NAME[k], works[a.microbatch].get(a.module, _EMPTY))
+                log.append(TimelineEvent(first_rank[u], _NAME[k], a.short(), a.module, a.stage, a.microbatch, t, t + d, step))
                 compute[u] += d
                 t += d
             elif k is SEND_ACT or k is SEND_GRAD:
@@ -249,7 +246,7 @@ def simulate(
                 woken = waiting.pop(key, None)
                 if woken is not None:
                     ready.append(woken)
-                log.append(TimelineEvent(first_rank[u], k.value, a.short(), a.module, a.stage, a.microbatch, t, t, step))
+                log.append(TimelineEvent(first_rank[u], _NAME[k], a.short(), a.module, a.stage, a.microbatch, t, t, step))
             elif k is RECV_ACT or k is RECV_GRAD:
                 key = (k is RECV_GRAD, a.peer, u, a.microbatch, a.peer_module, a.peer_stage, a.module, a.stage, a.samples)
                 posted = messages.get(key)
@@ -260,7 +257,7 @@ def simulate(
                 if not posted:
                     del messages[key]
                 end = arrival if arrival > t else t
-                log.append(TimelineEvent(first_rank[u], k.value, a.short(), a.module, a.stage, a.microbatch, t, end, step))
+                log.append(TimelineEvent(first_rank[u], _NAME[k], a.short(), a.module, a.stage, a.microbatch, t, end, step))
                 t = end
             elif k is GRAD_SYNC:
                 st = (a.module, a.stage)
@@ -273,7 +270,7 @@ def simulate(
                 del arrived[st]
                 for q, tq in here.items():
                     aq = acts[i] if q == u else actions[q][pointer[q]]
-                    events[q].append(TimelineEvent(first_rank[q], aq.kind.value, aq.short(), aq.module, aq.stage,
+                    events[q].append(TimelineEvent(first_rank[q], _NAME[aq.kind], aq.short(), aq.module, aq.stage,
                                                    aq.microbatch, tq, end, step))
                     sync[q] += d
                     if q != u:
@@ -283,7 +280,7 @@ def simulate(
                 t = end
             elif k is OPTIMIZER_STEP:
                 d = cost.optimizer_time(a.module, a.stage)
-                log.append(TimelineEvent(first_rank[u], k.value, a.short(), a.module, a.stage, a.microbatch, t, t + d, step))
+                log.append(TimelineEvent(first_rank[u], _NAME[k], a.short(), a.module, a.stage, a.microbatch, t, t + d, step))
                 compute[u] += d
                 t += d
             else:  # pragma: no cover - ActionKind is closed
@@ -345,15 +342,23 @@ def _deadlock_message(blocked, actions, pointer, roles, arrived, sync_group, lim
 
 
 # ---- memory ------------------------------------------------------------------------------
-def peak_memory(schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork]) -> dict[int, float]:
-    """Per unit: static memory plus the most activation memory held at once.
+def peak_memory(
+    schedule: Schedule,
+    plan: Plan,
+    cost: CostModel,
+    work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None = None,
+) -> dict[int, float]:
+    """Per unit: static memory plus the most activation memory held at once (``work`` as for
+    `simulate`).
 
     A unit's live activations change only at its own forwards and backwards, so the peak
     follows from the order of its list alone, whatever the timing. A microbatch's activation is
     taken at its forward and freed at its last backward on the unit (a split backward frees at
     the last part); on a stage without backward (``schedule.needs_backward``) it is freed as
     soon as the forward ends, so it counts only while that forward runs."""
+    works = _work_table(work, schedule.num_microbatches)
     peaks: dict[int, float] = {}
+    no_backward = {k for k, needed in schedule.needs_backward.items() if not needed}
     for u in sorted(schedule.actions):
         acts = schedule.actions[u]
         backwards_left: dict[tuple[str, int, int], int] = {}
@@ -364,16 +369,17 @@ def peak_memory(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Mic
         held: dict[tuple[str, int, int], float] = {}
         live = peak = 0.0
         for a in acts:
-            key = (a.module, a.stage, a.microbatch)
             if a.kind is FORWARD:
+                key = (a.module, a.stage, a.microbatch)
                 size = cost.activation_memory(a.module, a.stage, works[a.microbatch].get(a.module, _EMPTY))
                 live += size
                 peak = max(peak, live)
-                if schedule.needs_backward.get(stage_key(a.module, a.stage), True) and key in backwards_left:
+                if key in backwards_left and stage_key(a.module, a.stage) not in no_backward:
                     held[key] = held.get(key, 0.0) + size
                 else:
                     live -= size
             elif a.kind is BACKWARD:
+                key = (a.module, a.stage, a.microbatch)
                 backwards_left[key] -= 1
                 if backwards_left[key] == 0:
                     live -= held.pop(key, 0.0)

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from loom.data.collate import collate, split_microbatches
 from loom.data.sampler import GlobalBatchSampler
 from loom.runtime.engine import ParallelEngine
-from loom.runtime.timeline import write_chrome_trace
+from loom.schedule.timeline import write_chrome_trace
 from loom.train.build import build_data, build_model, num_targets, token_counters
 from loom.train.config import TrainConfig, load_config
 

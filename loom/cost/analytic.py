@@ -1,0 +1,415 @@
+"""`AnalyticCostModel`: a plan's costs from the architecture and the hardware specs (issue 3,
+item 1; cornstarch.md §3.2.2, entrain.md §3.1, disttrain.md §3.1).
+
+Per layer and per part of the work (forward, backward-input, backward-weight), from the FLOPs
+and bytes of `loom.cost.flops`, on one rank of a stage with TP degree ``t`` and CP degree ``c``:
+
+- GEMMs: ``max(FLOPs / (t c) / (peak x efficiency), weight bytes / t / HBM bandwidth)``: a
+  roofline whose memory side is reading the weights once per pass, which is what bounds small
+  microbatches ("memory-bandwidth saturation", entrain.md §3.1). ``efficiency`` is the
+  achieved fraction of the dense BF16 peak, a stated assumption (default 0.5);
+- attention: FLOPs ``/ (t c) / (peak x efficiency)`` (heads split by TP, the load-balanced
+  causal shards by CP);
+- embedding lookups and norms: bytes ``/ c / HBM bandwidth`` (replicated across TP);
+- TP communication (Megatron-LM, without sequence parallelism): a block all-reduces its
+  ``T/c x hidden`` activation twice in forward (after attention and after the MLP) and twice
+  in backward-input; the vocab-parallel embedding once in forward; the head's input gradient
+  once in backward-input; front-ends and projectors once per pass they run;
+- CP communication: a block all-gathers K and V (``T x 2 kv`` elements per TP shard) in
+  forward, and in backward-input gathers them again and reduce-scatters their gradients;
+- ZeRO-3: every layer all-gathers its parameters over the ``data x context`` replicas before
+  its forward and again before its backward;
+- frozen-aware backward (`loom.cost.frozen`, cornstarch.md §3.2.2): backward-weight only for
+  trainable layers, backward-input only where something trainable lies at or before the
+  layer, across modules;
+- recomputation (``ModuleSpec.recompute``: checkpointing of every block) adds a block's forward
+  to its backward, only where the block runs some backward (cornstarch.md §3.2.1).
+
+All collectives use the alpha-beta ring model of `loom.cost.comm`, over NVLink when the group
+shares a node and over the network otherwise. Memory follows `loom.cost.memory`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from loom.cost import comm
+from loom.cost.arch import LayerArch, ModelArch
+from loom.cost.flops import attention_flops, gemm_flops, memory_traffic, model_flops
+from loom.cost.frozen import BackwardNeeds, backward_needs
+from loom.cost.hardware import Cluster
+from loom.cost.memory import (
+    OPTIMIZER_STATE_BYTES,
+    StaticMemory,
+    activation_bytes_per_token,
+    block_working_bytes_per_token,
+    static_memory,
+)
+from loom.cost.model import CostModel, MicrobatchWork, Phase, StageKind, Workload
+from loom.plan.plan import ModuleSpec, Plan, PlanError
+
+# HBM bytes an optimizer step moves per trainable parameter (mixed precision, 16-bit grads).
+# Adam reads the fp32 master weight, m and v (12) and the gradient (2), writes master, m and v
+# (12) and the 16-bit copy of the weight (2); SGD reads master and gradient, writes both copies.
+OPTIMIZER_STEP_BYTES = {"adam": 28, "sgd": 12}
+
+_CACHE_LIMIT = 200_000
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """Seconds one rank of a stage spends on one layer for one microbatch. ``recompute`` is the
+    recomputed forward counted in backward; ``*_comm`` are the parts of the times that are
+    communication (TP, CP, ZeRO-3), for breakdowns and tests."""
+
+    name: str
+    kind: str
+    forward: float
+    backward_input: float
+    backward_weight: float
+    recompute: float
+    forward_comm: float = 0.0
+    backward_comm: float = 0.0
+
+    @property
+    def backward(self) -> float:
+        return self.backward_input + self.backward_weight + self.recompute
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """The communication groups of a stage (its replica 0: all replicas are laid out alike)."""
+
+    tp: int
+    cp: int
+    shards: int  # data x context parallel: gradient reduction and ZeRO sharding
+    tp_link: comm.Link
+    cp_link: comm.Link
+    dp_link: comm.Link
+
+
+class AnalyticCostModel(CostModel):
+    """Costs from `ModelArch` dimensions and `GPUSpec` numbers (module docstring).
+
+    ``dtype_bytes`` is the width of parameters, activations and gradients (2: BF16); the peak
+    is the GPU's dense BF16 figure whatever ``dtype_bytes`` is. ``efficiency`` is the fraction
+    of that peak GEMMs and attention achieve. ``optimizer`` is ``"adam"`` or ``"sgd"``.
+    """
+
+    def __init__(
+        self,
+        arch: ModelArch,
+        plan: Plan,
+        cluster: Cluster,
+        dtype_bytes: int = 2,
+        efficiency: float = 0.5,
+        optimizer: str = "adam",
+    ) -> None:
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency = {efficiency}: the achieved fraction of peak must be in (0, 1]")
+        if dtype_bytes not in (1, 2, 4):
+            raise ValueError(f"dtype_bytes = {dtype_bytes}: choose 1, 2 or 4")
+        if optimizer not in OPTIMIZER_STEP_BYTES:
+            raise ValueError(f"optimizer = {optimizer!r}: choose one of {list(OPTIMIZER_STEP_BYTES)}")
+        assert set(OPTIMIZER_STEP_BYTES) == set(OPTIMIZER_STATE_BYTES)
+        plan.resolve(arch.layer_counts())
+        if plan.world_size > cluster.num_gpus:
+            raise PlanError(
+                f"plan needs {plan.world_size} ranks but the cluster has {cluster.num_gpus} GPUs "
+                f"(cluster.num_gpus): lower the plan's degrees or use a larger cluster"
+            )
+        for spec in plan.modules:
+            for layer in arch.module(spec.name).layers:
+                if layer.kind == "block" and layer.heads % spec.tensor_parallel:
+                    raise PlanError(
+                        f"plan.modules[{spec.name!r}].tensor_parallel = {spec.tensor_parallel} does not divide "
+                        f"the {layer.heads} attention heads of {layer.name!r}"
+                    )
+        self.arch = arch
+        self.plan = plan
+        self.cluster = cluster
+        self.spec = cluster.spec
+        self.dtype_bytes = dtype_bytes
+        self.efficiency = efficiency
+        self.optimizer = optimizer
+        self.needs: dict[str, list[BackwardNeeds]] = backward_needs(arch)
+        self._groups: dict[tuple[str, int], _Groups] = {}
+        # per module, per layer: an id shared by layers of equal shape and backward needs
+        self._shape_ids: dict[str, list[int]] = {}
+        for name, module in arch.modules.items():
+            ids: dict[tuple[LayerArch, BackwardNeeds], int] = {}
+            self._shape_ids[name] = [
+                ids.setdefault((dataclasses.replace(l, name=""), n), len(ids))
+                for l, n in zip(module.layers, self.needs[name])
+            ]
+        self._costs: dict[tuple[str, int, Workload], list[LayerCost]] = {}
+        self._stage_times: dict[tuple[str, int, str, Workload], float] = {}
+        self._shape_costs: dict[tuple, LayerCost] = {}
+        self._stage_outputs: dict[tuple[str, int], tuple[LayerArch, float]] = {}
+        self._links: dict[tuple[int, int], comm.Link] = {}
+        self._flop_coefficients: dict[str, tuple[float, float]] = {}
+
+    # ---- structure -------------------------------------------------------------------------
+    def stage_layers(self, module: str, stage: int) -> list[tuple[LayerArch, BackwardNeeds]]:
+        spec = self.plan.spec(module)
+        if not 0 <= stage < spec.num_stages:
+            raise ValueError(f"module {module!r} has stages 0..{spec.num_stages - 1}; got stage {stage}")
+        lo, hi = self.plan.layers_of(module, stage)
+        layers = self.arch.module(module).layers
+        return list(zip(layers[lo:hi], self.needs[module][lo:hi]))
+
+    def groups(self, module: str, stage: int) -> _Groups:
+        key = (module, stage)
+        if key not in self._groups:
+            self.stage_layers(module, stage)  # checks the stage index
+            spec = self.plan.spec(module)
+            tp, cp, dp = spec.tensor_parallel, spec.context_parallel, spec.data_parallel
+            rank = self.plan.rank_of
+            self._groups[key] = _Groups(
+                tp=tp,
+                cp=cp,
+                shards=dp * cp,
+                tp_link=comm.link_for(self.cluster, [rank(module, stage, 0, tp=i) for i in range(tp)]),
+                cp_link=comm.link_for(self.cluster, [rank(module, stage, 0, cp=c) for c in range(cp)]),
+                dp_link=comm.link_for(
+                    self.cluster, [rank(module, stage, d, cp=c) for d in range(dp) for c in range(cp)]
+                ),
+            )
+        return self._groups[key]
+
+    # ---- per-layer costs -------------------------------------------------------------------
+    def layer_costs(self, module: str, stage: int, work: Workload) -> list[LayerCost]:
+        """Per layer of the stage, seconds per rank for a microbatch with this workload."""
+        key = (module, stage, work)
+        cached = self._costs.get(key)
+        if cached is None:
+            layers = self.stage_layers(module, stage)  # checks the stage index
+            spec = self.plan.spec(module)
+            g = self.groups(module, stage)
+            # blocks repeat: cost each distinct (shape, needs) once, then name the copies
+            lo, _ = self.plan.layers_of(module, stage)
+            kinds = self._shape_ids[module]
+            cached = []
+            for i, (layer, need) in enumerate(layers):
+                # identical blocks under identical groups cost the same in every stage
+                shape_key = (module, kinds[lo + i], need.weight, need.input, work, id(g))  # g: cached per stage
+                c = self._shape_costs.get(shape_key)
+                if c is None:
+                    c = self._shape_costs[shape_key] = self._layer_cost(layer, need, work, spec, g)
+                elif c.name != layer.name:
+                    c = LayerCost(layer.name, c.kind, c.forward, c.backward_input, c.backward_weight, c.recompute,
+                                  c.forward_comm, c.backward_comm)
+                cached.append(c)
+            if len(self._costs) >= _CACHE_LIMIT:
+                self._costs.clear()
+                self._shape_costs.clear()
+            self._costs[key] = cached
+        return cached
+
+    def module_layer_costs(self, module: str, work: Workload) -> list[LayerCost]:
+        """Per layer of the whole module (each under its own stage's groups), e.g. for a
+        partitioner balancing ``forward + backward`` (cornstarch.md §3.2.2)."""
+        out: list[LayerCost] = []
+        for s in range(self.plan.spec(module).num_stages):
+            out += self.layer_costs(module, s, work)
+        return out
+
+    def _compute(self, layer: LayerArch, work: Workload, phase: str, tp: int, cp: int) -> float:
+        rate = self.spec.peak_bf16_flops * self.efficiency
+        hbm = self.spec.hbm_bandwidth
+        gemm = getattr(gemm_flops(layer, work), phase)
+        t = 0.0
+        if gemm:
+            t += max(gemm / (tp * cp) / rate, layer.gemm_weights / tp * self.dtype_bytes / hbm)
+        t += getattr(attention_flops(layer, work), phase) / (tp * cp) / rate
+        t += getattr(memory_traffic(layer, work, self.dtype_bytes), phase) / cp / hbm
+        return t
+
+    def _layer_cost(self, layer: LayerArch, need: BackwardNeeds, work: Workload, spec: ModuleSpec, g: _Groups) -> LayerCost:
+        if work.tokens <= 0:
+            return LayerCost(layer.name, layer.kind, 0.0, 0.0, 0.0, 0.0)
+        b, tp, cp = self.dtype_bytes, g.tp, g.cp
+        tokens = work.tokens / cp
+        forward_comm = backward_input_comm = 0.0
+        if tp > 1:
+            activation = tokens * layer.hidden * b
+            output = layer.tokens_out(work.tokens) / cp * layer.out_width * b
+            all_reduce = lambda n: comm.all_reduce_time(n, tp, g.tp_link)
+            if layer.kind == "block":
+                forward_comm += 2 * all_reduce(activation)
+                backward_input_comm += 2 * all_reduce(activation)
+            elif layer.kind == "embedding":
+                forward_comm += all_reduce(activation)
+            elif layer.kind == "head":
+                backward_input_comm += all_reduce(activation)
+            elif layer.kind == "frontend":
+                forward_comm += all_reduce(output)
+            elif layer.kind == "projector":
+                forward_comm += all_reduce(output)
+                backward_input_comm += all_reduce(activation)
+        if cp > 1 and layer.kind == "block":
+            kv = work.tokens * 2 * max(layer.kv_dim / tp, layer.kv_dim / layer.kv_heads) * b
+            forward_comm += comm.all_gather_time(kv, cp, g.cp_link)
+            backward_input_comm += comm.all_gather_time(kv, cp, g.cp_link) + comm.reduce_scatter_time(kv, cp, g.cp_link)
+        gather = 0.0
+        if spec.zero_stage >= 3:
+            gather = comm.all_gather_time(layer.stored_params / tp * b, g.shards, g.dp_link)
+
+        forward_core = self._compute(layer, work, "forward", tp, cp) + forward_comm
+        backward_input = backward_weight = 0.0
+        if need.input:
+            backward_input = self._compute(layer, work, "backward_input", tp, cp) + backward_input_comm
+        if need.weight:
+            backward_weight = self._compute(layer, work, "backward_weight", tp, cp)
+        recompute = forward_core if (spec.recompute and layer.kind == "block" and need.any) else 0.0
+        backward_gather = gather if need.any else 0.0
+        # the parameters are gathered once for the layer's whole backward, at its first part
+        if need.input:
+            backward_input += backward_gather
+        else:
+            backward_weight += backward_gather
+        backward_comm = ((backward_input_comm if need.input else 0.0) + backward_gather
+                         + (forward_comm if recompute else 0.0))
+        return LayerCost(
+            name=layer.name,
+            kind=layer.kind,
+            forward=forward_core + gather,
+            backward_input=backward_input,
+            backward_weight=backward_weight,
+            recompute=recompute,
+            forward_comm=forward_comm + gather,
+            backward_comm=backward_comm,
+        )
+
+    # ---- compute ---------------------------------------------------------------------------
+    def stage_time(self, module: str, stage: int, kind: StageKind, work: Workload) -> float:
+        key = (module, stage, kind, work)
+        t = self._stage_times.get(key)
+        if t is None:
+            costs = self.layer_costs(module, stage, work)
+            if kind == "forward":
+                t = sum(c.forward for c in costs)
+            elif kind == "backward":
+                t = sum(c.backward for c in costs)
+            else:
+                raise ValueError(f"stage_time kind {kind!r}: choose 'forward' or 'backward'")
+            self._stage_times[key] = t
+        return t
+
+    def phase_time(self, module: str, stage: int, phase: Phase, work: Workload) -> float:
+        """Seconds of one part of the Zero-Bubble split. A recomputed forward is counted with
+        the first backward part its layer runs (backward-input if any, else backward-weight),
+        so ``backward_input + backward_weight == stage_time(..., "backward", ...)``."""
+        costs = self.layer_costs(module, stage, work)
+        if phase == "forward":
+            return sum(c.forward for c in costs)
+        if phase == "backward_input":
+            return sum(c.backward_input + (c.recompute if c.backward_input else 0.0) for c in costs)
+        if phase == "backward_weight":
+            return sum(c.backward_weight + (0.0 if c.backward_input else c.recompute) for c in costs)
+        raise ValueError(f"phase {phase!r}: choose 'forward', 'backward_input' or 'backward_weight'")
+
+    # ---- communication ---------------------------------------------------------------------
+    def _unit_rank(self, unit: int) -> int:
+        return self.plan.rank_of(*self.plan.role_of_unit(unit))
+
+    def transfer_time(self, src_unit: int, dst_unit: int, module: str, stage: int, work: Workload) -> float:
+        """The stage's last layer's output, ``tokens_out x width x dtype_bytes`` split over the
+        CP ranks (each sends its shard in parallel; TP ranks hold replicas), point to point
+        over the link between the two units' first ranks."""
+        if src_unit == dst_unit:
+            return 0.0
+        # the simulator asks once per message: keep the stage's output layer and the link
+        out = self._stage_outputs.get((module, stage))
+        if out is None:
+            last, _ = self.stage_layers(module, stage)[-1]
+            out = self._stage_outputs[(module, stage)] = (
+                last, last.out_width * self.dtype_bytes / self.plan.spec(module).context_parallel)
+        link = self._links.get((src_unit, dst_unit))
+        if link is None:
+            link = self._links[(src_unit, dst_unit)] = comm.link_for(
+                self.cluster, [self._unit_rank(src_unit), self._unit_rank(dst_unit)])
+        return comm.p2p_time(out[0].tokens_out(work.tokens) * out[1], link)
+
+    def _trainable_params(self, module: str, stage: int) -> float:
+        """Trainable parameters of the stage on one rank (its TP shard)."""
+        layers = self.stage_layers(module, stage)
+        return sum(l.stored_params for l, _ in layers if l.trainable) / self.plan.spec(module).tensor_parallel
+
+    def grad_sync_time(self, module: str, stage: int) -> float:
+        """Ring all-reduce of the stage's trainable gradients (``dtype_bytes`` each, per TP
+        shard) over its data x context-parallel replicas; under ZeRO-1/2 a reduce-scatter of the
+        gradients and an all-gather of the updated parameters, the same volume; under ZeRO-3 the
+        reduce-scatter only (parameters are gathered on demand in `stage_time`)."""
+        g = self.groups(module, stage)
+        nbytes = self._trainable_params(module, stage) * self.dtype_bytes
+        if self.plan.spec(module).zero_stage >= 3:
+            return comm.reduce_scatter_time(nbytes, g.shards, g.dp_link)
+        return comm.all_reduce_time(nbytes, g.shards, g.dp_link)
+
+    def optimizer_time(self, module: str, stage: int) -> float:
+        """A memory-bound update: ``OPTIMIZER_STEP_BYTES`` per trainable parameter on the rank
+        (its ZeRO shard under ZeRO >= 1), at HBM bandwidth."""
+        spec = self.plan.spec(module)
+        params = self._trainable_params(module, stage)
+        if spec.zero_stage >= 1:
+            params /= self.groups(module, stage).shards
+        return params * OPTIMIZER_STEP_BYTES[self.optimizer] / self.spec.hbm_bandwidth
+
+    # ---- memory ----------------------------------------------------------------------------
+    def static_breakdown(self, module: str, stage: int) -> StaticMemory:
+        spec = self.plan.spec(module)
+        layers = [l for l, _ in self.stage_layers(module, stage)]
+        return static_memory(layers, spec.tensor_parallel, self.groups(module, stage).shards, spec.zero_stage,
+                             self.dtype_bytes, self.optimizer)
+
+    def static_memory(self, module: str, stage: int) -> float:
+        return self.static_breakdown(module, stage).total
+
+    def activation_memory(self, module: str, stage: int, work: Workload) -> float:
+        spec = self.plan.spec(module)
+        tokens = work.tokens / spec.context_parallel
+        return sum(
+            activation_bytes_per_token(l, spec.tensor_parallel, spec.recompute, self.dtype_bytes) * tokens
+            for l, need in self.stage_layers(module, stage)
+            if need.any
+        )
+
+    def transient_memory(self, module: str, stage: int, work: Workload) -> float:
+        """Under recompute, one block's full activations are live again while it is
+        recomputed and back-propagated (counted once per rank, not per microbatch)."""
+        spec = self.plan.spec(module)
+        if not spec.recompute:
+            return 0.0
+        tokens = work.tokens / spec.context_parallel
+        return max(
+            (block_working_bytes_per_token(l, spec.tensor_parallel, self.dtype_bytes) * tokens
+             for l, need in self.stage_layers(module, stage) if need.any),
+            default=0.0,
+        )
+
+    # ---- throughput ------------------------------------------------------------------------
+    def model_flops(self, work: MicrobatchWork) -> float:
+        """`loom.cost.flops.model_flops`: forward plus the frozen-aware backward, without
+        recomputation; ``6 T P + 12 c S2 L q`` for a fully trainable dense decoder."""
+        unknown = set(work) - set(self.arch.modules)
+        if unknown:
+            raise ValueError(f"model_flops: unknown modules {sorted(unknown)}; the model has {self.arch.module_names}")
+        # FLOPs are linear in (tokens, attn_sq) (`loom.cost.flops`), so each module's two
+        # coefficients are computed once; the simulator asks for every microbatch
+        total = 0.0
+        for name, w in work.items():
+            coef = self._flop_coefficients.get(name)
+            if coef is None:
+                coef = self._flop_coefficients[name] = (
+                    model_flops(self.arch, {name: Workload(tokens=1)}, self.needs),
+                    model_flops(self.arch, {name: Workload(attn_sq=1)}, self.needs),
+                )
+            total += coef[0] * w.tokens + coef[1] * w.attn_sq
+        return total
+
+    def peak_flops_per_rank(self) -> float:
+        return self.spec.peak_bf16_flops
+
+

@@ -1,0 +1,55 @@
+"""Which layers run which part of the backward pass: Cornstarch's frozen-aware rule
+(cornstarch.md §3.2.2, eqs. 3.1-3.3 and the pseudocode ``layer_costs``).
+
+Backward splits into a weight-gradient part ``B_w`` and an input-gradient part ``B_d``
+(eq. 3.1). A layer runs ``B_w`` iff it is trainable, and ``B_d`` iff ``p(L_l)`` holds (eq. 3.2),
+where ``p`` propagates forward: ``p(L_l) = p(L_{l-1}) or trainable(L_l)`` (eq. 3.3). Each
+encoder chain (its layers, then its projector) starts with ``p = False``; the LLM starts with
+the OR of every encoder chain's final ``p`` ("if some parameters in the modality encoders are
+trainable, all layers after it ... as well as the LLM need to backpropagate gradients").
+
+One refinement, because it is what autograd does and what a profiler would measure: a layer
+that reads raw data (a front-end reading pixels or mel frames, the LLM's token embedding)
+has no input tensor to differentiate except what arrives from *upstream*, so its ``B_d`` is
+taken only when something strictly before it is trainable (for the LLM's embedding: when an
+encoder chain is, the gradient then flowing back through the merge of encoder tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loom.cost.arch import LLM, ModelArch
+
+# Layers whose input is data, not an activation that may require grad.
+INPUT_KINDS = ("frontend", "embedding")
+
+
+@dataclass(frozen=True)
+class BackwardNeeds:
+    """What the backward pass computes for one layer."""
+
+    weight: bool  # B_w: the layer's own parameter gradients
+    input: bool  # B_d: the gradient of its input, for trainable layers upstream
+
+    @property
+    def any(self) -> bool:
+        return self.weight or self.input
+
+
+def backward_needs(arch: ModelArch) -> dict[str, list[BackwardNeeds]]:
+    """Per module, per layer (in `ModelArch` order), the parts of backward it runs."""
+    needs: dict[str, list[BackwardNeeds]] = {}
+    encoders_propagate = False
+    for name, module in arch.modules.items():
+        seen = encoders_propagate if name == LLM else False  # p(L_{l-1}) entering the chain
+        out = []
+        for layer in module.layers:
+            p = seen or layer.trainable  # eq. 3.3
+            needs_input = seen if layer.kind in INPUT_KINDS else p
+            out.append(BackwardNeeds(weight=layer.trainable, input=needs_input))  # eq. 3.2
+            seen = p
+        needs[name] = out
+        if name != LLM:
+            encoders_propagate = encoders_propagate or seen
+    return needs

@@ -1,0 +1,245 @@
+"""Memory per rank: parameters, gradients, optimizer states and activations, and the check that
+a plan fits (issue 3, item 1; disttrain.md §3.1 "Memory, per GPU").
+
+**Static memory** (mixed-precision training as in Rajbhandari et al., "ZeRO", SC 2020, §3.1:
+16-bit parameters and gradients, fp32 optimizer states), per rank holding ``P`` parameters of
+which ``P_t`` are trainable, with ``b = dtype_bytes``, tensor-parallel degree ``t`` and
+``n = data_parallel x context_parallel`` replicas of the stage (ZeRO shards over both, as
+Megatron-LM's distributed optimizer does):
+
+- parameters ``b P / t``, divided by ``n`` under ZeRO-3;
+- gradients ``b P_t / t``, divided by ``n`` under ZeRO-2 and -3 (frozen parameters have none);
+- optimizer states ``k P_t / t``, divided by ``n`` under ZeRO-1, -2, -3, with ``k = 12`` for Adam
+  (fp32 master weights, first and second moments) and ``k = 4`` for SGD (fp32 master weights).
+
+**Activations** kept from a microbatch's forward until its backward, per token and per rank
+(tokens divided by the context-parallel degree), only for layers that run some backward
+(`loom.cost.frozen`). A transformer block follows Korthikanti et al., "Reducing Activation
+Recomputation in Large Transformer Models" (MLSys 2023), §4.1, whose ``34 h + 5 a s`` bytes
+per token (16-bit, with dropout, without FlashAttention) we take *with* FlashAttention (no
+``s x s`` scores, softmax or dropout tensors: the ``5 a s`` term goes) and without dropout
+(training MLLMs uses none: the two ``h``-byte masks go), generalised to grouped-query
+attention and gated MLPs. In elements per token:
+
+- replicated across TP (Megatron without sequence parallelism): the two norm inputs and the
+  inputs of the QKV and first MLP projections, ``4 h``;
+- split across TP: ``Q, K, V`` and the attention output, ``2 q + 2 kv``, and the MLP's
+  intermediates, ``2 ffn`` (GELU MLP: the activation's input and output) or ``4 ffn`` (SwiGLU:
+  gate, up, silu(gate), their product);
+
+so ``b (4 h + (2 q + 2 kv + m) / t)``: ``32 h`` bytes for GPT-3 (``q = kv = h``, ``ffn = 4h``)
+against Korthikanti's ``34 h`` with dropout masks. With activation recomputation a block keeps
+only its input, ``b h``, and one block's full set is live again while it is recomputed (the
+*transient* working set, counted once). Other layers keep their inputs (`activation_bytes_per_token`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loom.cost.arch import LayerArch
+from loom.cost.hardware import GiB
+from loom.cost.model import CostModel, MicrobatchWork, Workload
+from loom.plan.plan import LLM, Plan, PlanError
+
+OPTIMIZER_STATE_BYTES = {"adam": 12, "sgd": 4}  # per trainable parameter, see the module docstring
+
+
+class OutOfMemoryError(PlanError):
+    """A plan whose stages do not fit the device memory; the message names the rank, the stage
+    and by how much it is over."""
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    """Bytes per rank held for the whole run."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def static_memory(
+    layers: Sequence[LayerArch],
+    tensor_parallel: int,
+    shards: int,
+    zero_stage: int,
+    dtype_bytes: int,
+    optimizer: str,
+) -> StaticMemory:
+    """Parameters, gradients and optimizer states of ``layers`` on one rank (module docstring);
+    ``shards`` is the number of replicas ZeRO shards over (data x context parallel)."""
+    if optimizer not in OPTIMIZER_STATE_BYTES:
+        raise ValueError(f"optimizer = {optimizer!r}: choose one of {list(OPTIMIZER_STATE_BYTES)}")
+    stored = _stored_params(layers)
+    total = sum(stored)
+    trainable = sum(n for n, l in zip(stored, layers) if l.trainable)
+    t = tensor_parallel
+    return StaticMemory(
+        params=dtype_bytes * total / t / (shards if zero_stage >= 3 else 1),
+        grads=dtype_bytes * trainable / t / (shards if zero_stage >= 2 else 1),
+        optimizer=OPTIMIZER_STATE_BYTES[optimizer] * trainable / t / (shards if zero_stage >= 1 else 1),
+    )
+
+
+def _stored_params(layers: Sequence[LayerArch]) -> list[int]:
+    """Parameters each layer's rank stores: a tied head keeps a copy of the embedding weight
+    unless the embedding is on the same stage."""
+    has_embedding = any(l.kind == "embedding" for l in layers)
+    return [l.params if (l.kind == "head" and has_embedding) else l.stored_params for l in layers]
+
+
+def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute: bool, dtype_bytes: int) -> float:
+    """Bytes one input token of ``layer`` keeps until the backward (module docstring), on a
+    rank of a ``tensor_parallel``-way group."""
+    b, h, t = dtype_bytes, layer.hidden, tensor_parallel
+    if layer.kind == "block":
+        if recompute:
+            return b * h
+        mlp = (4 if layer.gated_mlp else 2) * layer.ffn
+        kv = max(layer.kv_dim / t, layer.kv_dim / layer.kv_heads)  # fewer KV heads than ranks: replicated
+        return b * (4 * h + (2 * layer.q_dim) / t + 2 * kv + mlp / t)
+    if layer.kind == "frontend":
+        if layer.frontend == "patch":
+            return b * layer.in_channels * layer.temporal_patch * layer.patch**2  # the patches
+        # mel frames, conv1 output and its GELU, conv2 output, per output token
+        return b * (layer.stride * layer.in_channels + 2 * layer.stride * h + h)
+    if layer.kind == "norm":
+        return b * h
+    if layer.kind == "head":
+        # its input, and the fp32 log-softmax of the (vocab-parallel) logits the loss keeps
+        return b * h + 4 * layer.vocab / t
+    if layer.kind == "projector":
+        if layer.projector == "linear":
+            return b * h
+        if layer.projector == "mlp":
+            return b * (h + 2 * layer.out_hidden)
+        return b * 4 * h  # merger: norm input, fc1 input, GELU input, fc2 input (per input token)
+    return 0.0  # embedding: keeps only the token ids
+
+
+def block_working_bytes_per_token(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) -> float:
+    """A block's full activations per token: what is live again while it is recomputed."""
+    return activation_bytes_per_token(layer, tensor_parallel, False, dtype_bytes) if layer.kind == "block" else 0.0
+
+
+# ---- the plan-level check -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Peak bytes on every rank of ``(module, stage)``; ``rank`` and ``unit`` are its first."""
+
+    module: str
+    stage: int
+    rank: int
+    unit: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    microbatches: int
+    transient: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.transient
+
+    def describe(self) -> str:
+        g = lambda x: f"{x / GiB:.2f}"
+        parts = (f"parameters {g(self.params)}, gradients {g(self.grads)}, optimizer states "
+                 f"{g(self.optimizer)}, activations {g(self.activations)} GiB for {self.microbatches} "
+                 f"microbatch{'es' if self.microbatches != 1 else ''} in flight")
+        if self.transient:
+            parts += f", recompute working set {g(self.transient)} GiB"
+        return parts
+
+
+def in_flight_count(plan: Plan, module: str, stage: int) -> int:
+    """Microbatches whose activations stage ``stage`` of ``module`` holds at its peak.
+
+    GPipe holds all of a replica's microbatches. 1F1B holds as many as there are stages from
+    this one to the end of the pipeline (disttrain.md §3.1: "the first PP stage requires
+    storage for PP microbatches"); an encoder's pipeline continues into the LLM's, so its
+    stages count the LLM's too.
+    """
+    spec = plan.spec(module)
+    per_replica = max(len(plan.microbatches_of(module, r)) for r in range(spec.data_parallel))
+    if plan.schedule == "gpipe":
+        return per_replica
+    depth = spec.num_stages - stage + (plan.spec(LLM).num_stages if module != LLM else 0)
+    return min(depth, per_replica)
+
+
+def worst_in_flight(plan: Plan, microbatches: Sequence[MicrobatchWork]) -> dict[tuple[str, int], list[Workload]]:
+    """For every stage, the heaviest microbatches (by tokens) it may hold at once, from the
+    step's per-microbatch workloads: a conservative input for `check_memory`."""
+    out: dict[tuple[str, int], list[Workload]] = {}
+    for spec in plan.modules:
+        works = sorted((mb.get(spec.name, Workload()) for mb in microbatches), key=lambda w: w.tokens, reverse=True)
+        for s in range(spec.num_stages):
+            out[(spec.name, s)] = works[: in_flight_count(plan, spec.name, s)]
+    return out
+
+
+def stage_memory(cost: CostModel, module: str, stage: int, in_flight: Sequence[Workload]) -> MemoryBreakdown:
+    """Peak memory of a rank of ``(module, stage)`` holding ``in_flight`` microbatches."""
+    plan = cost.plan
+    breakdown = getattr(cost, "static_breakdown", None)
+    static = breakdown(module, stage) if breakdown else StaticMemory(cost.static_memory(module, stage), 0.0, 0.0)
+    transient_of = getattr(cost, "transient_memory", None)
+    transient = max((transient_of(module, stage, w) for w in in_flight), default=0.0) if transient_of else 0.0
+    return MemoryBreakdown(
+        module=module,
+        stage=stage,
+        rank=plan.rank_of(module, stage, 0),
+        unit=plan.unit_of(module, stage, 0),
+        params=static.params,
+        grads=static.grads,
+        optimizer=static.optimizer,
+        activations=sum(cost.activation_memory(module, stage, w) for w in in_flight),
+        microbatches=len(in_flight),
+        transient=transient,
+    )
+
+
+def check_memory(
+    cost: CostModel,
+    in_flight: Mapping[tuple[str, int], Sequence[Workload]],
+    capacity_bytes: float | None = None,
+    reserved_bytes: float = 0.0,
+) -> dict[tuple[str, int], MemoryBreakdown]:
+    """Peak memory of every ``(module, stage)`` holding its ``in_flight`` microbatches; raises
+    `OutOfMemoryError` naming each rank that does not fit and by how much.
+
+    ``capacity_bytes`` defaults to the device memory of the cost model's cluster;
+    ``reserved_bytes`` is kept free for the CUDA context and communication buffers.
+    """
+    device = "device"
+    if capacity_bytes is None:
+        cluster: Any = getattr(cost, "cluster", None)
+        if cluster is None:
+            raise ValueError("check_memory: the cost model has no cluster; pass capacity_bytes")
+        capacity_bytes = cluster.spec.hbm_bytes
+        device = cluster.spec.name
+    usable = capacity_bytes - reserved_bytes
+    result = {key: stage_memory(cost, key[0], key[1], list(works)) for key, works in in_flight.items()}
+    over = sorted((m for m in result.values() if m.total > usable), key=lambda m: m.total - usable, reverse=True)
+    if over:
+        lines = [
+            f"rank {m.rank} (module {m.module!r} stage {m.stage}, pipeline unit {m.unit}; every replica alike) "
+            f"needs {m.total / GiB:.2f} GiB but one {device} has {usable / GiB:.2f} GiB"
+            f"{' usable' if reserved_bytes else ''}: over by {(m.total - usable) / GiB:.2f} GiB ({m.describe()})"
+            for m in over
+        ]
+        raise OutOfMemoryError(
+            "the plan does not fit in memory:\n  " + "\n  ".join(lines)
+            + "\n  raise tensor or pipeline parallelism, the ZeRO stage, or turn on recompute"
+        )
+    return result

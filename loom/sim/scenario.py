@@ -1,0 +1,245 @@
+"""Simulation scenarios: a model from published configs, a cluster, a data mix and one or more
+plans, played by the simulator (what ``loom simulate`` runs).
+
+Two plans are built automatically for comparison:
+
+- **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage with the
+  LLM's TP and DP, and the LLM's layers are split evenly over the remaining stages;
+- **frozen-aware**: the loosely-coupled search of cornstarch.md §2.6 (Algorithm 1) picks each
+  module's stage count for the device budget by simulated iteration time, and the stage
+  boundaries come from the frozen-aware partitioning DP (cornstarch.md §3.2.2, eq. 3.5) over
+  per-layer costs ``F + B_w + B_d (+ recompute)`` of a typical microbatch.
+
+Workloads are derived from sample metadata only: an encoder's microbatch work is its items'
+token counts, the LLM's is each sample's sequence length after the encoders' tokens are merged
+in (packed by default, as large-scale trainers do; ``padded`` mirrors loom's CPU runtime).
+"""
+
+from __future__ import annotations
+
+import copy
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loom.cost.analytic import AnalyticCostModel
+from loom.cost.arch import ModelArch, load_model_arch
+from loom.cost.hardware import Cluster, get_gpu
+from loom.cost.model import MicrobatchWork, Workload
+from loom.data.sample import SampleMeta
+from loom.data.synthetic import MIXES, SyntheticMetadata
+from loom.plan.partition import loosely_coupled_search, plan_with_stage_counts
+from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
+from loom.schedule.generators import build_schedule
+from loom.sim.simulator import SimResult, simulate
+
+# which metadata field holds an encoder's items, by the encoder architecture's kind
+_ITEMS = {"vision": "images", "audio": "audios"}
+
+
+class ScenarioError(ValueError):
+    """A bad simulation scenario; the message names the field and the fix."""
+
+
+@dataclass
+class ParallelDegrees:
+    """The degrees the automatic plans use: the LLM's TP and DP (encoders get the same DP, and
+    ``encoder_tensor_parallel``), microbatches per pipeline, schedule, memory options."""
+
+    tensor_parallel: int = 8
+    data_parallel: int = 8
+    context_parallel: int = 1
+    encoder_tensor_parallel: int | None = None  # None: the LLM's
+    microbatches_per_pipeline: int = 64
+    schedule: str = "1f1b"
+    zero_stage: int = 1
+    recompute: bool = True
+
+
+@dataclass
+class Scenario:
+    name: str
+    arch: ModelArch
+    cluster: Cluster
+    mix: str = "llava"
+    seed: int = 0
+    global_batch_size: int = 1024
+    llm_batching: str = "packed"  # or "padded"
+    degrees: ParallelDegrees = field(default_factory=ParallelDegrees)
+    plans: dict[str, Plan] = field(default_factory=dict)  # explicit plans from the file
+
+    # ---- data -----------------------------------------------------------------------------
+    def metas(self) -> list[SampleMeta]:
+        patch = next((m.patch for m in self.arch.modules.values() if m.kind == "vision"), 14)
+        rate = next((m.sample_rate for m in self.arch.modules.values() if m.kind == "audio"), 16000)
+        stream = SyntheticMetadata(self.mix, seed=self.seed, patch_size=patch, sample_rate=rate)
+        return [stream.meta(i) for i in range(self.global_batch_size)]
+
+    def microbatch_work(self, metas: list[SampleMeta], num_microbatches: int) -> list[MicrobatchWork]:
+        if len(metas) < num_microbatches:
+            raise ScenarioError(
+                f"data.global_batch_size = {len(metas)} is smaller than the plan's {num_microbatches} "
+                "microbatches: raise the batch size or lower microbatches_per_pipeline"
+            )
+        base, extra = divmod(len(metas), num_microbatches)
+        work, start = [], 0
+        for j in range(num_microbatches):
+            size = base + (1 if j < extra else 0)
+            work.append(sample_work(self.arch, metas[start:start + size], self.llm_batching))
+            start += size
+        return work
+
+    # ---- plans ----------------------------------------------------------------------------
+    def megatron_plan(self) -> Plan:
+        d = self.degrees
+        units = self.cluster.num_gpus // (d.tensor_parallel * d.context_parallel * d.data_parallel)
+        llm_stages = units - len(self.arch.encoder_names)
+        if llm_stages < 1:
+            raise ScenarioError(f"{self.cluster.num_gpus} GPUs leave no pipeline stage for the LLM "
+                                f"at TP {d.tensor_parallel} x DP {d.data_parallel}")
+        encoders = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
+                               zero_stage=d.zero_stage, recompute=d.recompute) for n in self.arch.encoder_names]
+        llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=llm_stages, tensor_parallel=d.tensor_parallel,
+                         context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)
+        plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
+                    schedule=d.schedule)
+        return plan.resolve(self.arch.layer_counts(), self.cluster.num_gpus)
+
+    def frozen_aware_plan(self) -> tuple[Plan, Any]:
+        """Algorithm 1 over the device budget, boundaries by the frozen-aware DP."""
+        d = self.degrees
+        etp = d.encoder_tensor_parallel or d.tensor_parallel
+        template = Plan(
+            [ModuleSpec(n, data_parallel=d.data_parallel, tensor_parallel=etp, zero_stage=d.zero_stage,
+                        recompute=d.recompute) for n in self.arch.encoder_names]
+            + [ModuleSpec(LLM, data_parallel=d.data_parallel, tensor_parallel=d.tensor_parallel,
+                          context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)],
+            num_microbatches=d.microbatches_per_pipeline * d.data_parallel, schedule=d.schedule,
+        )
+        metas = self.metas()
+        work = self.microbatch_work(metas, template.num_microbatches)
+        costs = self.layer_costs(template, work)
+        ranks = {m.name: m.data_parallel * m.ranks_per_unit for m in template.modules}
+
+        def iteration_time(stage_counts: dict[str, int]) -> float:
+            plan = plan_with_stage_counts(template, stage_counts, costs)
+            return self.run(plan, work).iteration_time
+
+        result = loosely_coupled_search(
+            costs[LLM], {n: costs[n] for n in self.arch.encoder_names}, self.cluster.num_gpus, iteration_time,
+            ranks_per_stage=ranks,
+        )
+        plan = plan_with_stage_counts(template, result.stage_counts, costs)
+        return plan, result
+
+    def layer_costs(self, plan: Plan, work: list[MicrobatchWork]) -> dict[str, list[float]]:
+        """Frozen-aware per-layer ``T_l = F + B_w + B_d (+ R)`` (cornstarch.md §3.2.2 eqs. 3.1-3.3)
+        of the mean microbatch, in seconds, from the analytic model at the plan's TP/CP: the
+        partitioner's input."""
+        one_stage = copy.deepcopy(plan)
+        for m in one_stage.modules:
+            m.num_stages, m.stage_boundaries = 1, None
+        one_stage.resolve(self.arch.layer_counts())
+        model = AnalyticCostModel(self.arch, one_stage, self.cluster)
+        n = len(work)
+        mean = {
+            name: Workload(*(round(sum(getattr(w.get(name, Workload()), f) for w in work) / n)
+                            for f in ("tokens", "attn_sq", "segments")))
+            for name in self.arch.module_names
+        }
+        # the analytic model's backward is already frozen-aware (B_w only if trainable, B_d only
+        # if something trainable lies at or before the layer) and includes recomputation
+        return {
+            name: [c.forward + c.backward for c in model.module_layer_costs(name, mean[name])]
+            for name in self.arch.module_names
+        }
+
+    # ---- simulation -----------------------------------------------------------------------
+    def run(self, plan: Plan, work: list[MicrobatchWork] | None = None) -> SimResult:
+        plan.resolve(self.arch.layer_counts())
+        if plan.world_size > self.cluster.num_gpus:
+            raise ScenarioError(
+                f"plan needs {plan.world_size} GPUs but cluster.num_gpus = {self.cluster.num_gpus}"
+            )
+        if work is None:
+            work = self.microbatch_work(self.metas(), plan.num_microbatches)
+        cost = AnalyticCostModel(self.arch, plan, self.cluster)
+        schedule = build_schedule(plan)
+        return simulate(schedule, plan, cost, work, num_samples=self.global_batch_size)
+
+    def memory_capacity(self) -> float:
+        return float(self.cluster.spec.hbm_bytes)
+
+
+def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "packed") -> MicrobatchWork:
+    """Per-module `Workload` of a microbatch of samples, from metadata only."""
+    work: MicrobatchWork = {}
+    llm_lengths = [m.text_tokens - len(m.images) - len(m.audios) for m in metas]
+    for name in arch.encoder_names:
+        module = arch.module(name)
+        field_name = _ITEMS.get(module.kind)
+        if field_name is None:
+            raise ScenarioError(f"encoder {name!r} has kind {module.kind!r}; simulation knows {sorted(_ITEMS)}")
+        lengths = []
+        for b, meta in enumerate(metas):
+            for item in getattr(meta, field_name):
+                lengths.append(module.num_tokens(item))
+                llm_lengths[b] += module.llm_tokens(item)
+        work[name] = Workload.of_lengths(lengths)
+    if llm_batching not in ("packed", "padded"):
+        raise ScenarioError(f"data.llm_batching = {llm_batching!r}: choose 'packed' or 'padded'")
+    work[LLM] = Workload.of_lengths(llm_lengths) if llm_batching == "packed" else Workload.padded(llm_lengths)
+    return work
+
+
+# ---- loading --------------------------------------------------------------------------------
+def load_scenario(path: str | Path) -> Scenario:
+    """A scenario from TOML: ``[model]`` (llm, encoders, projector, freeze), ``[cluster]`` (gpu,
+    num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size, llm_batching),
+    ``[parallel]`` (`ParallelDegrees`), and optional ``[plans.<name>]`` tables in the plan format."""
+    p = Path(path)
+    if not p.is_file():
+        raise ScenarioError(f"scenario file {str(p)!r} does not exist; see configs/sim/ for examples")
+    try:
+        data = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"scenario file {str(p)!r} is not valid TOML: {e}") from e
+    known = {"name", "model", "cluster", "data", "parallel", "plans"}
+    if set(data) - known:
+        raise ScenarioError(f"unknown section(s) {sorted(set(data) - known)} in {p.name}; known: {sorted(known)}")
+    model = _section(data, "model", {"llm", "encoders", "projector", "freeze"})
+    if "llm" not in model:
+        raise ScenarioError("model.llm is missing: name a config in configs/models/ (e.g. 'llama3-70b')")
+    arch = load_model_arch(model["llm"], model.get("encoders", {}), model.get("projector"), model.get("freeze", []))
+    cl = _section(data, "cluster", {"gpu", "num_gpus", "gpus_per_node"})
+    if "gpu" not in cl or "num_gpus" not in cl:
+        raise ScenarioError("cluster.gpu and cluster.num_gpus are required (e.g. gpu = 'H100', num_gpus = 1024)")
+    get_gpu(cl["gpu"], field="cluster.gpu")
+    cluster = Cluster(cl["gpu"], int(cl["num_gpus"]), int(cl.get("gpus_per_node", 8)))
+    dd = _section(data, "data", {"mix", "seed", "global_batch_size", "llm_batching"})
+    mix = dd.get("mix", "llava")
+    if mix not in MIXES:
+        raise ScenarioError(f"data.mix = {mix!r} is unknown; choose one of {sorted(MIXES)}")
+    par = _section(data, "parallel", set(ParallelDegrees.__dataclass_fields__))
+    plans = {}
+    for name, table in data.get("plans", {}).items():
+        try:
+            plans[name] = Plan.from_dict(table)
+        except (PlanError, TypeError) as e:
+            raise ScenarioError(f"plans.{name}: {e}") from e
+    return Scenario(
+        name=data.get("name", p.stem), arch=arch, cluster=cluster, mix=mix, seed=int(dd.get("seed", 0)),
+        global_batch_size=int(dd.get("global_batch_size", 1024)), llm_batching=dd.get("llm_batching", "packed"),
+        degrees=ParallelDegrees(**par), plans=plans,
+    )
+
+
+def _section(data: dict[str, Any], name: str, known: set[str]) -> dict[str, Any]:
+    table = data.get(name, {})
+    if not isinstance(table, dict):
+        raise ScenarioError(f"[{name}] must be a table")
+    unknown = set(table) - known
+    if unknown:
+        raise ScenarioError(f"unknown field(s) {sorted(unknown)} in [{name}]; known: {sorted(known)}")
+    return table

@@ -1,0 +1,218 @@
+"""The profiler and `ProfiledCostModel` (issue 3 item 2; entrain.md §3.1): the fit recovers
+known coefficients, profiles round-trip through JSON, a profile of another model is refused
+with a clear error, a real (quick) profile gives a usable frozen-aware cost model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from loom.cost.arch import arch_from_model
+from loom.cost.model import Workload
+from loom.cost.profile import (
+    FEATURES,
+    LinearFit,
+    Profile,
+    ProfileError,
+    ProfiledCostModel,
+    evaluate,
+    fit_cost,
+    model_signature,
+    nnls,
+    profile_model,
+)
+from loom.data.tokenizer import Tokenizer
+from loom.model.zoo import LlamaConfig, VisionConfig
+from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.train.build import build_model
+from loom.train.config import ModelConfig
+
+
+def tiny_model(llm_hidden: int = 32, freeze: list[str] | None = None, vision: bool = True):
+    cfg = ModelConfig(
+        vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2) if vision else None,
+        audio=None,
+        llm=LlamaConfig(hidden_size=llm_hidden, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64),
+        projector="linear",
+        freeze=freeze or [],
+    )
+    return build_model(cfg, Tokenizer(), seed=0)
+
+
+@pytest.fixture(scope="module")
+def quick_profile() -> Profile:
+    torch.manual_seed(0)
+    return profile_model(tiny_model(), token_counts=(16, 64, 256), repeats=1, warmup=1, measure_comm=False)
+
+
+# ---- fitting ---------------------------------------------------------------------------------
+def test_fit_recovers_known_coefficients_from_synthetic_timings():
+    truth = [2e-9, 5e-10, 3e-6, 4e-5, 1e-4]  # attn_sq, tokens^2, tokens, segments, constant
+    works = []
+    for x in (16, 64, 256, 1024):
+        for items in (1, 4, 16):
+            if x // items:
+                works.append(Workload.of_lengths([x // items] * items))
+        works.append(Workload.padded([x // 4] * 4))
+    times = [evaluate(truth, w) for w in works]
+    coef = fit_cost(works, times)
+    np.testing.assert_allclose(coef, truth, rtol=1e-6, atol=1e-15)
+    # entrain's a x^2 + b x + c on single sequences: the same, through the same code
+    single = [Workload.of_lengths([x]) for x in (64, 256, 1024, 4096, 16384)]
+    abc = [3e-9, 0.0, 2e-6, 0.0, 5e-5]
+    coef = fit_cost(single, [evaluate(abc, w) for w in single])
+    for w in single:
+        assert evaluate(coef, w) == pytest.approx(evaluate(abc, w), rel=1e-9)
+
+
+def test_fit_is_non_negative_and_nnls_matches_a_brute_force_oracle():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a = rng.normal(size=(8, 3))
+        b = rng.normal(size=8)
+        x = nnls(a, b)
+        assert (x >= 0).all()
+        # oracle: best least-squares solution over every support set, clamped to feasible ones
+        best = np.inf
+        for mask in range(8):
+            cols = [j for j in range(3) if mask >> j & 1]
+            z = np.zeros(3)
+            if cols:
+                z[cols] = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            if (z >= -1e-12).all():
+                best = min(best, np.linalg.norm(a @ z - b))
+        assert np.linalg.norm(a @ x - b) == pytest.approx(best, rel=1e-9, abs=1e-12)
+    # a decreasing trend cannot be fitted with a negative slope: it becomes a constant
+    works = [Workload.of_lengths([n]) for n in (10, 20, 40)]
+    coef = fit_cost(works, [3.0, 2.0, 1.0])
+    assert min(coef) >= 0
+
+
+def test_linear_comm_fit():
+    fit = LinearFit.fit([(0, 1e-4), (1e6, 1e-4 + 1e-3), (4e6, 1e-4 + 4e-3)])
+    assert fit.alpha_s == pytest.approx(1e-4, rel=1e-6)
+    assert fit.seconds_per_byte == pytest.approx(1e-9, rel=1e-6)
+
+
+# ---- files and the model check ---------------------------------------------------------------
+def test_profile_round_trips_through_json(quick_profile: Profile, tmp_path: Path):
+    path = quick_profile.save(tmp_path / "p.json")
+    json.loads(path.read_text())  # plain JSON, no pickle
+    back = Profile.load(path)
+    assert back.path == str(path)
+    assert back.to_dict() == quick_profile.to_dict()
+    assert back.signature_hash == quick_profile.signature_hash
+    w = Workload.of_lengths([40, 24])
+    for m, layers in quick_profile.layers.items():
+        for a, b in zip(layers, back.layers[m]):
+            for phase in ("forward", "backward_input", "backward_weight"):
+                assert a.time(phase, w) == b.time(phase, w)
+
+
+def test_profile_of_another_model_is_refused_with_a_clear_error(quick_profile: Profile, tmp_path: Path):
+    path = quick_profile.save(tmp_path / "tiny.json")
+    other = tiny_model(llm_hidden=48)  # same layers, wider LLM
+    prof = Profile.load(path)
+    plan = Plan([ModuleSpec("vision"), ModuleSpec(LLM)])
+    with pytest.raises(ProfileError) as err:
+        ProfiledCostModel(prof, other, plan)
+    msg = str(err.value)
+    assert str(path) in msg and "loom profile" in msg
+    # names the first difference: the vision projector, whose output is the LLM's width
+    assert "module 'vision'" in msg and "projector" in msg and "[32, 32] in the profile but [48, 32] in the model" in msg
+    assert prof.signature_hash in msg and "another model" in msg
+    # a model with other modules: the module is named
+    with pytest.raises(ProfileError, match="module 'vision'"):
+        prof.check_matches(tiny_model(vision=False))
+    # the same model passes
+    ProfiledCostModel(prof, tiny_model(), plan)
+
+
+def test_bad_profile_files_are_clear_errors(quick_profile: Profile, tmp_path: Path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(ProfileError, match="does not exist.*loom profile"):
+        Profile.load(missing)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ProfileError, match="not JSON"):
+        Profile.load(bad)
+    bad.write_text(json.dumps({"benchmark": "x"}))
+    with pytest.raises(ProfileError, match="not a loom profile"):
+        Profile.load(bad)
+    d = quick_profile.to_dict()
+    d["signature"]["llm"][1][0] = "llm.model.layers.9"  # edited by hand
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ProfileError, match="hash"):
+        Profile.load(bad)
+
+
+def test_signature_names_layers_and_parameter_shapes():
+    sig = model_signature(tiny_model())
+    assert list(sig) == ["vision", "llm"]
+    names = [layer[0] for layer in sig["llm"]]
+    assert names[0] == "llm.model.embed_tokens" and names[-1] == "llm.lm_head"
+    head = dict((p[0], p[1]) for p in sig["llm"][-1][1])
+    assert head["weight"][1] == 32
+
+
+# ---- a real quick profile ----------------------------------------------------------------------
+def test_quick_real_profile_gives_positive_costs_growing_with_tokens(quick_profile: Profile):
+    assert quick_profile.layer_counts() == {"vision": 4, "llm": 5}
+    assert quick_profile.device["kind"] == "cpu" and quick_profile.device["torch"]
+    assert quick_profile.optimizer["per_param_s"] >= 0 and quick_profile.matmul_flops_per_s > 0
+    for layers in quick_profile.layers.values():
+        for layer in layers:
+            assert all(c >= 0 for c in layer.forward) and layer.time("forward", Workload.of_lengths([64])) > 0
+    model = tiny_model()
+    plan = Plan([ModuleSpec("vision"), ModuleSpec(LLM, num_stages=2)], num_microbatches=2)
+    cost = ProfiledCostModel(quick_profile, model, plan)
+    for module, stage in (("vision", 0), (LLM, 0), (LLM, 1)):
+        for kind in ("forward", "backward"):
+            small = cost.stage_time(module, stage, kind, Workload.padded([16] * 2))
+            large = cost.stage_time(module, stage, kind, Workload.padded([256] * 2))
+            assert 0 < small < large, (module, stage, kind)
+    w = {"vision": Workload.of_lengths([16, 16]), LLM: Workload.padded([40, 40])}
+    assert cost.model_flops(w) > 0 and cost.peak_flops_per_rank() > 0
+    assert cost.static_memory(LLM, 0) > 0
+    assert cost.activation_memory(LLM, 1, w[LLM]) > 0
+    assert cost.optimizer_time(LLM, 0) > 0
+    # without communication measurements transfers are free; single-replica stages never sync
+    assert cost.transfer_time(0, 1, "vision", 0, w["vision"]) == 0.0 and cost.grad_sync_time(LLM, 0) == 0.0
+    # an architecture (arch_from_model) works as the model too
+    ProfiledCostModel(quick_profile, arch_from_model(model), plan)
+
+
+def test_frozen_aware_backward_in_the_profiled_model(quick_profile: Profile):
+    plan = lambda: Plan([ModuleSpec("vision"), ModuleSpec(LLM, num_stages=2)], num_microbatches=2)
+    w = Workload.padded([64] * 2)
+    full = ProfiledCostModel(quick_profile, tiny_model(), plan())
+    # frozen LLM after a frozen encoder: no backward anywhere
+    frozen = ProfiledCostModel(quick_profile, tiny_model(freeze=["vision", "llm"]), plan())
+    for module, stage in (("vision", 0), (LLM, 0), (LLM, 1)):
+        assert frozen.stage_time(module, stage, "backward", w) == 0.0
+        assert frozen.activation_memory(module, stage, w) == 0.0
+        assert frozen.optimizer_time(module, stage) == 0.0
+        assert frozen.stage_time(module, stage, "forward", w) == full.stage_time(module, stage, "forward", w)
+    # frozen LLM after a trainable projector: the LLM back-propagates input gradients only
+    proj = ProfiledCostModel(quick_profile, tiny_model(freeze=["vision.encoder", "llm"]), plan())
+    for stage in (0, 1):
+        b = proj.stage_time(LLM, stage, "backward", w)
+        assert 0 < b < full.stage_time(LLM, stage, "backward", w)
+    layers = quick_profile.layers[LLM]
+    expected = sum(layers[i].time("backward_input", w) for i in range(3, 5))
+    expected += evaluate(quick_profile.loss["backward_input"], w)
+    assert proj.stage_time(LLM, 1, "backward", w) == pytest.approx(expected)
+    assert proj.optimizer_time(LLM, 0) == 0.0 and proj.optimizer_time("vision", 0) > 0
+    # per-module flags without a model give the same answer
+    flags = ProfiledCostModel(quick_profile, None, plan(), trainable={"vision": [False, False, False, True], LLM: False})
+    assert flags.stage_time(LLM, 1, "backward", w) == pytest.approx(expected)
+
+
+def test_features_are_entrain_quadratic_for_one_sequence():
+    assert FEATURES[:3] == ("attn_sq", "tokens_sq", "tokens")
+    w = Workload.of_lengths([100])
+    assert evaluate([1, 0, 2, 0, 3], w) == 100 * 100 + 2 * 100 + 3
