@@ -1,0 +1,110 @@
+"""`loom simulate`: scenarios from published configs, the two comparison plans, traces, errors."""
+
+import json
+
+import pytest
+
+from loom.cli import main
+from loom.cost.arch import load_model_arch
+from loom.data.sample import ImageMeta, SampleMeta
+from loom.sim.scenario import load_scenario, sample_work
+
+SMALL = """
+name = "small"
+[model]
+llm = "llama3-8b"
+encoders = { vision = "vit-h-14" }
+projector = "mlp"
+freeze = ["vision.encoder"]
+[cluster]
+gpu = "H100"
+num_gpus = 64
+gpus_per_node = 8
+[data]
+mix = "llava"
+global_batch_size = 128
+[parallel]
+tensor_parallel = 4
+data_parallel = 2
+microbatches_per_pipeline = 8
+"""
+
+
+def write(tmp_path, text, name="s.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_workload_follows_metadata():
+    arch = load_model_arch("llama3-8b", {"vision": "vit-h-14"})
+    meta = SampleMeta(0, text_tokens=50, images=(ImageMeta(224, 336),), segments=("image", "text"))
+    work = sample_work(arch, [meta, SampleMeta(1, text_tokens=30, segments=("text",))])
+    tokens = (224 // 14) * (336 // 14)
+    assert work["vision"].tokens == tokens and work["vision"].attn_sq == tokens**2
+    assert work["llm"].tokens == (50 - 1 + tokens) + 30 and work["llm"].segments == 2
+
+
+def test_compare_prints_both_plans_and_writes_traces(tmp_path, capsys):
+    rc = main(["simulate", "--config", write(tmp_path, SMALL), "--compare", "--json", "--no-png",
+               "--out", str(tmp_path / "out")])
+    assert rc == 0
+    result = json.loads(capsys.readouterr().out)
+    plans = {r["plan"]: r for r in result["plans"]}
+    assert set(plans) == {"megatron-style", "frozen-aware"}
+    for r in plans.values():
+        assert r["simulated"] and r["iteration_time_s"] > 0 and 0 < r["mfu"] < 1 and r["world_size"] <= 64
+        trace = json.loads(open(r["trace"]).read())
+        assert any(e["ph"] == "X" and e["cat"] == "forward" for e in trace["traceEvents"])
+    assert plans["megatron-style"]["layout"].startswith("vision 1x2x4")
+
+
+def test_table_output(tmp_path, capsys):
+    assert main(["simulate", "--config", write(tmp_path, SMALL), "--compare", "--no-png",
+                 "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "megatron-style" in out and "frozen-aware" in out and "MFU" in out and "(simulated)" in out
+
+
+@pytest.mark.parametrize("change, words", [
+    (('gpu = "H100"', 'gpu = "B300"'), ["cluster.gpu", "'B300'", "H100"]),
+    (('mix = "llava"', 'mix = "memes"'), ["data.mix", "'memes'", "llava"]),
+    (('llm = "llama3-8b"', 'llm = "llama9"'), ["llama9"]),
+    (("[parallel]", "[parallel]\nstages = 3"), ["unknown field", "stages"]),
+])
+def test_bad_scenarios_name_the_field(tmp_path, capsys, change, words):
+    rc = main(["simulate", "--config", write(tmp_path, SMALL.replace(*change)), "--compare", "--no-png",
+               "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_plan_that_does_not_fit_memory_names_rank_and_excess(tmp_path, capsys):
+    text = SMALL.replace('llm = "llama3-8b"', 'llm = "llama3-70b"') + """
+[plans.tiny]
+num_microbatches = 16
+[[plans.tiny.modules]]
+name = "vision"
+data_parallel = 2
+[[plans.tiny.modules]]
+name = "llm"
+num_stages = 2
+data_parallel = 2
+"""
+    rc = main(["simulate", "--config", write(tmp_path, text), "--no-png", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "does not fit" in err and "rank " in err and "over by" in err and "GiB" in err
+
+
+def test_missing_scenario_file(tmp_path, capsys):
+    assert main(["simulate", "--config", str(tmp_path / "nope.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_shipped_scenario_loads():
+    scenario = load_scenario("configs/sim/llama3-70b-vith-1024xh100.toml")
+    plan = scenario.megatron_plan()
+    assert plan.world_size == 1024 and plan.spec("vision").num_stages == 1
