@@ -144,7 +144,9 @@ class AnalyticCostModel(CostModel):
                 for l, n in zip(module.layers, self.needs[name])
             ]
         self._costs: dict[tuple[str, int, Workload], list[LayerCost]] = {}
-        self._stage_times: dict[tuple[str, int, str, Workload], float] = {}
+        self._stage_times: dict[tuple[int, str, Workload], float] = {}
+        self._stage_sigs: dict[tuple[str, int], int] = {}
+        self._signature_ids: dict[tuple, int] = {}
         self._shape_costs: dict[tuple, LayerCost] = {}
         self._stage_outputs: dict[tuple[str, int], tuple[LayerArch, float]] = {}
         self._links: dict[tuple[int, int], comm.Link] = {}
@@ -283,8 +285,20 @@ class AnalyticCostModel(CostModel):
         )
 
     # ---- compute ---------------------------------------------------------------------------
+    def _stage_signature(self, module: str, stage: int) -> int:
+        """Stages with the same layer shapes, backward needs and groups (the middle stages of an
+        LLM) cost the same: the simulator's many questions share one answer per signature."""
+        sid = self._stage_sigs.get((module, stage))
+        if sid is None:
+            self.stage_layers(module, stage)  # checks the stage index
+            lo, hi = self.plan.layers_of(module, stage)
+            sig = (module, tuple(self._shape_ids[module][lo:hi]), tuple(self.needs[module][lo:hi]),
+                   self.groups(module, stage))
+            sid = self._stage_sigs[(module, stage)] = self._signature_ids.setdefault(sig, len(self._signature_ids))
+        return sid
+
     def stage_time(self, module: str, stage: int, kind: StageKind, work: Workload) -> float:
-        key = (module, stage, kind, work)
+        key = (self._stage_signature(module, stage), kind, work)
         t = self._stage_times.get(key)
         if t is None:
             costs = self.layer_costs(module, stage, work)
