@@ -2,6 +2,8 @@
 
     loom train [--config FILE] [--dry-run] [dotted.key=value ...]   launch a training run
     loom plan  [--config FILE] [--comm] [dotted.key=value ...]      print the plan and its schedule
+    loom profile [--config FILE] [--out PATH] [dotted.key=value ...] time every layer on this machine
+    loom simulate --config SCENARIO [--compare] [--json]            simulate plans at cluster scale
     loom profile [--config FILE] [--out PATH] [dotted.key=value ...] measure the model's layers here
 
 ``loom train`` checks the configuration and the plan against the model *before* starting any
@@ -155,7 +157,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             plan.to_json(out_dir / f"{name}.plan.json")
             rows.append({
                 "plan": name,
-                "layout": ", ".join(f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}" for m in plan.modules),
+                "layout": ", ".join(f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
+                                    for m in plan.modules),
                 **result.summary(),
                 "peak_memory_gib": peak / 2**30,
                 "fits_memory": over <= 0,
@@ -170,7 +173,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         return 0
     print(f"{scenario.name}: {scenario.cluster.num_gpus} x {scenario.cluster.spec.name}, data mix "
           f"{scenario.mix!r}, global batch {scenario.global_batch_size} (simulated)")
-    header = ("plan", "layout (stages x DP x TP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB")
+    header = ("plan", "layout (stages x DP x TP x CP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB")
     table = [header] + [(
         r["plan"], r["layout"], f"{r['iteration_time_s']:.3f}", f"{r['samples_per_s']:.1f}",
         f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%",

@@ -104,6 +104,11 @@ class CostModel(ABC):
         """Bytes per rank a microbatch's forward keeps until its backward (only the stage's
         input per layer under recompute; nothing for a stage without backward)."""
 
+    def transient_memory(self, module: str, stage: int, work: Workload) -> float:
+        """Bytes live only *during* a backward on top of what is held (under recompute, one
+        block's full activations while it is recomputed); 0 unless a model says otherwise."""
+        return 0.0
+
     # ---- throughput ---------------------------------------------------------------------
     @abstractmethod
     def model_flops(self, work: MicrobatchWork) -> float:

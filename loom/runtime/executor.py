@@ -1,7 +1,7 @@
 """The executor: runs one rank's list of IR actions with real tensors and communication.
 
 It is the runtime half of DESIGN.md's "schedule IR": the same actions the validator checks (and
-the simulator will play) are executed here one by one, and each is recorded in a timeline.
+the simulator plays) are executed here one by one, and each is recorded in a timeline.
 
 Semantics that make a parallel run equal the single-process reference:
 - the LLM's last stage scales each microbatch's summed token loss by the *global* number of

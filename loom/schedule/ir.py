@@ -4,7 +4,7 @@ A schedule is, per rank, the ordered list of actions that rank performs in one t
 iteration. Strictly, per *pipeline unit* (`loom.plan.plan`): the TP x CP ranks of one stage
 replica run the same list together, and with TP = CP = 1 a unit is a rank. Generators (`loom.schedule.generators`) build it from a `Plan`; the validator
 (`loom.schedule.validate`) proves it well formed; the executor (`loom.runtime.executor`) runs
-it with real tensors and the simulator will play it under a cost model. Both record timelines
+it with real tensors and the simulator (`loom.sim`) plays it under a cost model. Both record timelines
 in the same format.
 
 Stages are named by ``(module, stage)``. Communication is explicit: a ``SEND_ACT`` on one rank

@@ -93,8 +93,9 @@ class Scenario:
     # ---- plans ----------------------------------------------------------------------------
     def megatron_plan(self) -> Plan:
         d = self.degrees
-        units = self.cluster.num_gpus // (d.tensor_parallel * d.context_parallel * d.data_parallel)
-        llm_stages = units - len(self.arch.encoder_names)
+        # encoders take TP x DP ranks per stage (no CP); the LLM's stages take TP x CP x DP
+        encoder_ranks = len(self.arch.encoder_names) * d.tensor_parallel * d.data_parallel
+        llm_stages = (self.cluster.num_gpus - encoder_ranks) // (d.tensor_parallel * d.context_parallel * d.data_parallel)
         if llm_stages < 1:
             raise ScenarioError(f"{self.cluster.num_gpus} GPUs leave no pipeline stage for the LLM "
                                 f"at TP {d.tensor_parallel} x DP {d.data_parallel}")
@@ -165,8 +166,17 @@ class Scenario:
         if work is None:
             work = self.microbatch_work(self.metas(), plan.num_microbatches)
         cost = AnalyticCostModel(self.arch, plan, self.cluster)
-        schedule = build_schedule(plan)
+        schedule = build_schedule(plan, self.trainable_stages(plan))  # frozen stages run no backward
         return simulate(schedule, plan, cost, work, num_samples=self.global_batch_size)
+
+    def trainable_stages(self, plan: Plan) -> dict[tuple[str, int], bool]:
+        out = {}
+        for m in plan.modules:
+            layers = self.arch.module(m.name).layers
+            for s in range(m.num_stages):
+                lo, hi = plan.layers_of(m.name, s)
+                out[(m.name, s)] = any(layer.trainable for layer in layers[lo:hi])
+        return out
 
     def memory_capacity(self) -> float:
         return float(self.cluster.spec.hbm_bytes)
@@ -175,6 +185,13 @@ class Scenario:
 def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "packed") -> MicrobatchWork:
     """Per-module `Workload` of a microbatch of samples, from metadata only."""
     work: MicrobatchWork = {}
+    kinds = {arch.module(n).kind for n in arch.encoder_names}
+    for kind, field_name in _ITEMS.items():
+        if kind not in kinds and any(getattr(m, field_name) for m in metas):
+            raise ScenarioError(
+                f"the data has {field_name} but the model has no {kind} encoder: add one under "
+                f"[model] encoders, or choose a data.mix without {field_name}"
+            )
     llm_lengths = [m.text_tokens - len(m.images) - len(m.audios) for m in metas]
     for name in arch.encoder_names:
         module = arch.module(name)

@@ -380,6 +380,8 @@ def peak_memory(
                     live -= size
             elif a.kind is BACKWARD:
                 key = (a.module, a.stage, a.microbatch)
+                # the recompute working set is live while this backward runs
+                peak = max(peak, live + cost.transient_memory(a.module, a.stage, works[a.microbatch].get(a.module, _EMPTY)))
                 backwards_left[key] -= 1
                 if backwards_left[key] == 0:
                     live -= held.pop(key, 0.0)
