@@ -41,10 +41,12 @@ def _load(args: argparse.Namespace) -> TrainConfig:
         path = DEFAULT_CONFIG
     cfg = load_config(path, args.overrides)
     # resolve the plan against the real model now, so a bad plan fails before any process starts
-    from loom.train.build import build_data, build_model
+    from loom.train.build import build_data, build_model, profiled_boundaries
 
-    tokenizer, _ = build_data(cfg)
+    tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+    if cfg.run.profile:
+        profiled_boundaries(cfg, model, dataset)
     cfg.plan.resolve(model.layer_counts())
     return cfg
 
@@ -77,11 +79,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from loom.schedule.validate import render, validate_schedule
     from loom.train.build import build_data, build_model
 
-    cfg = load_config(args.config if args.config else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None),
-                      args.overrides)
-    tokenizer, _ = build_data(cfg)
-    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
-    plan = cfg.plan.resolve(model.layer_counts())
+    cfg = _load(args)
+    model = build_model(cfg.model, build_data(cfg)[0], seed=cfg.run.seed)
+    plan = cfg.plan
     schedule = build_schedule(plan, trainable_stages(model, plan))
     validate_schedule(schedule, plan)
     print(plan.to_toml())
@@ -106,7 +106,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"loom: profiling {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters on {args.device} "
           f"with {args.threads} thread(s), token counts {list(token_counts)}, {args.repeats} repeats", flush=True)
     profile = profile_model(model, token_counts=token_counts, repeats=args.repeats, device=args.device,
-                            threads=args.threads, measure_comm=not args.no_comm)
+                            threads=args.threads, measure_comm=not args.no_comm, co_runners=args.co_runners)
     profile.save(out)
     print(profile.table())
     print(f"profiled in {profile.settings['seconds']:.1f} s; wrote {out} (model signature {profile.signature_hash})")
@@ -217,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (1: as a local rank)")
             p.add_argument("--device", default="cpu", help="cpu or cuda")
             p.add_argument("--no-comm", action="store_true", help="skip the 2-process communication measurements")
+            p.add_argument("--co-runners", type=int, default=0,
+                           help="processes kept computing while timing (the other ranks sharing this machine)")
         p.set_defaults(fn=fn)
     args = ap.parse_args(argv)
     try:

@@ -58,3 +58,40 @@ def num_targets(meta: SampleMeta) -> int:
 
 def build_data(cfg: TrainConfig) -> tuple[Tokenizer, DemoDataset]:
     return Tokenizer(), DemoDataset(cfg.data.demo)
+
+
+def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoDataset) -> None:
+    """Fill the plan's unset stage boundaries with the frozen-aware partition (cornstarch.md
+    §3.2.2, eq. 3.5) of per-layer costs from ``run.profile``, for the mean microbatch of the
+    run's first global batches (from metadata only). Modules with explicit boundaries keep them."""
+    from loom.cost.arch import arch_from_model
+    from loom.cost.model import Workload
+    from loom.cost.profile import Profile, ProfileError
+    from loom.data.sampler import GlobalBatchSampler
+    from loom.data.collate import split_microbatches
+    from loom.plan.partition import frozen_aware_boundaries, frozen_aware_layer_costs
+    from loom.sim.scenario import sample_work
+
+    try:
+        profile = Profile.load(cfg.run.profile)
+        profile.check_matches(model)
+    except (OSError, ProfileError) as e:
+        raise ConfigError(f"run.profile = {cfg.run.profile!r}: {e}") from e
+    arch = arch_from_model(model)
+    sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
+    works = []
+    for step in range(min(4, cfg.run.steps)):
+        for part in split_microbatches(sampler.batch(step), cfg.plan.num_microbatches):
+            works.append(sample_work(arch, [dataset.meta(i) for i in part], llm_batching="padded"))
+    mean = {
+        m: Workload(*(round(sum(getattr(w[m], f) for w in works) / len(works)) for f in ("tokens", "attn_sq", "segments")))
+        for m in model.module_names
+    }
+    per_layer = {phase: {m: [profile.module_time(m, phase, mean[m], i, i + 1) for i in range(len(profile.layers[m]))]
+                         for m in model.module_names}
+                 for phase in ("forward", "backward_input", "backward_weight")}
+    trainable = {m: [any(p.requires_grad for p in l.module.parameters()) for l in model.module_layers(m)]
+                 for m in model.module_names}
+    costs = frozen_aware_layer_costs(per_layer["forward"], per_layer["backward_input"], per_layer["backward_weight"],
+                                     trainable, model.module_names)
+    cfg.plan = frozen_aware_boundaries(cfg.plan, costs)

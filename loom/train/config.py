@@ -34,6 +34,7 @@ class RunConfig:
     seed: int = 0
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per process)
     log_every: int = 10  # log-line interval when stdout is not a terminal
+    profile: str = ""  # a `loom profile` JSON: unset stage boundaries then come from the frozen-aware partitioner
 
 
 @dataclass
