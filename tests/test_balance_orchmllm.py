@@ -1,0 +1,209 @@
+"""OrchMLLM post-balancing (loom.balance.orchmllm) against exact oracles: brute force on small
+instances, the LPT bound, the heap reference, and brute force over node-wise permutations."""
+
+import numpy as np
+import pytest
+
+from loom.balance.orchmllm import (
+    Assignment,
+    InfeasibleBalanceError,
+    _lpt_fast,
+    _lpt_fast_integer,
+    _lpt_reference,
+    brute_force_balance,
+    lpt_balance,
+    nodewise_brute_force,
+    nodewise_rearrangement,
+    packed_loads,
+    padded_attention_balance,
+    padded_attention_loads,
+    padded_balance,
+    padded_loads,
+    quadratic_lpt_balance,
+)
+
+
+def assert_partition(a: Assignment, n: int, d: int) -> None:
+    # No sample dropped or duplicated: every sample has exactly one rank in range.
+    assert a.rank_of_sample.shape == (n,)
+    assert a.loads.shape == (d,)
+    if n:
+        assert a.rank_of_sample.min() >= 0 and a.rank_of_sample.max() < d
+    flat = sorted(k for rank in a.ranks for k in rank)
+    assert flat == list(range(n))
+
+
+def small_instances(seed: int, count: int):
+    rng = np.random.default_rng(seed)
+    for _ in range(count):
+        d = int(rng.integers(2, 4))
+        n = int(rng.integers(1, 8 if d == 3 else 10))
+        yield rng.integers(1, 20, size=n).astype(float), d
+
+
+def test_lpt_within_graham_bound_of_brute_force():
+    worst = 1.0
+    for lengths, d in small_instances(0, 40):
+        a = lpt_balance(lengths, d)
+        assert_partition(a, lengths.size, d)
+        opt = brute_force_balance(lengths.size, d, lambda r: packed_loads(lengths, r, d)).max_load
+        ratio = a.max_load / opt
+        worst = max(worst, ratio)
+        assert ratio <= 4 / 3 - 1 / (3 * d) + 1e-12
+    assert worst >= 1.0
+
+
+def test_lpt_graham_tight_example():
+    # Graham's tight instance for d=2: 3,3,2,2,2 -> LPT 7, optimum 6 (ratio 7/6 = 4/3 - 1/6).
+    a = lpt_balance([3, 3, 2, 2, 2], 2)
+    assert a.max_load == 7
+    assert a.ranks == [[0, 2, 4], [1, 3]]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fast_lpt_equals_heap_reference(seed):
+    rng = np.random.default_rng(seed)
+    d = int(rng.integers(3, 200))
+    n = int(rng.integers(1, 3000))
+    ints = rng.integers(0, 50, size=n).astype(float)  # many ties and zeros
+    floats = rng.lognormal(3, 1, size=n)
+    for w in (ints, floats):
+        ref = _lpt_reference(w, d)
+        assert np.array_equal(_lpt_fast(w, d), ref)
+        assert np.array_equal(lpt_balance(w, d).rank_of_sample, ref)
+    assert np.array_equal(_lpt_fast_integer(ints, d), _lpt_reference(ints, d))
+
+
+def test_lpt_more_ranks_than_samples_and_empty():
+    a = lpt_balance([5, 1], 4)
+    assert_partition(a, 2, 4)
+    assert sorted(a.loads.tolist()) == [0, 0, 1, 5]
+    empty = lpt_balance([], 3)
+    assert_partition(empty, 0, 3)
+    assert empty.max_load == 0 and empty.imbalance() == 1.0
+
+
+def test_padded_equals_brute_force():
+    for lengths, d in small_instances(1, 40):
+        a = padded_balance(lengths, d)
+        assert_partition(a, lengths.size, d)
+        assert np.allclose(a.loads, padded_loads(lengths, a.rank_of_sample, d))
+        opt = brute_force_balance(lengths.size, d, lambda r: padded_loads(lengths, r, d)).max_load
+        assert a.max_load == opt
+
+
+def test_padded_quadratic_and_real_costs_equal_brute_force():
+    rng = np.random.default_rng(2)
+    for _ in range(15):
+        d = int(rng.integers(2, 4))
+        n = int(rng.integers(1, 7))
+        lengths = rng.integers(1, 30, size=n).astype(float)
+        # Integer coefficients: exact integer search.
+        a = padded_balance(lengths, d, alpha=2.0, beta=1.0)
+        opt = brute_force_balance(n, d, lambda r: padded_loads(lengths, r, d, 2.0, 1.0)).max_load
+        assert a.max_load == opt
+        # Real lengths: float search to relative 1e-12.
+        real = lengths * 0.37
+        b = padded_balance(real, d, alpha=1.0, beta=0.01)
+        opt = brute_force_balance(n, d, lambda r: padded_loads(real, r, d, 1.0, 0.01)).max_load
+        assert b.max_load == pytest.approx(opt, rel=1e-9)
+        assert_partition(b, n, d)
+
+
+def test_padded_large_is_partition_and_beats_random():
+    rng = np.random.default_rng(3)
+    d, per = 64, 30
+    lengths = np.round(rng.lognormal(6, 1, d * per))
+    a = padded_balance(lengths, d)
+    assert_partition(a, lengths.size, d)
+    random = padded_loads(lengths, np.repeat(np.arange(d), per), d)
+    assert a.max_load <= random.max()
+    assert a.max_load >= max(lengths.max(), np.ceil(lengths.sum() / d))
+
+
+def test_quadratic_lpt_balances_eq2_cost():
+    lengths = [100, 90, 10, 10, 10, 10, 10, 10]
+    a = quadratic_lpt_balance(lengths, 2, alpha=1.0, beta=0.01)
+    assert_partition(a, 8, 2)
+    per_sample = np.asarray(lengths) + 0.01 * np.asarray(lengths) ** 2
+    assert np.allclose(a.loads, packed_loads(per_sample, a.rank_of_sample, 2))
+    opt = brute_force_balance(8, 2, lambda r: packed_loads(per_sample, r, 2)).max_load
+    assert a.max_load <= (4 / 3 - 1 / 6) * opt + 1e-9
+
+
+def test_padded_attention_is_partition_and_loads_are_objective():
+    for lengths, d in small_instances(4, 20):
+        a = padded_attention_balance(lengths, d, lam=0.05)
+        assert_partition(a, lengths.size, d)
+        assert np.allclose(a.loads, padded_attention_loads(lengths, a.rank_of_sample, d, 0.05))
+        opt = brute_force_balance(lengths.size, d, lambda r: padded_attention_loads(lengths, r, d, 0.05))
+        assert a.max_load >= opt.max_load - 1e-9
+
+
+def test_validation_errors():
+    with pytest.raises(ValueError, match="num_ranks"):
+        lpt_balance([1, 2], 0)
+    with pytest.raises(ValueError, match=r"workloads\[1\].*negative"):
+        lpt_balance([1, -2], 2)
+    with pytest.raises(ValueError, match="NaN"):
+        padded_balance([1, float("nan")], 2)
+    with pytest.raises(ValueError, match="1-D"):
+        lpt_balance([[1, 2]], 2)
+    with pytest.raises(ValueError, match="beta"):
+        padded_balance([1, 2], 2, beta=-1)
+    with pytest.raises(InfeasibleBalanceError, match="capacity"):
+        lpt_balance([10, 1], 2, capacity=5)
+    with pytest.raises(InfeasibleBalanceError, match="num_ranks \\* capacity"):
+        lpt_balance([4, 4, 4], 2, capacity=5)
+    # Padded optimum for [3,3,3] on 2 ranks is 6 (two share a rank): capacity 5 cannot be met.
+    with pytest.raises(InfeasibleBalanceError, match="optimal padded"):
+        padded_balance([3, 3, 3], 2, capacity=5)
+    assert padded_balance([3, 3, 3], 2, capacity=6).max_load == 6
+
+
+def _nodewise_instance(rng, d, per, ranks_per_node):
+    n = d * per
+    lengths = np.round(rng.lognormal(5, 1, n))
+    source = np.repeat(np.arange(d), per)
+    balanced = lpt_balance(lengths, d)
+    return balanced, source, lengths
+
+
+def test_nodewise_milp_equals_brute_force_on_tiny():
+    rng = np.random.default_rng(5)
+    for d, c in [(4, 2), (6, 2), (6, 3)]:
+        for _ in range(3):
+            balanced, source, volumes = _nodewise_instance(rng, d, 4, c)
+            plan = nodewise_rearrangement(balanced, source, volumes, c, time_limit=5.0)
+            exact = nodewise_brute_force(balanced, source, volumes, c)
+            assert plan.max_internode_send == pytest.approx(exact)
+            assert plan.gap == pytest.approx(0.0, abs=1e-6)
+
+
+def test_nodewise_milp_not_worse_than_heuristic_and_keeps_balance():
+    rng = np.random.default_rng(6)
+    balanced, source, volumes = _nodewise_instance(rng, 16, 10, 4)
+    heur = nodewise_rearrangement(balanced, source, volumes, 4, use_milp=False)
+    plan = nodewise_rearrangement(balanced, source, volumes, 4, time_limit=2.0)
+    assert plan.max_internode_send <= heur.max_internode_send + 1e-9
+    assert plan.max_internode_send <= plan.identity_max_send + 1e-9
+    assert 0.0 <= plan.gap <= 1.0 and plan.lower_bound <= plan.max_internode_send + 1e-9
+    # A permutation of whole batches: same multiset of loads, every sample kept.
+    assert sorted(plan.assignment.loads) == sorted(balanced.loads)
+    assert_partition(plan.assignment, volumes.size, 16)
+    assert sorted(plan.rank_of_batch.tolist()) == list(range(16))
+    for j in range(16):
+        moved = plan.assignment.samples_on(int(plan.rank_of_batch[j]))
+        assert np.array_equal(moved, balanced.samples_on(j))
+
+
+def test_nodewise_validation():
+    balanced = lpt_balance([1, 2, 3, 4], 4)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        nodewise_rearrangement(balanced, [0, 1, 2, 3], [1, 1, 1, 1], 3)
+    with pytest.raises(ValueError, match="source_rank"):
+        nodewise_rearrangement(balanced, [0, 1, 2], [1, 1, 1, 1], 2)
+    with pytest.raises(ValueError, match="source_rank values"):
+        nodewise_rearrangement(balanced, [0, 1, 2, 9], [1, 1, 1, 1], 2)
+    with pytest.raises(ValueError, match="volumes"):
+        nodewise_rearrangement(balanced, [0, 1, 2, 3], [1, 1, 1, -1], 2)
