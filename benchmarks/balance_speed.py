@@ -1,6 +1,6 @@
 """How fast loom's balancing algorithms decide, at the sizes the issue names.
 
-    python benchmarks/balance_speed.py [--repeats 30]
+    python -m benchmarks.balance_speed [--repeats 30]
 
 Figures (medians over repeats, fresh seeded inputs, one process on this machine):
 - ``post_balance_ms``: OrchMLLM LPT post-balancing of 2560 ranks x 60 samples (target 5 ms);

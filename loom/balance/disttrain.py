@@ -162,7 +162,7 @@ def chain_times(
             raise ValueError(
                 f"generator_times has {len(gen)} entries but encoder_times has {l}; pass one time per microbatch to both"
             )
-    if isinstance(llm_times, (int, float)) and not isinstance(llm_times, bool):
+    if isinstance(llm_times, numbers.Real) and not isinstance(llm_times, bool):
         llm = _check_costs([llm_times] * l, "llm_times", "an LLM per-stage forward time")
     else:
         llm = _check_costs(llm_times, "llm_times", "per-microbatch LLM per-stage forward times")

@@ -47,6 +47,8 @@ Decisions where the digest leaves a gap (``entrain.md`` §7) or corrects the tex
 
 from __future__ import annotations
 
+import numbers
+
 import heapq
 import math
 from collections.abc import Mapping, Sequence
@@ -81,9 +83,9 @@ def _workloads(name: str, values: Sequence[float]) -> list[float]:
 
 
 def _positive_int(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 def _matching_lengths(encoder_work: list[float], llm_work: list[float]) -> None:
@@ -97,7 +99,9 @@ def _microbatches(
     name: str, microbatches: Sequence[Sequence[int]], num_samples: int
 ) -> list[list[int]]:
     """Check that ``microbatches`` hold valid, distinct sample indices."""
-    out = [list(mb) for mb in microbatches]
+    # numpy integers are fine indices: normalise them to int so the checks below hold
+    out = [[int(s) if isinstance(s, numbers.Integral) and not isinstance(s, bool) else s for s in mb]
+           for mb in microbatches]
     seen: set[int] = set()
     for m, mb in enumerate(out):
         for s in mb:
