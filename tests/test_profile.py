@@ -92,10 +92,14 @@ def test_fit_is_non_negative_and_nnls_matches_a_brute_force_oracle():
     assert min(coef) >= 0
 
 
-def test_linear_comm_fit():
-    fit = LinearFit.fit([(0, 1e-4), (1e6, 1e-4 + 1e-3), (4e6, 1e-4 + 4e-3)])
+def test_comm_fit_interpolates_its_points_and_extrapolates_the_line():
+    fit = LinearFit.fit([(1e6, 1e-4 + 1e-3), (0, 1e-4), (4e6, 1e-4 + 4e-3)])
     assert fit.alpha_s == pytest.approx(1e-4, rel=1e-6)
     assert fit.seconds_per_byte == pytest.approx(1e-9, rel=1e-6)
+    assert fit.time(2e6) == pytest.approx(1e-4 + 2e-3) and fit.time(8e6) == pytest.approx(1e-4 + 8e-3)
+    step = LinearFit.fit([(0, 1e-4), (1000, 2e-3), (2000, 2e-3)])  # a step, as small messages make
+    assert step.time(0) == 1e-4 and step.time(500) == pytest.approx((1e-4 + 2e-3) / 2)
+    assert step.time(1500) == pytest.approx(2e-3)
 
 
 # ---- files and the model check ---------------------------------------------------------------
@@ -204,7 +208,7 @@ def test_frozen_aware_backward_in_the_profiled_model(quick_profile: Profile):
         assert 0 < b < full.stage_time(LLM, stage, "backward", w)
     layers = quick_profile.layers[LLM]
     expected = sum(layers[i].time("backward_input", w) for i in range(3, 5))
-    expected += evaluate(quick_profile.loss["backward_input"], w)
+    expected += evaluate(quick_profile.loss["backward_input"], w) + quick_profile.backward_call_s
     assert proj.stage_time(LLM, 1, "backward", w) == pytest.approx(expected)
     assert proj.optimizer_time(LLM, 0) == 0.0 and proj.optimizer_time("vision", 0) > 0
     # per-module flags without a model give the same answer
@@ -216,3 +220,69 @@ def test_features_are_entrain_quadratic_for_one_sequence():
     assert FEATURES[:3] == ("attn_sq", "tokens_sq", "tokens")
     w = Workload.of_lengths([100])
     assert evaluate([1, 0, 2, 0, 3], w) == 100 * 100 + 2 * 100 + 3
+
+
+def test_a_module_subset_serves_a_model_of_just_that_module(quick_profile: Profile):
+    llm_only = tiny_model(vision=False)
+    with pytest.raises(ProfileError):
+        quick_profile.check_matches(llm_only)
+    sub = quick_profile.subset([LLM])
+    sub.check_matches(llm_only)
+    plan = Plan([ModuleSpec(LLM, num_stages=2)], num_microbatches=2)
+    cost = ProfiledCostModel(sub, llm_only, plan)
+    w = Workload.padded([32] * 2)
+    full = ProfiledCostModel(quick_profile, tiny_model(), Plan([ModuleSpec("vision"), ModuleSpec(LLM, num_stages=2)]))
+    assert cost.stage_time(LLM, 1, "forward", w) == pytest.approx(full.stage_time(LLM, 1, "forward", w))
+    with pytest.raises(ProfileError, match="audio"):
+        quick_profile.subset(["audio"])
+
+
+def test_message_costs_are_charged_to_the_compute_around_them(quick_profile: Profile):
+    """Each send's post and each receive's completion cost their rank CPU time (the simulator's
+    sends and receives take none), and the wire time is what the waiting receiver sees beyond
+    its own receive cost."""
+    import dataclasses
+
+    from loom.cost.profile import Communication
+
+    const = lambda s: LinearFit(s, 0.0, [])
+    comm = Communication(send_post=const(1e-3), recv_ready=const(2e-3), latency=const(5e-3), all_reduce=const(4e-3))
+    with_comm = dataclasses.replace(quick_profile, comm=comm)
+    plan = lambda: Plan([ModuleSpec("vision"), ModuleSpec(LLM, num_stages=2)], num_microbatches=2)
+    a = ProfiledCostModel(quick_profile, tiny_model(), plan())
+    b = ProfiledCostModel(with_comm, tiny_model(), plan())
+    w = Workload.padded([32] * 2)
+    d = lambda m, s, k: b.stage_time(m, s, k, w) - a.stage_time(m, s, k, w)
+    assert d("vision", 0, "forward") == pytest.approx(1e-3)  # posts its output
+    assert d(LLM, 0, "forward") == pytest.approx(2e-3 + 1e-3)  # receives the vision tokens, posts on
+    assert d(LLM, 1, "forward") == pytest.approx(2e-3)  # receives; the loss stage sends nothing
+    assert d(LLM, 1, "backward") == pytest.approx(1e-3)  # posts the gradient back
+    assert d(LLM, 0, "backward") == pytest.approx(2e-3 + 1e-3)  # receives it, posts one to vision
+    assert d("vision", 0, "backward") == pytest.approx(2e-3)
+    assert b.transfer_time(0, 1, LLM, 0, w) == pytest.approx(5e-3 - 2e-3)
+    assert b.transfer_time(1, 1, LLM, 0, w) == 0.0
+    # frozen encoder: no gradient goes back to it
+    frozen = ProfiledCostModel(with_comm, tiny_model(freeze=["vision"]), plan())
+    base = ProfiledCostModel(quick_profile, tiny_model(freeze=["vision"]), plan())
+    assert frozen.stage_time(LLM, 0, "backward", w) - base.stage_time(LLM, 0, "backward", w) == pytest.approx(2e-3)
+    # data parallel: the gradient all-reduce, ring-scaled from the 2 measured ranks
+    dp = Plan([ModuleSpec("vision"), ModuleSpec(LLM, data_parallel=4)], num_microbatches=4)
+    sync = ProfiledCostModel(with_comm, tiny_model(), dp).grad_sync_time(LLM, 0)
+    assert sync == pytest.approx(4e-3 * 3)  # alpha per ring step: (n - 1) / (2 - 1)
+
+
+def test_loom_profile_command_writes_a_loadable_profile(tmp_path: Path):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "p.json"
+    tiny = ["model.vision.hidden_size=32", "model.audio.hidden_size=32", "model.llm.hidden_size=32",
+            "model.llm.intermediate_size=64"]
+    run = subprocess.run([sys.executable, "-m", "loom.cli", "profile", "--config", str(root / "configs/demo.toml"),
+                          "--out", str(out), "--tokens", "16,64", "--repeats", "1", "--no-comm", *tiny],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "model.layers.0" in run.stdout and str(out) in run.stdout
+    prof = Profile.load(out)
+    assert list(prof.layers) == ["vision", "audio", "llm"] and prof.comm is None
