@@ -332,3 +332,20 @@ def test_plan_with_stage_counts_repartitions_the_named_modules():
     assert {m.name: m.num_stages for m in built.modules} == result.stage_counts
     assert {m.name: m.stage_boundaries for m in built.modules} == result.boundaries
     built.resolve({"vision": 9, "llm": 8}, world_size=4)
+
+
+def test_partition_and_cost_model_share_one_frozen_rule():
+    """`frozen_aware_layer_breakdown` and `loom.cost.frozen.backward_needs` apply the same rule,
+    including the raw-data refinement: a trainable front-end computes no input gradient."""
+    from loom.cost.frozen import needs_from_flags
+
+    trainable = {"vision": [True, False, True], "llm": [False, False, False]}
+    reads_data = {"vision": [True, False, False], "llm": [True, False, False]}
+    ones = {m: [1.0] * len(f) for m, f in trainable.items()}
+    breakdown = frozen_aware_layer_breakdown(ones, ones, ones, trainable, ["vision", "llm"], reads_data=reads_data)
+    needs = needs_from_flags(trainable, reads_data)
+    for m in trainable:
+        assert [c.backward_input > 0 for c in breakdown[m]] == [n.input for n in needs[m]]
+        assert [c.backward_weight > 0 for c in breakdown[m]] == [n.weight for n in needs[m]]
+    assert [n.input for n in needs["vision"]] == [False, True, True]  # front-end: nothing before it
+    assert [n.input for n in needs["llm"]] == [True, True, True]  # the embedding feeds the merge's gradient

@@ -23,6 +23,8 @@ from loom.schedule import (
     validate_schedule,
 )
 
+from plans import multimodal
+
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
@@ -32,18 +34,6 @@ SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 def chain(stages: int, microbatches: int, dp: int = 1, kind: str = "1f1b") -> Plan:
     return Plan([ModuleSpec("llm", data_parallel=dp, num_stages=stages)], num_microbatches=microbatches,
                 schedule=kind).resolve({"llm": 6})
-
-
-def multimodal(vision: int = 2, audio: int = 1, llm: int = 2, microbatches: int = 4,
-               dp_enc: int = 1, dp_llm: int = 1) -> Plan:
-    """Vision and (if ``audio`` > 0) audio encoders feeding the LLM."""
-    modules = [ModuleSpec("vision", data_parallel=dp_enc, num_stages=vision)]
-    layers = {"vision": 4, "llm": 6}
-    if audio:
-        modules.append(ModuleSpec("audio", data_parallel=dp_enc, num_stages=audio))
-        layers["audio"] = 3
-    modules.append(ModuleSpec("llm", data_parallel=dp_llm, num_stages=llm))
-    return Plan(modules, num_microbatches=microbatches).resolve(layers)
 
 
 def in_flight(actions: list[Action]) -> int:

@@ -15,6 +15,8 @@ from loom.plan.plan import ModuleSpec, Plan
 from loom.schedule import KINDS, Action, ActionKind, Schedule, build_schedule, unit_cost_makespan
 from loom.sim import DeadlockError, plot_gantt, simulate
 
+from plans import multimodal
+
 F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 
 
@@ -22,17 +24,6 @@ F, B = ActionKind.FORWARD, ActionKind.BACKWARD
 def chain(stages: int, microbatches: int, kind: str = "1f1b", dp: int = 1, tp: int = 1) -> Plan:
     return Plan([ModuleSpec("llm", data_parallel=dp, num_stages=stages, tensor_parallel=tp)],
                 num_microbatches=microbatches, schedule=kind).resolve({"llm": 8})
-
-
-def multimodal(vision: int = 1, audio: int = 1, llm: int = 2, microbatches: int = 4, kind: str = "1f1b",
-               dp_enc: int = 1, dp_llm: int = 1) -> Plan:
-    modules = [ModuleSpec("vision", data_parallel=dp_enc, num_stages=vision)]
-    layers = {"vision": 4, "llm": 6}
-    if audio:
-        modules.append(ModuleSpec("audio", data_parallel=dp_enc, num_stages=audio))
-        layers["audio"] = 3
-    modules.append(ModuleSpec("llm", data_parallel=dp_llm, num_stages=llm))
-    return Plan(modules, num_microbatches=microbatches, schedule=kind).resolve(layers)
 
 
 def run(plan: Plan, **costs):
@@ -123,7 +114,7 @@ def test_unit_costs_agree_with_the_validator(kind):
     """With F = B = 1 and everything else free, the simulator is the validator's unit-cost play
     (an independent implementation), over chains, DAGs, DP degrees and frozen modules."""
     plans = [chain(s, m, kind, dp) for s, m, dp in itertools.product((1, 2, 3), (2, 4, 5), (1, 2))]
-    plans += [multimodal(v, a, l, m, kind, de, dl)
+    plans += [multimodal(v, a, l, m, de, dl, kind=kind)
               for v, a, l, m, de, dl in [(2, 1, 2, 4, 1, 1), (1, 0, 3, 6, 2, 1), (2, 1, 2, 8, 1, 2), (3, 2, 1, 6, 2, 3)]]
     for plan in plans:
         sched = build_schedule(plan)

@@ -17,6 +17,7 @@ encoder chain is, the gradient then flowing back through the merge of encoder to
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from loom.cost.arch import LLM, ModelArch
@@ -37,19 +38,32 @@ class BackwardNeeds:
         return self.weight or self.input
 
 
-def backward_needs(arch: ModelArch) -> dict[str, list[BackwardNeeds]]:
-    """Per module, per layer (in `ModelArch` order), the parts of backward it runs."""
+def needs_from_flags(
+    trainable: Mapping[str, Sequence[bool]], reads_data: Mapping[str, Sequence[bool]] | None = None
+) -> dict[str, list[BackwardNeeds]]:
+    """The rule on plain flags: per module (encoders in graph order, then ``"llm"``), per layer,
+    whether it is trainable and (optionally) whether it reads raw data (the refinement above;
+    without it, a trainable layer counts its own ``B_d`` exactly as eq. 3.3 states)."""
     needs: dict[str, list[BackwardNeeds]] = {}
     encoders_propagate = False
-    for name, module in arch.modules.items():
+    for name, flags in trainable.items():
+        raw = reads_data.get(name) if reads_data is not None else None
         seen = encoders_propagate if name == LLM else False  # p(L_{l-1}) entering the chain
         out = []
-        for layer in module.layers:
-            p = seen or layer.trainable  # eq. 3.3
-            needs_input = seen if layer.kind in INPUT_KINDS else p
-            out.append(BackwardNeeds(weight=layer.trainable, input=needs_input))  # eq. 3.2
+        for i, t in enumerate(flags):
+            p = seen or bool(t)  # eq. 3.3
+            needs_input = seen if (raw is not None and raw[i]) else p
+            out.append(BackwardNeeds(weight=bool(t), input=needs_input))  # eq. 3.2
             seen = p
         needs[name] = out
         if name != LLM:
             encoders_propagate = encoders_propagate or seen
     return needs
+
+
+def backward_needs(arch: ModelArch) -> dict[str, list[BackwardNeeds]]:
+    """Per module, per layer (in `ModelArch` order), the parts of backward it runs."""
+    return needs_from_flags(
+        {name: [layer.trainable for layer in m.layers] for name, m in arch.modules.items()},
+        {name: [layer.kind in INPUT_KINDS for layer in m.layers] for name, m in arch.modules.items()},
+    )

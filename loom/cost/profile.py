@@ -1372,16 +1372,12 @@ def _check_arch(profile: Profile, arch: Any) -> None:
 
 def _input_needs(profile: Profile, trainable: dict[str, list[bool]]) -> dict[str, list[bool]]:
     """Per layer, whether its backward computes the input-gradient part: the rule of
-    `loom.cost.frozen.backward_needs`, applied to the profile's layer kinds and these flags."""
-    from types import SimpleNamespace
+    `loom.cost.frozen`, applied to the profile's layer kinds and these flags."""
+    from loom.cost.frozen import INPUT_KINDS, needs_from_flags
 
-    from loom.cost.frozen import backward_needs
-
-    arch = SimpleNamespace(modules={
-        m: SimpleNamespace(layers=[SimpleNamespace(kind=l.kind, trainable=f) for l, f in zip(ls, trainable[m])])
-        for m, ls in profile.layers.items()
-    })
-    return {m: [n.input for n in needs] for m, needs in backward_needs(arch).items()}
+    reads_data = {m: [l.kind in INPUT_KINDS for l in ls] for m, ls in profile.layers.items()}
+    needs = needs_from_flags({m: trainable[m] for m in profile.layers}, reads_data)
+    return {m: [n.input for n in ns] for m, ns in needs.items()}
 
 
 def load_profile_for(path: str | Path, model: MultimodalModel) -> Profile:

@@ -29,6 +29,7 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from loom.cost.frozen import needs_from_flags
 from loom.plan.plan import LLM, Plan, PlanError
 
 # Two split candidates whose bottlenecks differ by less than this fraction of the module's total
@@ -84,6 +85,7 @@ def frozen_aware_layer_breakdown(
     trainable: Mapping[str, Sequence[bool]],
     module_order: Sequence[str],
     recompute: Mapping[str, bool] | bool = False,
+    reads_data: Mapping[str, Sequence[bool]] | None = None,
 ) -> dict[str, list[LayerCost]]:
     """Per module, per layer: the (F, B_w, B_d, R) that `frozen_aware_layer_costs` sums.
 
@@ -99,7 +101,12 @@ def frozen_aware_layer_breakdown(
       rule: a trainable encoder makes every LLM layer back-propagate, since the LLM sits after
       it);
     - ``recompute`` (one flag for all modules, or one per module; a missing module means off)
-      adds one forward to every layer that has any backward.
+      adds one forward to every layer that has any backward;
+    - ``reads_data`` (optional, per layer) marks layers that read raw data (front-ends, the
+      token embedding): they take ``B_d`` only when something strictly before them is
+      trainable, the refinement of `loom.cost.frozen` that matches autograd.
+
+    The rule itself is `loom.cost.frozen.needs_from_flags`, shared with the cost models.
     """
     names = list(module_order)
     if len(set(names)) != len(names):
@@ -122,8 +129,7 @@ def frozen_aware_layer_breakdown(
             raise ValueError(f"recompute has modules {extra} that module_order = {names} does not list")
         recompute_of = {n: bool(recompute.get(n, False)) for n in names}
 
-    out: dict[str, list[LayerCost]] = {}
-    encoders_backpropagate = False  # OR over the encoder chains' final p(L)
+    checked: dict[str, tuple[list[float], list[float], list[float], list[bool]]] = {}
     for name in names:
         fwd = _check_layer_list("forward", name, forward[name], None)
         n = len(fwd)
@@ -132,19 +138,19 @@ def frozen_aware_layer_breakdown(
         train = [bool(t) for t in trainable[name]]
         if len(train) != n:
             raise ValueError(f"trainable[{name!r}] has {len(train)} entries; forward[{name!r}] has {n}")
-        # Every encoder chain starts clean; the LLM inherits from all of them (cross-modality).
-        seen = encoders_backpropagate if name == LLM else False
+        checked[name] = (fwd, b_in, b_w, train)
+    # the one frozen-aware rule (eqs. 3.2-3.3, the cross-modality start of the LLM's chain)
+    needs = needs_from_flags({name: checked[name][3] for name in names}, reads_data)
+    out: dict[str, list[LayerCost]] = {}
+    for name in names:
+        fwd, b_in, b_w, train = checked[name]
         layers = []
-        for f, bd, bw, t in zip(fwd, b_in, b_w, train):
-            p = seen or t  # eq. 3.3
-            weight = bw if t else 0.0
-            data = bd if p else 0.0
+        for f, bd, bw, t, need in zip(fwd, b_in, b_w, train, needs[name]):
+            weight = bw if need.weight else 0.0
+            data = bd if need.input else 0.0
             again = f if (recompute_of[name] and weight + data > 0) else 0.0
-            layers.append(LayerCost(f, weight, data, again, t, p))
-            seen = p
+            layers.append(LayerCost(f, weight, data, again, t, need.input))
         out[name] = layers
-        if name != LLM:
-            encoders_backpropagate = encoders_backpropagate or seen
     return out
 
 
@@ -155,12 +161,13 @@ def frozen_aware_layer_costs(
     trainable: Mapping[str, Sequence[bool]],
     module_order: Sequence[str],
     recompute: Mapping[str, bool] | bool = False,
+    reads_data: Mapping[str, Sequence[bool]] | None = None,
 ) -> dict[str, list[float]]:
     """Per module, the per-layer ``T_l = F_l + B_w + B_d + R`` to balance (cornstarch.md §3.2.2,
     eqs. 3.1-3.3 and the pseudocode ``layer_costs``). See `frozen_aware_layer_breakdown` for
     the rules and for the parts of each ``T_l``."""
     breakdown = frozen_aware_layer_breakdown(forward, backward_input, backward_weight, trainable,
-                                             module_order, recompute)
+                                             module_order, recompute, reads_data)
     return {name: [layer.total for layer in layers] for name, layers in breakdown.items()}
 
 

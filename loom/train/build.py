@@ -65,6 +65,7 @@ def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoD
     §3.2.2, eq. 3.5) of per-layer costs from ``run.profile``, for the mean microbatch of the
     run's first global batches (from metadata only). Modules with explicit boundaries keep them."""
     from loom.cost.arch import arch_from_model
+    from loom.cost.frozen import INPUT_KINDS
     from loom.cost.model import Workload
     from loom.cost.profile import Profile, ProfileError
     from loom.data.sampler import GlobalBatchSampler
@@ -92,6 +93,7 @@ def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoD
                  for phase in ("forward", "backward_input", "backward_weight")}
     trainable = {m: [any(p.requires_grad for p in l.module.parameters()) for l in model.module_layers(m)]
                  for m in model.module_names}
+    reads_data = {m: [l.kind in INPUT_KINDS for l in model.module_layers(m)] for m in model.module_names}
     costs = frozen_aware_layer_costs(per_layer["forward"], per_layer["backward_input"], per_layer["backward_weight"],
-                                     trainable, model.module_names)
+                                     trainable, model.module_names, reads_data=reads_data)
     cfg.plan = frozen_aware_boundaries(cfg.plan, costs)
