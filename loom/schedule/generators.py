@@ -17,10 +17,15 @@ upstream of it runs no backward and receives no gradient; see `backward_flow`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 from loom.plan.plan import LLM, Plan, PlanError
 from loom.schedule.ir import Action, ActionKind, Schedule, stage_key
+
+if TYPE_CHECKING:  # the layout is data from loom.balance; only its routes are read here
+    from loom.balance.layout import BatchLayout
 
 Stage = tuple[str, int]
 Edge = tuple[Stage, Stage]
@@ -193,7 +198,12 @@ def _compute_order(microbatches: list[int], lookahead: float | None) -> list[tup
     return order
 
 
-def build_schedule(plan: Plan, trainable: dict[Stage, bool] | None = None, kind: str | None = None) -> Schedule:
+def build_schedule(
+    plan: Plan,
+    trainable: dict[Stage, bool] | None = None,
+    kind: str | None = None,
+    layout: "BatchLayout | None" = None,
+) -> Schedule:
     """Build the schedule of one training iteration for a resolved plan.
 
     ``kind`` is ``"gpipe"`` or ``"1f1b"`` (default ``plan.schedule``); ``trainable`` as in
@@ -212,42 +222,92 @@ def build_schedule(plan: Plan, trainable: dict[Stage, bool] | None = None, kind:
     multimodal warmup (cornstarch.md §3.1, `warmup_count`), capped at the rank's microbatch
     count, then alternates one forward and one backward, then drains; see `_lookahead` for how
     the warmup carries over to modules of different data-parallel degrees.
+
+    With a ``layout`` (`loom.balance.layout.BatchLayout`, one per iteration) the microbatch
+    count is the layout's, and an encoder's microbatch ``j`` and the LLM's ``k`` may hold
+    different samples. Each encoder-to-LLM edge then becomes one message per ``(j, k)`` pair
+    that shares samples (``samples`` names them, ``peer_microbatch`` the other side): encoder
+    outputs go straight to the LLM microbatch of their samples (OrchMLLM's rearrangement
+    composition, orchmllm.md §2.1), and gradients come back the transposed way. An encoder
+    microbatch whose samples reach a later round's LLM microbatch (Entrain's deferral) runs a
+    split backward (entrain.md §3.6): the part whose gradients are due at once at its usual
+    place, the deferred part just before the rank's next backward, when their gradients have
+    arrived; the input gradient to an earlier encoder stage leaves after the last part.
     """
     kind = plan.schedule if kind is None else kind
     if kind not in KINDS:
         raise ValueError(f"schedule kind {kind!r} is unknown: choose one of {list(KINDS)}")
+    if layout is not None:
+        if layout.is_identity() and layout.num_microbatches == plan.num_microbatches:
+            layout = None  # the plain j -> j edges carry exactly these samples
+        else:
+            plan = dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
     _check_resolved(plan)
     train = _trainable_map(plan, trainable)
     needs_backward, gradient_edges = backward_flow(plan, trainable)
     preds, succs = _neighbours(plan)
     lookahead = _lookahead(plan, kind)
+    rnd = math.lcm(*(m.data_parallel for m in plan.modules))
 
     def peer_rank(stage: Stage, microbatch: int) -> int:
         m, s = stage
         return plan.unit_of(m, s, plan.replica_of_microbatch(m, microbatch))
+
+    def routed(src: Stage, dst: Stage) -> bool:
+        return layout is not None and dst == (LLM, 0) and src[0] != LLM
+
+    def edge_messages(here: Stage, there: Stage, j: int, kind_: ActionKind) -> list[Action]:
+        """The messages of one microbatch ``j`` of ``here`` along the edge to/from ``there``."""
+        m, s = here
+        if routed(here, there):  # encoder side: one message per LLM microbatch it feeds
+            return [Action(kind_, m, s, j, peer_rank(there, k), there[0], there[1], samples=part, peer_microbatch=k)
+                    for k, part in layout.consumers(m, j)]
+        if routed(there, here):  # LLM side: one message per encoder microbatch feeding it
+            return [Action(kind_, m, s, j, peer_rank(there, i), there[0], there[1], samples=part, peer_microbatch=i)
+                    for i, part in layout.sources(there[0], j)]
+        return [Action(kind_, m, s, j, peer_rank(there, j), there[0], there[1])]
 
     actions: dict[int, list[Action]] = {}
     for rank in range(plan.num_units):  # a pipeline unit; a rank when TP = CP = 1
         m, s, replica = plan.role_of_unit(rank)
         me = (m, s)
         acts: list[Action] = []
-        order = _compute_order(plan.microbatches_of(m, replica), lookahead[me] if needs_backward[me] else None)
+        mine = plan.microbatches_of(m, replica)
+        order = _compute_order(mine, lookahead[me] if needs_backward[me] else None)
+        deferred: dict[int, list[Action]] = {}  # own microbatch -> deferred backward parts to run before it
+        tail: list[Action] = []  # deferred parts with no later own backward
         for kind_, j in order:
+            if kind_ is ActionKind.BACKWARD and j in deferred:
+                acts.extend(deferred.pop(j))
             if kind_ is ActionKind.FORWARD:
                 for src in preds[me]:
-                    acts.append(Action(ActionKind.RECV_ACT, m, s, j, peer_rank(src, j), src[0], src[1]))
+                    acts.extend(edge_messages(me, src, j, ActionKind.RECV_ACT))
                 acts.append(Action(ActionKind.FORWARD, m, s, j))
                 for dst in succs[me]:
-                    acts.append(Action(ActionKind.SEND_ACT, m, s, j, peer_rank(dst, j), dst[0], dst[1]))
+                    acts.extend(edge_messages(me, dst, j, ActionKind.SEND_ACT))
+                continue
+            recvs = [r for dst in succs[me] if (me, dst) in gradient_edges
+                     for r in edge_messages(me, dst, j, ActionKind.RECV_GRAD)]
+            sends = [x for src in preds[me] if (src, me) in gradient_edges
+                     for x in edge_messages(me, src, j, ActionKind.SEND_GRAD)]
+            now = [r for r in recvs if r.other_microbatch // rnd <= j // rnd]
+            later = [r for r in recvs if r.other_microbatch // rnd > j // rnd]
+            if not later:
+                acts.extend(now + [Action(ActionKind.BACKWARD, m, s, j)] + sends)
+                continue
+            # Split backward: samples whose gradients come from a later round wait for them.
+            first = tuple(x for r in now for x in r.samples)
+            if first:
+                acts.extend(now + [Action(ActionKind.BACKWARD, m, s, j, samples=first)])
             else:
-                for dst in succs[me]:
-                    # A stage that needs a backward wants gradient, so every outgoing edge carries one.
-                    if (me, dst) in gradient_edges:
-                        acts.append(Action(ActionKind.RECV_GRAD, m, s, j, peer_rank(dst, j), dst[0], dst[1]))
-                acts.append(Action(ActionKind.BACKWARD, m, s, j))
-                for src in preds[me]:
-                    if (src, me) in gradient_edges:
-                        acts.append(Action(ActionKind.SEND_GRAD, m, s, j, peer_rank(src, j), src[0], src[1]))
+                acts.extend(now)
+            rest = later + [Action(ActionKind.BACKWARD, m, s, j, samples=tuple(x for r in later for x in r.samples))] + sends
+            nxt = next((b for k_, b in order if k_ is ActionKind.BACKWARD and b > j), None)
+            if nxt is None:
+                tail.extend(rest)
+            else:
+                deferred.setdefault(nxt, []).extend(rest)
+        acts.extend(tail)
         if train[me]:
             acts.append(Action(ActionKind.GRAD_SYNC, m, s))
             acts.append(Action(ActionKind.OPTIMIZER_STEP, m, s))
@@ -259,3 +319,4 @@ def build_schedule(plan: Plan, trainable: dict[Stage, bool] | None = None, kind:
         actions=actions,
         needs_backward={stage_key(m, s): nb for (m, s), nb in needs_backward.items()},
     )
+

@@ -56,7 +56,12 @@ class Action:
       other side of the edge. At the LLM's first stage, ``peer_module`` tells which encoder an
       activation came from (or a gradient goes to).
     - ``chunk``: the virtual pipeline chunk (0 until interleaved schedules exist).
-    - ``samples``: the subset of the microbatch's samples the action covers (``None``: all).
+    - ``samples``: the subset of the microbatch's samples the action covers (``None``: all):
+      on a routed encoder-to-LLM edge the samples whose rows travel, in the LLM microbatch's
+      order; on a ``BACKWARD`` one part of a split backward (Entrain, entrain.md §3.6).
+    - ``peer_microbatch``: the microbatch on the other side of the edge when it differs
+      (a balanced layout routes encoder microbatch ``j``'s samples to LLM microbatch ``k``);
+      ``None`` means the same as ``microbatch``.
     """
 
     kind: ActionKind
@@ -68,6 +73,12 @@ class Action:
     peer_stage: int | None = None
     chunk: int = 0
     samples: tuple[int, ...] | None = None
+    peer_microbatch: int | None = None
+
+    @property
+    def other_microbatch(self) -> int:
+        """The microbatch index on the peer's side of a communication."""
+        return self.microbatch if self.peer_microbatch is None else self.peer_microbatch
 
     def short(self) -> str:
         """A compact label for traces and error messages, e.g. ``F llm.1 mb3``."""
@@ -76,6 +87,10 @@ class Action:
             s += f" mb{self.microbatch}"
         if self.peer is not None:
             s += f"{_ARROWS[self.kind]}{self.peer}"
+            if self.peer_microbatch is not None and self.peer_microbatch != self.microbatch:
+                s += f".mb{self.peer_microbatch}"
+        if self.kind is ActionKind.BACKWARD and self.samples is not None:
+            s += f" part{list(self.samples)}"
         return s
 
 

@@ -37,17 +37,18 @@ def _fail(rank: int, action: Action | None, problem: str) -> ScheduleError:
 # ---- messages ----------------------------------------------------------------------------
 def _message_key(rank: int, a: Action) -> tuple:
     """The identity of the message a communication action sends or receives, the same on
-    both ends: (send kind, sender, receiver, microbatch, sender stage, receiver stage, samples)."""
+    both ends: (send kind, sender, receiver, sender's microbatch, receiver's microbatch, sender
+    stage, receiver stage, samples)."""
     here, there = (a.module, a.stage), (a.peer_module, a.peer_stage)
     if a.kind in SENDS:
-        return (a.kind, rank, a.peer, a.microbatch, here, there, a.samples)
-    return (MATCHING[a.kind], a.peer, rank, a.microbatch, there, here, a.samples)
+        return (a.kind, rank, a.peer, a.microbatch, a.other_microbatch, here, there, a.samples)
+    return (MATCHING[a.kind], a.peer, rank, a.other_microbatch, a.microbatch, there, here, a.samples)
 
 
 def _counterpart(rank: int, a: Action) -> Action:
     """The action the peer must hold to match ``a``."""
-    return Action(MATCHING[a.kind], a.peer_module, a.peer_stage, a.microbatch, rank, a.module, a.stage,
-                  samples=a.samples)
+    return Action(MATCHING[a.kind], a.peer_module, a.peer_stage, a.other_microbatch, rank, a.module, a.stage,
+                  samples=a.samples, peer_microbatch=a.peer_microbatch if a.peer_microbatch is None else a.microbatch)
 
 
 # ---- validation --------------------------------------------------------------------------
@@ -142,19 +143,25 @@ def _check_compute(schedule: Schedule) -> None:
             raise _fail(rank, at(found[0]), "missing backward: the stage needs a backward for every forward")
         if not needs and got:
             raise _fail(got[0][0], at(got[0]), "backward for a stage without backward (needs_backward is false)")
-        if len(got) > 1:
+        if len(got) > 1 and any(at(g).samples is None for g in got):
+            # several backwards of one microbatch are the parts of a split backward, each
+            # naming its samples (entrain.md §3.6); an unnamed one would repeat the whole
             raise _fail(got[1][0], at(got[1]), f"backward duplicated: it appears {len(got)} times")
-        if got:
-            b_rank, b_i = got[0]
+        parts = [s for g in got for s in (at(g).samples or ())]
+        if len(parts) != len(set(parts)):
+            raise _fail(got[0][0], at(got[0]), f"split backward parts overlap: {[at(g).samples for g in got]}")
+        for b_rank, b_i in got:
             if b_rank != rank:
-                raise _fail(b_rank, at(got[0]), f"backward on another rank than its forward (rank {rank})")
+                raise _fail(b_rank, at((b_rank, b_i)), f"backward on another rank than its forward (rank {rank})")
             if b_i < i:
-                raise _fail(b_rank, at(got[0]), f"backward precedes its forward (position {b_i} < {i})")
+                raise _fail(b_rank, at((b_rank, b_i)), f"backward precedes its forward (position {b_i} < {i})")
     for key, got in backwards.items():
         if key not in forwards:
             raise _fail(got[0][0], at(got[0]), "backward without a forward")
 
     # Local data dependencies: a receive feeds the compute on its rank, a send ships its result.
+    # With a split backward the position is the last part's: a gradient may arrive between parts,
+    # and the input gradient leaves after the last one.
     for rank, acts in schedule.actions.items():
         position = {(a.kind, a.module, a.stage, a.microbatch): i for i, a in enumerate(acts) if a.kind in COMPUTE}
         backwards_seen: dict[tuple[str, int], int] = {}

@@ -1,0 +1,303 @@
+"""Balancing policies: from a global batch's metadata to a `BatchLayout` (DESIGN.md principle 4).
+
+One function, `make_layout`, is what the runtime's dispatcher, the simulator and the quality
+benchmark all call, so the three see the same decisions. Per phase (each encoder and the LLM)
+the config names a policy:
+
+- ``none``: equal-count contiguous microbatches (`split_microbatches`), every phase alike;
+- ``orchmllm``: post-balancing of each phase on its own (orchmllm.md §3.4-3.5). Inside each
+  *round* (one microbatch of every replica, `layout.round_size`) the round's samples are
+  rebalanced over the round's slots: LPT on per-sample cost for packed phases (the encoders,
+  whose attention is block-diagonal per item, so the quadratic-aware additive cost is exact,
+  §3.6), the fixed binary-search algorithm for padded ones (loom's LLM right-pads each
+  microbatch, §3.5). Encoder outputs then go straight to the LLM slot of their sample
+  (rearrangement composition, §2.1);
+- ``disttrain``: one layout for all phases (disttrain.md §3.3-3.5): balance the global batch
+  over the LLM's data-parallel groups, LPT into microbatches inside each group, then order them
+  for 1F1B with Algorithm 3;
+- ``entrain``: one joint decision for all phases (entrain.md §3.4-3.5): DP-level assignment,
+  K_eff, stratified microbatches, pairwise deferral of LLM work one microbatch forward, the
+  interleaved overloaded/underloaded order. Needs equal data-parallel degrees (the encoders
+  form the "single unified encoder module" of §2.3).
+
+``order`` (``given`` or ``disttrain``) reorders whole rounds for the per-phase policies with
+DistTrain's Algorithm 3; ``disttrain`` and ``entrain`` bring their own order.
+
+Per-sample cost is the module's forward FLOPs from the cost model's architecture description
+(`loom.cost.flops`), which carries the quadratic attention term; the decisions only compare
+costs, so the hardware's rate cancels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from loom.balance.disttrain import balance_dp_groups, reorder_microbatches
+from loom.balance.entrain import entrain_replica_plans
+from loom.balance.layout import BatchLayout, LayoutError, identity_layout, round_size
+from loom.balance.orchmllm import lpt_balance, padded_balance
+from loom.cost.arch import ModelArch
+from loom.cost.flops import attention_flops, gemm_flops
+from loom.cost.model import Workload
+from loom.data.collate import split_microbatches
+from loom.data.sample import SampleMeta
+from loom.plan.plan import LLM, Plan
+
+POLICIES = ("none", "orchmllm", "disttrain", "entrain")
+ORDERS = ("given", "disttrain")
+JOINT = ("disttrain", "entrain")  # policies that decide every phase at once
+
+
+class BalanceError(ValueError):
+    """A balancing request that cannot be met; the message names the config field and the fix."""
+
+
+@dataclass
+class BalanceConfig:
+    """``[balance]`` of a run: ``policy`` maps phase (module name, or ``"encoders"`` for every
+    encoder) to a policy name; phases not named use ``default``."""
+
+    default: str = "none"
+    policy: dict[str, str] = field(default_factory=dict)
+    order: str = "given"
+
+    def policy_of(self, phase: str) -> str:
+        if phase in self.policy:
+            return self.policy[phase]
+        if phase != LLM and "encoders" in self.policy:
+            return self.policy["encoders"]
+        return self.default
+
+    def check(self, phases: list[str] | None = None) -> "BalanceConfig":
+        for where, name in [("balance.default", self.default)] + [(f"balance.policy.{k}", v) for k, v in self.policy.items()]:
+            if name not in POLICIES:
+                raise BalanceError(f"{where} = {name!r} is not a policy; choose one of {list(POLICIES)}")
+        if self.order not in ORDERS:
+            raise BalanceError(f"balance.order = {self.order!r}: choose one of {list(ORDERS)}")
+        if phases is not None:
+            unknown = sorted(set(self.policy) - set(phases) - {"encoders"})
+            if unknown:
+                raise BalanceError(f"balance.policy names {unknown}, which are not modules of the plan {phases}; "
+                                   f"use module names or 'encoders'")
+            chosen = {p: self.policy_of(p) for p in phases}
+            for joint in JOINT:
+                if joint in chosen.values() and set(chosen.values()) != {joint}:
+                    raise BalanceError(
+                        f"balance.policy {chosen}: {joint!r} decides every phase at once; set balance.default = "
+                        f"{joint!r} and name no other policy"
+                    )
+        return self
+
+    def summary(self, phases: list[str]) -> dict[str, str]:
+        return {p: self.policy_of(p) for p in phases}
+
+
+# ---- per-sample costs ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SampleCosts:
+    """Per phase, each sample's forward FLOPs; the LLM's token lengths and its per-token
+    (``alpha``) and per-token² (``beta``) FLOPs for the padded algorithm."""
+
+    work: dict[str, list[float]]
+    llm_lengths: list[int]
+    llm_alpha: float
+    llm_beta: float
+
+
+def _coefficients(arch: ModelArch, name: str) -> tuple[float, float]:
+    """Forward FLOPs of module ``name`` per token and per attention length² (both are linear
+    in a `Workload`'s ``tokens`` and ``attn_sq``, so two evaluations give every sample's cost)."""
+    layers = arch.module(name).layers
+    return (sum(gemm_flops(l, Workload(tokens=1)).forward for l in layers),
+            sum(attention_flops(l, Workload(attn_sq=1)).forward for l in layers))
+
+
+def sample_costs(arch: ModelArch, metas: list[SampleMeta]) -> SampleCosts:
+    """Costs of every sample of a batch, from metadata only."""
+    from loom.sim.scenario import sample_work  # the one metadata -> Workload rule
+
+    per_sample = [sample_work(arch, [m]) for m in metas]
+    coef = {name: _coefficients(arch, name) for name in arch.module_names}
+    work = {name: [coef[name][0] * w[name].tokens + coef[name][1] * w[name].attn_sq for w in per_sample]
+            for name in arch.module_names}
+    alpha, beta = coef[LLM]
+    return SampleCosts(work, [w[LLM].tokens for w in per_sample], alpha, beta)
+
+
+# ---- the policies ----------------------------------------------------------------------------
+def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts) -> BatchLayout:
+    """The layout of one global batch (``len(costs.llm_lengths)`` samples) under ``config``.
+
+    Raises `BalanceError` when the batch cannot be split under the constraints (fewer samples
+    than microbatches, a policy that needs equal data-parallel degrees, rounds that do not
+    divide the microbatch count)."""
+    phases = plan.module_names
+    config.check(phases)
+    n = len(costs.llm_lengths)
+    m = plan.num_microbatches
+    if n < m:
+        raise BalanceError(
+            f"data.global_batch_size = {n} is smaller than plan.num_microbatches = {m}: every microbatch "
+            f"needs a sample; raise the batch size or lower the microbatch count"
+        )
+    chosen = config.summary(phases)
+    if set(chosen.values()) == {"disttrain"}:
+        layout = _disttrain(plan, costs)
+    elif set(chosen.values()) == {"entrain"}:
+        layout = _entrain(plan, costs)
+    else:
+        layout = _per_phase(plan, costs, chosen, config.order)
+    layout.check(n, phases)
+    layout.check_routes(plan)
+    return layout
+
+
+def _phase_total(costs: SampleCosts, phases: list[str]) -> list[float]:
+    return [sum(costs.work[p][s] for p in phases) for s in range(len(costs.llm_lengths))]
+
+
+def _bins_nonempty(bins: list[list[int]], cost: list[float]) -> list[list[int]]:
+    """Move the cheapest sample of the fullest bin into each empty one (zero-cost samples, e.g.
+    text-only ones in an encoder phase, all land on one bin under LPT). Keeps every sample."""
+    for b in range(len(bins)):
+        if not bins[b]:
+            donor = max(range(len(bins)), key=lambda i: (len(bins[i]), -i))
+            s = min(bins[donor], key=lambda x: (cost[x], x))
+            bins[donor].remove(s)
+            bins[b].append(s)
+    return [sorted(x) for x in bins]
+
+
+def _balance_bins(samples: list[int], num_bins: int, phase: str, costs: SampleCosts) -> list[list[int]]:
+    """OrchMLLM post-balancing of ``samples`` over ``num_bins``: padded for the LLM, LPT else."""
+    cost = costs.work[phase]
+    if phase == LLM:
+        lengths = [costs.llm_lengths[s] for s in samples]
+        a = padded_balance(lengths, num_bins, alpha=costs.llm_alpha, beta=costs.llm_beta)
+    else:
+        a = lpt_balance([cost[s] for s in samples], num_bins)
+    bins: list[list[int]] = [[] for _ in range(num_bins)]
+    for i, b in enumerate(a.rank_of_sample):
+        bins[int(b)].append(samples[i])
+    return _bins_nonempty(bins, cost)
+
+
+def _per_phase(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: str) -> BatchLayout:
+    n, m = len(costs.llm_lengths), plan.num_microbatches
+    r = round_size(plan)
+    base = split_microbatches(list(range(n)), m)
+    if any(p != "none" for p in chosen.values()) and m % r:
+        raise BalanceError(
+            f"plan.num_microbatches = {m} is not a multiple of the round size {r} (lcm of the modules' "
+            f"data_parallel): balancing rearranges one microbatch of every replica at a time; use a multiple of {r}"
+        )
+    rounds = [[s for j in range(t * r, t * r + r) for s in base[j]] for t in range(m // r)] if m % r == 0 else []
+    slots: dict[str, list[tuple[int, ...]]] = {}
+    for phase, policy in chosen.items():
+        if policy == "none":
+            slots[phase] = [tuple(b) for b in base]
+        else:
+            slots[phase] = [tuple(b) for rnd in rounds for b in _balance_bins(rnd, r, phase, costs)]
+    if order == "disttrain" and m // r > 1 and rounds:
+        perm = _round_order(plan, costs, slots, r)
+        slots = {p: [s for t in perm for s in v[t * r:(t + 1) * r]] for p, v in slots.items()}
+    return BatchLayout({p: tuple(v) for p, v in slots.items()}, dict(chosen))
+
+
+def _round_order(plan: Plan, costs: SampleCosts, slots: dict[str, list[tuple[int, ...]]], r: int) -> list[int]:
+    """DistTrain Algorithm 3 over rounds: a round's encoder time is its slowest encoder slot,
+    its LLM time the slowest LLM slot (per LLM stage)."""
+    encoders = plan.encoder_names
+    rounds = len(slots[LLM]) // r
+
+    def slowest(phase: str, t: int) -> float:
+        return max(sum(costs.work[phase][s] for s in slot) for slot in slots[phase][t * r:(t + 1) * r])
+
+    enc = [max([slowest(e, t) for e in encoders] or [0.0]) for t in range(rounds)]
+    p_llm = plan.spec(LLM).num_stages
+    llm = [slowest(LLM, t) / p_llm for t in range(rounds)]
+    depth = 1 + p_llm
+    return reorder_microbatches(enc, llm, depth)
+
+
+def _disttrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
+    """DistTrain: groups over the LLM's replicas, LPT microbatches, Algorithm 3 order."""
+    n, m = len(costs.llm_lengths), plan.num_microbatches
+    dp = plan.spec(LLM).data_parallel
+    if any(s.data_parallel != dp for s in plan.modules):
+        raise BalanceError(
+            f"balance.default = 'disttrain' balances over one set of data-parallel groups; set every module's "
+            f"data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
+        )
+    if m % dp:
+        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
+    k = m // dp
+    total = _phase_total(costs, plan.module_names)
+    groups = balance_dp_groups(total, dp)
+    if any(len(g) < k for g in groups):
+        groups = balance_dp_groups(total, dp, equal_counts=n % dp == 0) if n % dp == 0 else groups
+    if any(len(g) < k for g in groups):
+        raise BalanceError(
+            f"DistTrain gave a data-parallel group fewer than {k} samples for its {k} microbatches; raise "
+            f"data.global_batch_size (now {n}) or lower plan.num_microbatches"
+        )
+    per_group: list[list[tuple[int, ...]]] = []
+    p_llm = plan.spec(LLM).num_stages
+    for g in groups:
+        mbs = balance_dp_groups([total[s] for s in g], k)
+        mbs = [sorted(g[i] for i in mb) for mb in mbs]
+        mbs = _bins_nonempty([list(x) for x in mbs], total)
+        enc = [sum(costs.work[e][s] for e in plan.encoder_names for s in mb) for mb in mbs]
+        llm = [sum(costs.work[LLM][s] for s in mb) / p_llm for mb in mbs]
+        order = reorder_microbatches(enc, llm, 1 + p_llm)
+        per_group.append([tuple(mbs[i]) for i in order])
+    slots = [per_group[j % dp][j // dp] for j in range(m)]
+    return identity_layout(slots, plan.module_names, "disttrain")
+
+
+def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
+    """Entrain: replica assignment, K_eff, stratified microbatches, deferral, interleaving."""
+    dp = plan.spec(LLM).data_parallel
+    if any(s.data_parallel != dp for s in plan.modules):
+        raise BalanceError(
+            f"balance.default = 'entrain' assigns each sample to one replica for encoders and LLM alike; set every "
+            f"module's data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
+        )
+    m = plan.num_microbatches
+    if m % dp:
+        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
+    enc = _phase_total(costs, plan.encoder_names)
+    llm = costs.work[LLM]
+    k = m // dp
+    # K_eff differs per replica; every replica runs the same count (the schedule's microbatches
+    # are round-robin over replicas), so shrink to the smallest until they agree.
+    while True:
+        plans = entrain_replica_plans(enc, llm, dp, k)
+        counts = {p.num_microbatches for p in plans}
+        if counts == {k} or k == 1:
+            break
+        k = min(counts)
+    llm_slots: list[tuple[int, ...]] = []
+    enc_slots: list[tuple[int, ...]] = []
+    for j in range(dp * k):
+        p = plans[j % dp]
+        enc_slots.append(tuple(sorted(p.encoder_microbatches[j // dp])))
+        llm_slots.append(tuple(sorted(p.llm_microbatches[j // dp])))
+    llm_slots = _keep_llm_nonempty(enc_slots, llm_slots, dp)
+    slots = {e: tuple(enc_slots) for e in plan.encoder_names}
+    slots[LLM] = tuple(llm_slots)
+    return BatchLayout(slots, {p: "entrain" for p in plan.module_names})
+
+
+def _keep_llm_nonempty(enc: list[tuple[int, ...]], llm: list[tuple[int, ...]], dp: int) -> list[tuple[int, ...]]:
+    """Entrain may defer every sample of an overloaded microbatch (entrain.md §7 gap 9); loom
+    keeps the last one in place so no LLM microbatch is empty."""
+    llm = [list(x) for x in llm]
+    for j, slot in enumerate(llm):
+        if not slot:
+            if j + dp >= len(llm):
+                raise LayoutError(f"entrain left LLM microbatch {j} empty with nowhere to take a sample from")
+            s = max(enc[j])
+            llm[j + dp].remove(s)
+            slot.append(s)
+    return [tuple(sorted(x)) for x in llm]
