@@ -327,7 +327,7 @@ def test_collate_custom_placeholders_masked_by_position():
     red = tokenizer.token_id("red")
     sample = Sample(
         meta=SampleMeta(
-            sample_id=7, text_tokens=5, images=(ImageMeta(16, 24),), segments=("image", "text")
+            sample_id=7, text_tokens=6, images=(ImageMeta(16, 24),), segments=("image", "text")
         ),
         text="<image> a red .",
         images=[torch.zeros(3, 16, 24)],

@@ -90,6 +90,13 @@ def count_tokens(meta: SampleMeta, token_counts: TokenCounts) -> dict[str, int]:
     return counts
 
 
+def target_count(meta: SampleMeta) -> int:
+    """Target tokens of a sample from metadata alone: every text token after BOS predicts
+    the next text token except where that is a modality marker (expanded to placeholders,
+    never targets) and at the last position: `collate`'s label rule."""
+    return meta.text_tokens - len(meta.images) - len(meta.audios) - 1
+
+
 def collate(
     samples: Sequence[Sample],
     tokenizer: Tokenizer,
@@ -125,32 +132,67 @@ def collate(
         for enc, (marker, _) in MODALITIES.items()
     }
 
-    rows: list[list[int]] = []
-    placeholder_rows: list[list[bool]] = []
     modality_inputs: dict[str, dict[str, list[torch.Tensor]]] = {
         enc: {MODALITIES[enc][1]: []} for enc in MODALITIES if enc in token_counts
     }
+    all_ids: list[list[int]] = []
     for sample in samples:
         sample.check_payload()
-        meta = sample.meta
-        text_ids = tokenizer.encode(sample.text)
+        all_ids.append(tokenizer.encode(sample.text))
+        for encoder, inputs in modality_inputs.items():
+            inputs[MODALITIES[encoder][1]].extend(getattr(sample, SAMPLE_FIELDS[encoder]))
+    input_ids, labels = collate_ids([s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids)
+    return Batch(
+        input_ids=input_ids,
+        labels=labels,
+        modality_inputs=modality_inputs,
+        sample_ids=[s.meta.sample_id for s in samples],
+    )
+
+
+def collate_ids(
+    metas: Sequence[SampleMeta],
+    text_ids: Sequence[Sequence[int]],
+    tokenizer: Tokenizer,
+    token_counts: TokenCounts,
+    placeholder_ids: Mapping[str, int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)`` of `collate` from metadata and each sample's text ids alone,
+    without any modality payload: what an LLM rank needs (the encoders' outputs arrive as
+    activations). Checks that each text has one marker per item and the metadata's length."""
+    if not metas:
+        raise ValueError("collate: got no samples; pass at least one")
+    placeholder_ids = dict(placeholder_ids or {})
+    marker_to_encoder = {tokenizer.token_id(marker): enc for enc, (marker, _) in MODALITIES.items()}
+    placeholder = {
+        enc: placeholder_ids.get(enc, tokenizer.token_id(marker))
+        for enc, (marker, _) in MODALITIES.items()
+    }
+    rows: list[list[int]] = []
+    placeholder_rows: list[list[bool]] = []
+    for meta, ids_in in zip(metas, text_ids):
         for encoder, (marker, _) in MODALITIES.items():
-            num_markers = sum(1 for i in text_ids if marker_to_encoder.get(i) == encoder)
+            num_markers = sum(1 for i in ids_in if marker_to_encoder.get(i) == encoder)
             num_items = len(_items_meta(meta, encoder))
             if num_markers != num_items:
                 raise ValueError(
                     f"sample {meta.sample_id}: {encoder} has {num_markers} {marker} markers in "
                     f"the text but {num_items} items; the text needs one marker per item"
                 )
+        if len(ids_in) != meta.text_tokens:
+            raise ValueError(
+                f"sample {meta.sample_id}: the text has {len(ids_in)} token ids but meta.text_tokens says "
+                f"{meta.text_tokens}; regenerate the sample's metadata"
+            )
         _check_modalities_covered(meta, token_counts)
 
         ids: list[int] = []
         is_placeholder: list[bool] = []
         next_item = {enc: 0 for enc in MODALITIES}
-        for token in text_ids:
-            encoder = marker_to_encoder.get(token)
+        for token in ids_in:
+            encoder = marker_to_encoder.get(int(token))
             if encoder is None:
-                ids.append(token)
+                ids.append(int(token))
                 is_placeholder.append(False)
                 continue
             item = _items_meta(meta, encoder)[next_item[encoder]]
@@ -160,8 +202,6 @@ def collate(
             is_placeholder.extend([True] * n)
         rows.append(ids)
         placeholder_rows.append(is_placeholder)
-        for encoder, inputs in modality_inputs.items():
-            inputs[MODALITIES[encoder][1]].extend(getattr(sample, SAMPLE_FIELDS[encoder]))
 
     batch_size, length = len(rows), max(len(r) for r in rows)
     input_ids = torch.full((batch_size, length), tokenizer.pad_id, dtype=torch.long)
@@ -174,12 +214,7 @@ def collate(
         targets = row[1:].clone()
         targets[torch.tensor(is_placeholder[1:], dtype=torch.bool)] = IGNORE_INDEX
         labels[b, : len(ids) - 1] = targets
-    return Batch(
-        input_ids=input_ids,
-        labels=labels,
-        modality_inputs=modality_inputs,
-        sample_ids=[s.meta.sample_id for s in samples],
-    )
+    return input_ids, labels
 
 
 T = TypeVar("T")

@@ -6,16 +6,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from loom.balance.layout import BatchLayout
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
+from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stage, data_parallel_groups, trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.ir import Schedule
@@ -31,6 +33,8 @@ class ParallelEngine:
     stage: Stage
     executor: PipelineExecutor
     optimizer: torch.optim.Optimizer | None
+    trainable: dict[tuple[str, int], bool] = field(default_factory=dict)
+    _schedules: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(
@@ -60,11 +64,35 @@ class ParallelEngine:
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
         executor = PipelineExecutor(model, plan, schedule, stage, rank, device, groups, trainable, optimizer)
-        return cls(plan, schedule, stage, executor, optimizer)
+        return cls(plan, schedule, stage, executor, optimizer, trainable)
 
     def microbatches_to_load(self) -> list[int]:
         """Global indices of the microbatches this rank works on."""
         return self.plan.microbatches_of(self.stage.module, self.stage.replica)
 
-    def step(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0, exact_timing: bool = True) -> StepResult:
-        return self.executor.run(microbatches, num_targets, step, exact_timing)
+    def schedule_for(self, layout: BatchLayout) -> Schedule:
+        """The (validated) schedule of an iteration with ``layout``; identical layouts share
+        one, so a steady data mix pays for generation and validation once."""
+        key = (layout.num_microbatches, tuple(sorted(layout.slots.items())))
+        if key not in self._schedules:
+            if len(self._schedules) >= 64:
+                self._schedules.clear()
+            schedule = build_schedule(self.plan, self.trainable, layout=layout)
+            validate_schedule(schedule, replace(self.plan, num_microbatches=layout.num_microbatches))
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    def step(
+        self,
+        microbatches: dict[int, Batch],
+        num_targets: int,
+        step: int = 0,
+        exact_timing: bool = True,
+        layout: BatchLayout | None = None,
+        rows: RowMap | None = None,
+    ) -> StepResult:
+        """One iteration. With a ``layout`` (from the `Dispatcher`), ``microbatches`` are its
+        slots and ``rows`` its `RowMap`."""
+        if layout is None:
+            return self.executor.run(microbatches, num_targets, step, exact_timing)
+        return self.executor.run(microbatches, num_targets, step, exact_timing, self.schedule_for(layout), rows)

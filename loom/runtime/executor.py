@@ -26,6 +26,7 @@ from loom.model.layers import run_layers
 from loom.model.multimodal import MultimodalModel, loss_sum
 from loom.plan.plan import LLM, Plan
 from loom.runtime.comm import P2PCommunicator
+from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, move_batch
 from loom.schedule.timeline import TimelineEvent
 from loom.schedule.generators import backward_flow
@@ -64,16 +65,32 @@ class PipelineExecutor:
         self.comm = P2PCommunicator(device)
 
     # ---- one iteration -------------------------------------------------------------------
-    def run(self, microbatches: dict[int, Batch], num_targets: int, step: int = 0, exact_timing: bool = True) -> StepResult:
+    def run(
+        self,
+        microbatches: dict[int, Batch],
+        num_targets: int,
+        step: int = 0,
+        exact_timing: bool = True,
+        schedule: Schedule | None = None,
+        rows: "RowMap | None" = None,
+    ) -> StepResult:
         """Run the iteration. ``microbatches`` holds (at least) the microbatches this rank
         works on, by global index; ``num_targets`` is the global batch's target-token count.
+
+        A balanced iteration passes its own ``schedule`` (built for its `BatchLayout`) and the
+        layout's `RowMap`, which says which rows of an encoder's output belong to which sample,
+        so routed messages carry exactly their samples' rows.
 
         On a GPU, ``exact_timing`` synchronises after every compute action so the timeline
         shows when kernels ran, not when they were queued; turn it off for steps whose
         timeline is not kept, so the host can run ahead."""
         me: StageId = (self.stage.module, self.stage.stage)
-        inputs: dict[int, dict[str, torch.Tensor]] = {}  # mb -> {source module: received activation}
-        saved: dict[int, tuple[dict[str, torch.Tensor], torch.Tensor | None]] = {}
+        actions = self.actions if schedule is None else schedule.actions[self.rank]
+        num_mb = (self.schedule if schedule is None else schedule).num_microbatches
+        backward_parts = _count(actions, ActionKind.BACKWARD)
+        # mb -> {(source module, source microbatch): received activation}
+        inputs: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
+        saved: dict[int, tuple[dict[tuple[str, int], torch.Tensor], torch.Tensor | None]] = {}
         out_grads: dict[int, torch.Tensor] = {}
         contexts: dict[int, dict[str, Any]] = {}
         batches: dict[int, Batch] = {}
@@ -81,54 +98,70 @@ class PipelineExecutor:
         events: list[TimelineEvent] = []
         sync = exact_timing and self.device.type == "cuda"
 
-        for a in self.actions:
+        for a in actions:
             start = time.time()
             j = a.microbatch
             if a.kind is ActionKind.RECV_ACT:
-                x = self.comm.recv(a.peer, self._tag((a.peer_module, a.peer_stage), me, j, grad=False))
+                x = self.comm.recv(a.peer, self._tag((a.peer_module, a.peer_stage), me, a.other_microbatch, j, num_mb, grad=False))
                 if ((a.peer_module, a.peer_stage), me) in self.grad_edges:
                     x.requires_grad_(True)
-                inputs.setdefault(j, {})[a.peer_module] = x
+                inputs.setdefault(j, {})[(a.peer_module, a.other_microbatch)] = x
             elif a.kind is ActionKind.FORWARD:
                 if j not in batches:
                     batches[j] = move_batch(self._microbatch(microbatches, j), self.device)
                     contexts[j] = self.model.module_context(self.stage.module, batches[j])
                 received = inputs.pop(j, {})
                 with torch.set_grad_enabled(self.needs_backward[me]):
-                    out = run_layers(self.stage.layers, self._stage_input(received), contexts[j])
+                    out = run_layers(self.stage.layers, self._stage_input(received, j, rows), contexts[j])
                     if self.stage.computes_loss:
                         out = loss_sum(out, batches[j].labels) / num_targets
                         loss_total += out.detach()
                 saved[j] = (received, out)
             elif a.kind is ActionKind.SEND_ACT:
                 out = saved[j][1]
-                self.comm.send(out, a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, grad=False))
-                if not self.needs_backward[me]:
+                if a.samples is not None:  # a routed edge: only the rows of the named samples
+                    out = out.detach().index_select(0, rows.index(self.stage.module, j, a.samples, out.device))
+                self.comm.send(out, a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, a.other_microbatch, num_mb, grad=False))
+                if not self.needs_backward[me] and not _later(actions, a, ActionKind.SEND_ACT):
                     saved.pop(j)  # nothing will flow back: drop the activation now
             elif a.kind is ActionKind.RECV_GRAD:
-                out_grads[j] = self.comm.recv(a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, grad=True))
+                g = self.comm.recv(a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, a.other_microbatch, num_mb, grad=True))
+                if a.samples is None:
+                    out_grads[j] = g
+                else:  # rows of some samples: scatter into this microbatch's pending gradient
+                    out = saved[j][1]
+                    if j not in out_grads:
+                        out_grads[j] = torch.zeros_like(out)
+                    out_grads[j].index_copy_(0, rows.index(self.stage.module, j, a.samples, out.device), g)
             elif a.kind is ActionKind.BACKWARD:
                 received, out = saved[j]
                 grad = None if self.stage.computes_loss else out_grads.pop(j)
+                backward_parts[j] -= 1
+                last_part = backward_parts[j] == 0
                 # An output can be independent of everything trainable for one microbatch (a
                 # frozen LLM stage whose microbatch has no image tokens to merge): then there is
                 # nothing to propagate and the input gradient sent back is zero.
                 if out.requires_grad:
-                    torch.autograd.backward(out, grad)
-                # keep only the inputs whose gradients still have to be sent back
-                pending = {k: t for k, t in received.items() if t.requires_grad}
-                if pending:
-                    saved[j] = (pending, None)
-                else:
-                    saved.pop(j)
-                contexts.pop(j, None)
-                batches.pop(j, None)
+                    # A split backward (entrain.md §3.6) runs the graph once per part with that
+                    # part's rows of the gradient (zeros elsewhere); by linearity the parts sum
+                    # to the whole, and the graph is kept until the last part.
+                    torch.autograd.backward(out, grad, retain_graph=not last_part)
+                if last_part:
+                    # keep only the inputs whose gradients still have to be sent back
+                    pending = {k: t for k, t in received.items() if t.requires_grad}
+                    if pending:
+                        saved[j] = (pending, None)
+                    else:
+                        saved.pop(j)
+                    contexts.pop(j, None)
+                    batches.pop(j, None)
             elif a.kind is ActionKind.SEND_GRAD:
                 received, _ = saved[j]
-                x = received[a.peer_module]
+                key = (a.peer_module, a.other_microbatch)
+                x = received[key]
                 g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
-                self.comm.send(g, a.peer, self._tag((a.peer_module, a.peer_stage), me, j, grad=True))
-                del received[a.peer_module]
+                self.comm.send(g, a.peer, self._tag((a.peer_module, a.peer_stage), me, a.other_microbatch, j, num_mb, grad=True))
+                del received[key]
                 if not received:
                     saved.pop(j)
             elif a.kind is ActionKind.GRAD_SYNC:
@@ -149,11 +182,16 @@ class PipelineExecutor:
         return StepResult(float(loss_total), events)
 
     # ---- helpers -------------------------------------------------------------------------
-    def _stage_input(self, received: dict[str, torch.Tensor]) -> Any:
+    def _stage_input(self, received: dict[tuple[str, int], torch.Tensor], j: int, rows: "RowMap | None") -> Any:
         if self.stage.is_first and self.stage.module != LLM:
             return None  # encoder first stages read the microbatch from their context
         if self.stage.is_first:  # the LLM's first stage merges every encoder's tokens
-            return received
+            parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+            for (module, source), x in received.items():
+                parts.setdefault(module, []).append((source, x))
+            if rows is None:
+                return {m: x for m, ((_, x),) in parts.items()}
+            return {m: rows.assemble(m, j, sorted(p, key=lambda t: t[0])) for m, p in parts.items()}
         (x,) = received.values()
         return x
 
@@ -162,8 +200,9 @@ class PipelineExecutor:
             raise KeyError(f"rank {self.rank} runs microbatch {j} but was not given it (has {sorted(microbatches)})")
         return microbatches[j]
 
-    def _tag(self, src: StageId, dst: StageId, microbatch: int, grad: bool) -> int:
-        return (microbatch * len(self.edge_ids) + self.edge_ids[(src, dst)]) * 2 + int(grad)
+    def _tag(self, src: StageId, dst: StageId, src_mb: int, dst_mb: int, num_mb: int, grad: bool) -> int:
+        """One tag per (edge, sender microbatch, receiver microbatch, direction)."""
+        return ((src_mb * num_mb + dst_mb) * len(self.edge_ids) + self.edge_ids[(src, dst)]) * 2 + int(grad)
 
     def _sync_gradients(self) -> None:
         """SUM all-reduce of the stage's trainable gradients across its data-parallel replicas,
@@ -188,6 +227,26 @@ def _edge_ids(plan: Plan) -> dict[tuple[StageId, StageId], int]:
         if m.name != LLM:
             edges.append(((m.name, m.num_stages - 1), (LLM, 0)))
     return {e: i for i, e in enumerate(edges)}
+
+
+def _count(actions: list[Action], kind: ActionKind) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for a in actions:
+        if a.kind is kind:
+            counts[a.microbatch] = counts.get(a.microbatch, 0) + 1
+    return counts
+
+
+def _later(actions: list[Action], a: Action, kind: ActionKind) -> bool:
+    """Whether another ``kind`` action of ``a``'s microbatch follows ``a`` (a routed forward
+    output leaves in several messages; it is kept until the last)."""
+    seen = False
+    for b in actions:
+        if b is a:
+            seen = True
+        elif seen and b.kind is kind and b.microbatch == a.microbatch:
+            return True
+    return False
 
 
 def _event(rank: int, a: Action, start: float, end: float, step: int) -> TimelineEvent:

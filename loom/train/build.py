@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from loom.data.collate import MODALITIES
+from loom.data.collate import MODALITIES, target_count
 from loom.data.demo import DemoDataset
 from loom.data.sample import SampleMeta
 from loom.data.tokenizer import Tokenizer
@@ -50,10 +50,8 @@ def token_counters(model: MultimodalModel) -> dict[str, Callable]:
 
 
 def num_targets(meta: SampleMeta) -> int:
-    """Target tokens of a sample from metadata alone: every text token after BOS predicts
-    nothing but the next text token, and modality markers are never targets (the collation's
-    label rule, `loom.data.collate.collate`)."""
-    return meta.text_tokens - len(meta.images) - len(meta.audios) - 1
+    """Target tokens of a sample from metadata alone (`loom.data.collate.target_count`)."""
+    return target_count(meta)
 
 
 def build_data(cfg: TrainConfig) -> tuple[Tokenizer, DemoDataset]:
