@@ -196,12 +196,33 @@ def _per_phase(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: st
     for phase, policy in chosen.items():
         if policy == "none":
             slots[phase] = [tuple(b) for b in base]
-        else:
-            slots[phase] = [tuple(b) for rnd in rounds for b in _balance_bins(rnd, r, phase, costs)]
+            continue
+        dp = plan.spec(phase).data_parallel
+        carried = [0.0] * dp  # each replica's load over the rounds placed so far
+        slots[phase] = []
+        for rnd in rounds:
+            bins = _balance_bins(rnd, r, phase, costs)
+            slots[phase].extend(_place_bins(bins, [sum(costs.work[phase][s] for s in b) for b in bins], dp, carried))
     if order == "disttrain" and m // r > 1 and rounds:
         perm = _round_order(plan, costs, slots, r)
         slots = {p: [s for t in perm for s in v[t * r:(t + 1) * r]] for p, v in slots.items()}
     return BatchLayout({p: tuple(v) for p, v in slots.items()}, dict(chosen))
+
+
+def _place_bins(bins: list[list[int]], loads: list[float], dp: int, carried: list[float]) -> list[tuple[int, ...]]:
+    """Put one round's balanced bins on its slots (slot ``b`` is replica ``b % dp``'s): the
+    heaviest bin to the replica with the least load so far. Any permutation keeps the round's
+    balance (orchmllm.md §2.2's observation behind node-wise rearrangement); this one also
+    balances each replica's total over the iteration, which is what its data-parallel peers wait
+    for at the gradient all-reduce. Updates ``carried``."""
+    free = list(range(len(bins)))
+    placed: list[tuple[int, ...]] = [()] * len(bins)
+    for b in sorted(range(len(bins)), key=lambda i: (-loads[i], i)):
+        slot = min(free, key=lambda x: (carried[x % dp], x))
+        free.remove(slot)
+        placed[slot] = tuple(bins[b])
+        carried[slot % dp] += loads[b]
+    return placed
 
 
 def _round_order(plan: Plan, costs: SampleCosts, slots: dict[str, list[tuple[int, ...]]], r: int) -> list[int]:
@@ -266,6 +287,12 @@ def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
     m = plan.num_microbatches
     if m % dp:
         raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
+    n = len(costs.llm_lengths)
+    if n % dp:
+        raise BalanceError(
+            f"data.global_batch_size = {n} does not split evenly over the {dp} data-parallel replicas, which "
+            f"Entrain's DP-level assignment needs (entrain.md §3.4, B/DP samples each); use a multiple of {dp}"
+        )
     enc = _phase_total(costs, plan.encoder_names)
     llm = costs.work[LLM]
     k = m // dp
@@ -301,3 +328,22 @@ def _keep_llm_nonempty(enc: list[tuple[int, ...]], llm: list[tuple[int, ...]], d
             llm[j + dp].remove(s)
             slot.append(s)
     return [tuple(sorted(x)) for x in llm]
+
+
+# ---- what a layout achieved ------------------------------------------------------------------
+def load_stats(layout: BatchLayout, plan: Plan, costs: SampleCosts) -> dict[str, dict[str, float]]:
+    """Per phase, max/mean of the load (summed per-sample cost) across data-parallel replicas
+    and across microbatch slots: 1.0 is perfect balance. What the run directory records and
+    the quality benchmark prints."""
+    stats: dict[str, dict[str, float]] = {}
+    for phase, slots in layout.slots.items():
+        dp = plan.spec(phase).data_parallel
+        per_slot = [sum(costs.work[phase][s] for s in slot) for slot in slots]
+        per_replica = [sum(per_slot[j] for j in range(r, len(per_slot), dp)) for r in range(dp)]
+        stats[phase] = {"replicas": _max_over_mean(per_replica), "microbatches": _max_over_mean(per_slot)}
+    return stats
+
+
+def _max_over_mean(values: list[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return round(max(values) / mean, 4) if mean > 0 else 1.0

@@ -155,7 +155,7 @@ def warmup_count(plan: Plan, stage: Stage) -> int:
     return plan.spec(m).num_stages + p_llm - s - 1
 
 
-def _lookahead(plan: Plan, kind: str) -> dict[Stage, float]:
+def _lookahead(plan: Plan, kind: str, route_slack: int = 0) -> dict[Stage, float]:
     """Per stage, how far ahead (in *global* microbatch indices) a rank forwards before each
     backward: before ``B(a)`` it runs every forward of its own microbatches ``j <= a + D``.
 
@@ -167,6 +167,11 @@ def _lookahead(plan: Plan, kind: str) -> dict[Stage, float]:
     sent, a deadlock. With equal data-parallel degrees Cornstarch's formula already satisfies
     this; when a downstream module has more replicas we raise the sender's lookahead (it then
     holds more microbatches in flight than the formula, which is the price of the routing).
+
+    ``route_slack``: a balanced layout lets LLM microbatch ``k`` take samples from any encoder
+    microbatch of its round of ``R`` slots, and an encoder microbatch's gradients come from any
+    LLM microbatch of that round; the encoder then forwards ``2 (R - 1)`` further ahead so the
+    LLM never waits for a forward that waits for a backward of the same round.
     """
     stages = pipeline_stages(plan)
     if kind == "gpipe":
@@ -175,7 +180,7 @@ def _lookahead(plan: Plan, kind: str) -> dict[Stage, float]:
     lookahead: dict[Stage, float] = {}
     for st in reversed(stages):  # successors first
         d = warmup_count(plan, st) * plan.spec(st[0]).data_parallel
-        lookahead[st] = max([d] + [lookahead[dst] for dst in succs[st]])
+        lookahead[st] = max([d] + [lookahead[dst] + (route_slack if st[0] != dst[0] else 0) for dst in succs[st]])
     return lookahead
 
 
@@ -246,8 +251,8 @@ def build_schedule(
     train = _trainable_map(plan, trainable)
     needs_backward, gradient_edges = backward_flow(plan, trainable)
     preds, succs = _neighbours(plan)
-    lookahead = _lookahead(plan, kind)
     rnd = math.lcm(*(m.data_parallel for m in plan.modules))
+    lookahead = _lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0)
 
     def peer_rank(stage: Stage, microbatch: int) -> int:
         m, s = stage

@@ -1,7 +1,8 @@
 """Typed run configuration, loaded from TOML with command-line overrides.
 
 Sections: ``[run]``, ``[model]`` (with ``[model.vision]``, ``[model.audio]``, ``[model.llm]``),
-``[data]`` (with ``[data.demo]``), ``[optim]`` and ``[plan]`` (see `loom.plan.plan.Plan`).
+``[data]`` (with ``[data.demo]``), ``[optim]``, ``[balance]`` (per-phase balancing policy and
+microbatch order, see `loom.balance.policy.BalanceConfig`) and ``[plan]`` (see `loom.plan.plan.Plan`).
 Every unknown key, wrong type or bad value raises `ConfigError` naming the dotted field and
 what to do. Overrides are ``dotted.key=value`` with TOML values (``run.steps=10``,
 ``model.freeze=["vision.encoder"]``); plan modules are addressed by name
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loom.balance.policy import BalanceConfig, BalanceError
 from loom.data.demo import DemoConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 from loom.plan.plan import ModuleSpec, Plan, PlanError
@@ -76,6 +78,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     plan: Plan = field(default_factory=default_plan)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)  # per-phase policy, see loom.balance.policy
 
     def check(self) -> "TrainConfig":
         """Value checks that do not need the model (the plan is checked against it later)."""
@@ -98,6 +101,10 @@ class TrainConfig:
                 raise ConfigError(
                     f"plan.modules[{m.name!r}]: unknown module name; the model has {encoders + ['llm']}"
                 )
+        try:
+            self.balance.check(self.plan.module_names)
+        except BalanceError as e:
+            raise ConfigError(str(e)) from e
         return self
 
 
@@ -221,7 +228,7 @@ def config_to_toml(cfg: TrainConfig) -> str:
         for name, v in tables:
             emit(f"{prefix}.{name}", v)
 
-    for section in ("run", "model", "data", "optim"):
+    for section in ("run", "model", "data", "optim", "balance"):
         emit(section, getattr(cfg, section))
     lines.append(cfg.plan.to_toml())
     return "\n".join(lines)

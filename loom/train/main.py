@@ -3,10 +3,12 @@
     torchrun --nproc-per-node 4 -m loom.train.main --config runs/demo/config.toml --run-dir runs/demo
 
 One obvious loop (torchtitan style): every rank builds the model from the same seed, keeps its
-stage, and for each step takes the global batch's sample indices from the seeded sampler, loads
-and collates only the microbatches its stage works on, and runs its share of the schedule.
-Rank 0 writes ``metrics.jsonl`` and, at the end, ``trace.json`` with every rank's timeline of
-the last step.
+stage, and for each step takes the global batch's sample indices from the seeded sampler; the
+`Dispatcher` loads each rank's share, gathers the metadata, applies the ``[balance]`` policy
+and moves every payload to the ranks that run it; each rank runs its share of the schedule.
+Rank 0 writes ``metrics.jsonl``, ``balance.jsonl`` (per step: the policy, the microbatches'
+dataset indices per phase, max/mean load across replicas and microbatches) and, at the end,
+``trace.json`` with every rank's timeline of the last step.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loom.data.collate import collate, split_microbatches
+from loom.balance.policy import load_stats
+from loom.cost.arch import arch_from_model
 from loom.data.sampler import GlobalBatchSampler
+from loom.runtime.dispatch import Dispatcher
 from loom.runtime.engine import ParallelEngine
 from loom.schedule.timeline import write_chrome_trace
-from loom.train.build import build_data, build_model, num_targets, token_counters
+from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import TrainConfig, load_config
 
 
@@ -71,12 +75,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         cfg.plan.to_json(run_dir / "plan.json")
         engine.schedule.to_json(run_dir / "schedule.json")
     sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
-    mine = engine.microbatches_to_load()
+    dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch_from_model(model), cfg.balance, device)
 
     progress = None
-    metrics = None
+    metrics = balance_log = None
     if rank == 0:
         metrics = open(run_dir / "metrics.jsonl", "w")
+        balance_log = open(run_dir / "balance.jsonl", "w")
         if sys.stdout.isatty():  # a live bar in a terminal; plain log lines in files and CI logs
             from tqdm import tqdm
 
@@ -86,10 +91,10 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     for step in range(cfg.run.steps):
         t0 = time.perf_counter()
         indices = sampler.batch(step)
-        parts = split_microbatches(indices, cfg.plan.num_microbatches)
-        targets = sum(num_targets(dataset.meta(i)) for i in indices)
-        batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters) for j in mine}
-        result = engine.step(batches, targets, step, exact_timing=step == cfg.run.steps - 1)  # traced step
+        got = dispatcher.dispatch(indices)
+        targets = got.num_targets
+        result = engine.step(got.batches, targets, step, exact_timing=step == cfg.run.steps - 1,  # traced step
+                             layout=got.layout, rows=got.rows)
         if scheduler is not None:
             scheduler.step()
         loss = torch.tensor([result.loss], dtype=torch.float64)
@@ -107,6 +112,13 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
             }
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
+            balance_log.write(json.dumps({
+                "step": step,
+                "policy": got.layout.policy,
+                "num_microbatches": got.layout.num_microbatches,
+                "max_over_mean": load_stats(got.layout, cfg.plan, got.costs),
+                "microbatches": {p: [[indices[s] for s in slot] for slot in v] for p, v in got.layout.slots.items()},
+            }) + "\n")
             if progress is not None:
                 progress.set_postfix(loss=f"{float(loss):.3f}", samples_s=f"{row['samples_per_s']:.1f}")
                 progress.update(1)
@@ -120,6 +132,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         if progress is not None:
             progress.close()
         metrics.close()
+        balance_log.close()
         events = [e for per_rank in gathered for e in per_rank]
         t_min = min(e.start_s for e in events)
         for e in events:
