@@ -3,7 +3,8 @@
     loom train [--config FILE] [--dry-run] [dotted.key=value ...]   launch a training run
     loom plan  [--config FILE] [--comm] [dotted.key=value ...]      print the plan and its schedule
     loom profile [--config FILE] [--out PATH] [dotted.key=value ...] time every layer on this machine
-    loom simulate --config SCENARIO [--compare] [--json]            simulate plans at cluster scale
+    loom simulate --config SCENARIO [--compare] [--json] [--policy NAME,...] [--order given|disttrain]
+                                                                    simulate plans at cluster scale
     loom profile [--config FILE] [--out PATH] [dotted.key=value ...] measure the model's layers here
 
 ``loom train`` checks the configuration and the plan against the model *before* starting any
@@ -113,14 +114,66 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _policies(args: argparse.Namespace) -> list[str] | None:
+    """``--policy`` values (repeatable, comma lists) in order, without repeats; ``None`` if not
+    given. Raises ValueError naming ``--policy`` / ``--order`` and the valid names."""
+    from loom.balance.policy import ORDERS, POLICIES
+
+    if args.order not in ORDERS:
+        raise ValueError(f"--order {args.order!r} is unknown; choose one of {', '.join(ORDERS)}")
+    if not args.policy:
+        return None
+    names: list[str] = []
+    for value in args.policy:
+        for name in value.split(","):
+            name = name.strip()
+            if not name:
+                continue
+            if name not in POLICIES:
+                raise ValueError(f"--policy {name!r} is unknown; choose from {', '.join(POLICIES)} "
+                                 f"(repeat --policy or separate names with commas)")
+            if name not in names:
+                names.append(name)
+    if not names:
+        raise ValueError(f"--policy is empty; choose from {', '.join(POLICIES)}")
+    return names
+
+
+def _policy_rows(scenario, plan, policies: list[str], order: str, metas) -> list[tuple[str, str, object]]:
+    """Simulate ``plan`` under each policy: ``(row label, file stem suffix, BalancedRun)``. The
+    first row is the ``none`` baseline in the given order, the reference of every ``vs none``."""
+    from loom.balance.policy import JOINT, BalanceConfig
+
+    runs = [("none", "none", scenario.run_balanced(plan, BalanceConfig("none", order="given"), metas=metas))]
+    for name in policies:
+        own_order = "given" if name in JOINT else order  # DistTrain and Entrain bring their own order
+        if name == "none" and own_order == "given":
+            continue  # the baseline
+        label, stem = name, name
+        if own_order != "given":
+            label, stem = f"{name} ({own_order} order)", f"{name}.{own_order}-order"
+        runs.append((label, stem, scenario.run_balanced(plan, BalanceConfig(name, order=own_order), metas=metas)))
+    return runs
+
+
+def _change(value: float, reference: float) -> float | None:
+    return value / reference - 1.0 if reference else None
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
-    """Simulate one iteration of each plan of a scenario and print a comparison table."""
+    """Simulate one iteration of each plan of a scenario and print a comparison table; with
+    ``--policy``, each plan under each balancing policy, against the unbalanced ``none``."""
     import json
 
     from loom.sim.scenario import ScenarioError, load_scenario
 
     if args.config is None:
         print("loom: error: simulate needs --config with a scenario (see configs/sim/)", file=sys.stderr)
+        return 2
+    try:
+        policies = _policies(args)
+    except ValueError as e:
+        print(f"loom: error: {e}", file=sys.stderr)
         return 2
     try:
         scenario = load_scenario(args.config)
@@ -138,52 +191,92 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         capacity = scenario.memory_capacity()
         for name, plan in plans.items():
             plan.resolve(scenario.arch.layer_counts())
-            result = scenario.run(plan, scenario.microbatch_work(metas, plan.num_microbatches))
-            worst = max(result.peak_memory, key=result.peak_memory.get)
-            peak = result.peak_memory[worst]
-            over = peak - capacity
-            if over > 0 and not args.compare and not args.allow_oom:
-                m, st, d = result.roles[worst]
-                raise ScenarioError(
-                    f"plan {name!r} does not fit: rank {result.first_rank[worst]} ({m} stage {st}, replica {d}) "
-                    f"needs {peak / 2**30:.1f} GiB but a {scenario.cluster.spec.name} has {capacity / 2**30:.1f} GiB, "
-                    f"over by {over / 2**30:.1f} GiB: add stages, raise tensor_parallel or zero_stage, or turn on recompute"
-                )
-            trace = out_dir / f"{name}.trace.json"
-            result.to_chrome_trace(trace)
-            png = None
-            if not args.no_png:
-                png = result.plot_gantt(out_dir / f"{name}.png", title=f"{scenario.name}: {name} (simulated)")
-            plan.to_json(out_dir / f"{name}.plan.json")
-            rows.append({
-                "plan": name,
-                "layout": ", ".join(f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
-                                    for m in plan.modules),
-                **result.summary(),
-                "peak_memory_gib": peak / 2**30,
-                "fits_memory": over <= 0,
-                "trace": str(trace),
-                "gantt": str(png) if png else None,
-            })
+            if policies is None:
+                runs = [(None, name, scenario.run(plan, scenario.microbatch_work(metas, plan.num_microbatches)), None)]
+            else:
+                runs = [(label, f"{name}.{stem}", run.result, run)
+                        for label, stem, run in _policy_rows(scenario, plan, policies, args.order, metas)]
+            baseline = runs[0][3]
+            for label, stem, result, balanced in runs:
+                worst = max(result.peak_memory, key=result.peak_memory.get)
+                peak = result.peak_memory[worst]
+                over = peak - capacity
+                if over > 0 and not args.compare and not args.allow_oom:
+                    m, st, d = result.roles[worst]
+                    what = f"plan {name!r}" + (f" under policy {label!r}" if label else "")
+                    raise ScenarioError(
+                        f"{what} does not fit: rank {result.first_rank[worst]} ({m} stage {st}, replica {d}) "
+                        f"needs {peak / 2**30:.1f} GiB but a {scenario.cluster.spec.name} has {capacity / 2**30:.1f} GiB, "
+                        f"over by {over / 2**30:.1f} GiB: add stages, raise tensor_parallel or zero_stage, or turn on recompute"
+                    )
+                trace = out_dir / f"{stem}.trace.json"
+                result.to_chrome_trace(trace)
+                png = None
+                if not args.no_png:
+                    title = f"{scenario.name}: {name}" + (f", policy {label}" if label else "") + " (simulated)"
+                    png = result.plot_gantt(out_dir / f"{stem}.png", title=title)
+                plan.to_json(out_dir / f"{name}.plan.json")
+                row = {
+                    "plan": name,
+                    "layout": ", ".join(f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
+                                        for m in plan.modules),
+                    **result.summary(),
+                    "peak_memory_gib": peak / 2**30,
+                    "fits_memory": over <= 0,
+                    "trace": str(trace),
+                    "gantt": str(png) if png else None,
+                }
+                if balanced is not None:
+                    row.update(balanced.summary())
+                    row["policy_label"] = label
+                    ref = baseline.loads.summary()
+                    mine = balanced.loads.summary()
+                    row["vs_none"] = {
+                        "iteration_time": _change(result.iteration_time, baseline.result.iteration_time),
+                        "bubble_fraction": result.bubble_fraction - baseline.result.bubble_fraction,
+                        "load_max_over_mean": {axis: {p: _change(v, ref[axis][p]) for p, v in mine[axis].items()}
+                                               for axis in mine},
+                    }
+                rows.append(row)
     except (ScenarioError, PlanError, ValueError) as e:
         print(f"loom: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"scenario": scenario.name, "simulated": True, "plans": rows}, indent=2))
+        out = {"scenario": scenario.name, "simulated": True, "plans": rows}
+        if policies is not None:
+            out["policies"] = policies
+            out["order"] = args.order
+        print(json.dumps(out, indent=2))
         return 0
     print(f"{scenario.name}: {scenario.cluster.num_gpus} x {scenario.cluster.spec.name}, data mix "
           f"{scenario.mix!r}, global batch {scenario.global_batch_size} (simulated)")
-    header = ("plan", "layout (stages x DP x TP x CP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB")
-    table = [header] + [(
-        r["plan"], r["layout"], f"{r['iteration_time_s']:.3f}", f"{r['samples_per_s']:.1f}",
-        f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%",
-        f"{r['peak_memory_gib']:.1f}" + ("" if r["fits_memory"] else " OOM"),
-    ) for r in rows]
+    if policies is None:
+        header = ("plan", "layout (stages x DP x TP x CP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB")
+        table = [header] + [(
+            r["plan"], r["layout"], f"{r['iteration_time_s']:.3f}", f"{r['samples_per_s']:.1f}",
+            f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%",
+            f"{r['peak_memory_gib']:.1f}" + ("" if r["fits_memory"] else " OOM"),
+        ) for r in rows]
+    else:
+        phases = list(rows[0]["load_max_over_mean"]["dp"])
+        header = (("plan", "policy", "iter s", "vs none", "MFU", "bubble", "peak GiB")
+                  + tuple(f"{p} DP" for p in phases) + tuple(f"{p} mb" for p in phases))
+        table = [header] + [(
+            r["plan"], r["policy_label"], f"{r['iteration_time_s']:.3f}",
+            "-" if r["vs_none"]["iteration_time"] is None else f"{100 * r['vs_none']['iteration_time']:+.1f}%",
+            f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%",
+            f"{r['peak_memory_gib']:.1f}" + ("" if r["fits_memory"] else " OOM"),
+            *(f"{r['load_max_over_mean']['dp'][p]:.3f}" for p in phases),
+            *(f"{r['load_max_over_mean']['microbatch'][p]:.3f}" for p in phases),
+        ) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for i, row in enumerate(table):
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    if policies is not None:
+        print("DP / mb: max / mean of each phase's simulated compute across data-parallel replicas / microbatches "
+              "(1 = balanced); vs none: iteration time against the unbalanced layout")
     print(f"timelines (Chrome trace, open in https://ui.perfetto.dev) and Gantt charts in {out_dir}/")
     return 0
 
@@ -210,6 +303,11 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--out", default="runs/sim", help="where timelines and plans go")
             p.add_argument("--no-png", action="store_true", help="skip the Gantt charts")
             p.add_argument("--allow-oom", action="store_true", help="report plans that exceed GPU memory instead of failing")
+            p.add_argument("--policy", action="append", default=None, metavar="NAME[,NAME...]",
+                           help="simulate each plan under these balancing policies (none, orchmllm, disttrain, "
+                                "entrain; repeatable or comma-separated), against the unbalanced 'none'")
+            p.add_argument("--order", default="given",
+                           help="microbatch order for the per-phase policies: given or disttrain (Algorithm 3)")
         if name == "profile":
             p.add_argument("--out", default=None, help="profile JSON (default: <run.out_dir>/<run.name>/profile.json)")
             p.add_argument("--tokens", default="64,128,256,512,1024", help="token counts to measure, comma-separated")

@@ -58,6 +58,8 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", data_parallel=2)], num_microbatches=4)
     elif layout == "mixed":  # vision x2 -> one 2-stage LLM pipeline (rounds of 2 slots)
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4)
+    elif layout == "deep":  # 2-stage vision -> 2-stage LLM: a split backward feeds an earlier encoder stage
+        plan = Plan([ModuleSpec("vision", num_stages=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4)
     elif layout == "omni":  # vision and audio encoders -> 2-stage LLM, frozen LLM, trainable projectors
         model = dataclasses.replace(model, audio=AudioConfig(**small), freeze=["vision.encoder", "llm"])
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
@@ -114,6 +116,7 @@ CASES = {
     "pipe2dp2-entrain": 4,
     "mixed-orchmllm": 4,
     "omni-entrain": 4,
+    "deep-entrain": 4,
 }
 
 
@@ -153,7 +156,7 @@ def test_balancing_really_rearranges(tmp_path: Path) -> None:
     from loom.balance.policy import make_layout, sample_costs
 
     for case, expect_routes in [("pipe2dp2-orchmllm", True), ("pipe2-entrain", True), ("pipe2dp2-disttrain", False),
-                                ("mixed-orchmllm", True)]:
+                                ("mixed-orchmllm", True), ("deep-entrain", True), ("omni-entrain", True)]:
         cfg, balance = _config(case)
         tokenizer, dataset = build_data(cfg)
         model = build_model(cfg.model, tokenizer, seed=SEED)

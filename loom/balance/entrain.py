@@ -207,7 +207,9 @@ def stratified_assignment(
     stratified: one fine sample per microbatch first, then the coarse set, then the remaining fine
     samples, each group by encoder work descending (module docstring: the seeding fixes §7.8).
     Each sample goes to a least-loaded microbatch (ties: fewer samples, then lower index, which
-    also spreads the seeds when their work is zero). Every step is a list-scheduling step, so the
+    also spreads the seeds when their work is zero). Samples without encoder work after the
+    seeds go where the LLM work is least, heaviest first (they cannot change the encoder loads;
+    greedy on those alone would pile them on one microbatch). Every step is a list-scheduling step, so the
     encoder makespan is at most ``sum/K + (1 - 1/K) max <= (2 - 1/K) OPT`` (Graham; §3.5.1).
 
     The caller picks the count (normally `effective_microbatches`); sample counts per
@@ -229,10 +231,24 @@ def stratified_assignment(
     # A heap keyed (load, sample count, index) pops exactly the argmin of that key: O(log K)
     # per sample instead of a scan, which is most of the planner's time at K = 32.
     heap = [(0.0, 0, m) for m in range(k)]
-    for s in order:
+    no_encoder: list[int] = []
+    for i, s in enumerate(order):
+        if llm_work is not None and enc[s] == 0 and i >= k:
+            no_encoder.append(s)
+            continue
         load, count, m = heap[0]
         microbatches[m].append(s)
         heapq.heapreplace(heap, (load + enc[s], count + 1, m))
+    if no_encoder:
+        # Samples without encoder work (text only) change no encoder load, so min-load greedy
+        # would put every one of them on the same microbatch (entrain.md leaves the case open).
+        # They go, heaviest first, where the LLM work is least: the encoder makespan and its
+        # bound are untouched, and deferral starts from balanced LLM loads (loom's decision).
+        llm_load = [sum(llm[x] for x in mb) for mb in microbatches]
+        for s in sorted(no_encoder, key=lambda x: (-llm[x], x)):
+            m = min(range(k), key=lambda j: (llm_load[j], len(microbatches[j]), j))
+            microbatches[m].append(s)
+            llm_load[m] += llm[s]
     return microbatches
 
 

@@ -125,14 +125,20 @@ def sample_costs(arch: ModelArch, metas: list[SampleMeta]) -> SampleCosts:
 
 
 # ---- the policies ----------------------------------------------------------------------------
-def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts) -> BatchLayout:
+def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batching: str = "padded") -> BatchLayout:
     """The layout of one global batch (``len(costs.llm_lengths)`` samples) under ``config``.
+
+    ``llm_batching`` says how the LLM batches a microbatch: ``"padded"`` (loom's runtime
+    right-pads, so OrchMLLM's padded algorithm applies) or ``"packed"`` (LPT on the
+    quadratic-aware per-sample cost, as for the encoders; the simulator's default).
 
     Raises `BalanceError` when the batch cannot be split under the constraints (fewer samples
     than microbatches, a policy that needs equal data-parallel degrees, rounds that do not
     divide the microbatch count)."""
     phases = plan.module_names
     config.check(phases)
+    if llm_batching not in ("padded", "packed"):
+        raise BalanceError(f"llm_batching = {llm_batching!r}: choose 'padded' or 'packed'")
     n = len(costs.llm_lengths)
     m = plan.num_microbatches
     if n < m:
@@ -146,7 +152,7 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts) -> BatchL
     elif set(chosen.values()) == {"entrain"}:
         layout = _entrain(plan, costs)
     else:
-        layout = _per_phase(plan, costs, chosen, config.order)
+        layout = _per_phase(plan, costs, chosen, config.order, llm_batching == "padded")
     layout.check(n, phases)
     layout.check_routes(plan)
     return layout
@@ -168,10 +174,11 @@ def _bins_nonempty(bins: list[list[int]], cost: list[float]) -> list[list[int]]:
     return [sorted(x) for x in bins]
 
 
-def _balance_bins(samples: list[int], num_bins: int, phase: str, costs: SampleCosts) -> list[list[int]]:
-    """OrchMLLM post-balancing of ``samples`` over ``num_bins``: padded for the LLM, LPT else."""
+def _balance_bins(samples: list[int], num_bins: int, phase: str, costs: SampleCosts, padded: bool) -> list[list[int]]:
+    """OrchMLLM post-balancing of ``samples`` over ``num_bins``: the padded algorithm for a
+    padded LLM, LPT on per-sample cost for everything packed."""
     cost = costs.work[phase]
-    if phase == LLM:
+    if phase == LLM and padded:
         lengths = [costs.llm_lengths[s] for s in samples]
         a = padded_balance(lengths, num_bins, alpha=costs.llm_alpha, beta=costs.llm_beta)
     else:
@@ -182,7 +189,7 @@ def _balance_bins(samples: list[int], num_bins: int, phase: str, costs: SampleCo
     return _bins_nonempty(bins, cost)
 
 
-def _per_phase(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: str) -> BatchLayout:
+def _per_phase(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: str, llm_padded: bool) -> BatchLayout:
     n, m = len(costs.llm_lengths), plan.num_microbatches
     r = round_size(plan)
     base = split_microbatches(list(range(n)), m)
@@ -201,7 +208,7 @@ def _per_phase(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: st
         carried = [0.0] * dp  # each replica's load over the rounds placed so far
         slots[phase] = []
         for rnd in rounds:
-            bins = _balance_bins(rnd, r, phase, costs)
+            bins = _balance_bins(rnd, r, phase, costs, llm_padded)
             slots[phase].extend(_place_bins(bins, [sum(costs.work[phase][s] for s in b) for b in bins], dp, carried))
     if order == "disttrain" and m // r > 1 and rounds:
         perm = _round_order(plan, costs, slots, r)

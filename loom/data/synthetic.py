@@ -38,21 +38,35 @@ MIXES: dict[str, dict[str, tuple[float, SampleKind]]] = {
         "conversation": (0.30, SampleKind(images=(1, 1), text_median=320, text_sigma=0.7)),
         "text": (0.15, SampleKind(text_median=400, text_sigma=0.8)),
     },
-    "caption": {"caption": (1.0, SampleKind(images=(1, 1), text_median=32, text_sigma=0.4))},
+    # The skewed mixes of the balancing benchmarks (benchmarks/balance_quality.py), each skewed
+    # in its own way (tests/test_sim_balance.py checks max / mean encoder tokens per sample):
+    # caption-like: one image and a few words, encoder-heavy, with a high-resolution tail.
+    "caption": {
+        "caption": (0.9, SampleKind(images=(1, 1), text_median=32, text_sigma=0.4)),
+        "hires_caption": (0.1, SampleKind(images=(1, 1), image_side=(448, 896), text_median=48, text_sigma=0.4)),
+    },
+    # multi-image: two to six images per sample next to single-image ones.
     "multi_image": {
         "multi": (0.7, SampleKind(images=(2, 6), text_median=200)),
         "single": (0.3, SampleKind(images=(1, 1), text_median=80)),
     },
+    # audio-heavy: long speech clips, a few with an image, some text only.
     "audio_heavy": {
         "speech": (0.6, SampleKind(audios=(1, 1), audio_seconds=(5.0, 30.0), text_median=120)),
         "speech_image": (0.2, SampleKind(images=(1, 1), audios=(1, 1), audio_seconds=(2.0, 15.0), text_median=80)),
         "text": (0.2, SampleKind(text_median=300)),
     },
+    # interleaved documents, heavy-tailed: most have a few images and long text, a tenth are long
+    # documents with many images, a fifth text only.
     "interleaved": {
-        "document": (0.8, SampleKind(images=(1, 8), image_side=(224, 672), text_median=900, text_sigma=0.5)),
+        "document": (0.7, SampleKind(images=(1, 8), image_side=(224, 672), text_median=900, text_sigma=0.8)),
+        "long_document": (0.1, SampleKind(images=(8, 24), text_median=2400, text_sigma=0.5)),
         "text": (0.2, SampleKind(text_median=1200, text_sigma=0.5)),
     },
 }
+
+# The mixes whose samples are skewed enough to need balancing, as the balancing benchmark names them.
+SKEWED_MIXES = ("caption", "multi_image", "audio_heavy", "interleaved")
 
 
 @dataclass

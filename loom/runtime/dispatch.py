@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from loom.balance.layout import BatchLayout
-from loom.balance.policy import BalanceConfig, make_layout, sample_costs
+from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
 from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, collate_ids, count_tokens, target_count
 from loom.data.sample import Batch, Sample, SampleMeta
@@ -61,6 +61,7 @@ class Dispatched:
     batches: dict[int, Batch]  # this rank's microbatches, by slot
     num_targets: int  # target tokens of the whole global batch (loss normalisation)
     metas: list[SampleMeta]  # the global batch's metadata, by position
+    costs: SampleCosts  # per-sample costs the policy balanced
 
 
 def loader_shards(batch_size: int, world_size: int) -> list[list[int]]:
@@ -101,7 +102,8 @@ class Dispatcher:
         if errors:
             raise DispatchError(errors[0])
         metas = [m for part, _ in gathered for m in part]
-        layout = make_layout(self.balance, self.plan, sample_costs(self.arch, metas))
+        costs = sample_costs(self.arch, metas)
+        layout = make_layout(self.balance, self.plan, costs)
         counts = [count_tokens(m, self.token_counts) for m in metas]
         rows = RowMap(layout, {e: [c[e] for c in counts] for e in self.plan.encoder_names})
 
@@ -111,7 +113,7 @@ class Dispatcher:
             if phase == self.module:
                 received = got
         batches = self._microbatches(layout, metas, received)
-        return Dispatched(layout, rows, batches, sum(target_count(m) for m in metas), metas)
+        return Dispatched(layout, rows, batches, sum(target_count(m) for m in metas), metas, costs)
 
     def _load(self, indices: Sequence[int], mine: list[int]) -> tuple[list[Sample], list[list[int]], str | None]:
         samples, ids = [], []

@@ -13,6 +13,11 @@ Two plans are built automatically for comparison:
 Workloads are derived from sample metadata only: an encoder's microbatch work is its items'
 token counts, the LLM's is each sample's sequence length after the encoders' tokens are merged
 in (packed by default, as large-scale trainers do; ``padded`` mirrors loom's CPU runtime).
+
+A plan also runs under a balancing policy (`Scenario.run_balanced`, `loom.balance.policy`): the
+global batch's per-sample costs give a `BatchLayout`, the schedule is built with it (routed
+encoder-to-LLM edges, Entrain's split backward), and each slot's workload, per phase, comes from
+the samples that slot holds in that phase.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import copy
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch import ModelArch, load_model_arch
@@ -32,7 +37,12 @@ from loom.data.synthetic import MIXES, SyntheticMetadata
 from loom.plan.partition import loosely_coupled_search, plan_with_stage_counts
 from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 from loom.schedule.generators import build_schedule
+from loom.sim.loads import PhaseLoads, phase_loads
 from loom.sim.simulator import SimResult, simulate
+
+if TYPE_CHECKING:
+    from loom.balance.layout import BatchLayout
+    from loom.balance.policy import BalanceConfig
 
 # which metadata field holds an encoder's items, by the encoder architecture's kind
 _ITEMS = {"vision": "images", "audio": "audios"}
@@ -70,11 +80,14 @@ class Scenario:
     plans: dict[str, Plan] = field(default_factory=dict)  # explicit plans from the file
 
     # ---- data -----------------------------------------------------------------------------
-    def metas(self) -> list[SampleMeta]:
+    def metas(self, step: int = 0) -> list[SampleMeta]:
+        """The metadata of iteration ``step``'s global batch: samples ``step * B .. (step + 1) * B - 1``
+        of the mix's deterministic stream."""
         patch = next((m.patch for m in self.arch.modules.values() if m.kind == "vision"), 14)
         rate = next((m.sample_rate for m in self.arch.modules.values() if m.kind == "audio"), 16000)
         stream = SyntheticMetadata(self.mix, seed=self.seed, patch_size=patch, sample_rate=rate)
-        return [stream.meta(i) for i in range(self.global_batch_size)]
+        first = step * self.global_batch_size
+        return [stream.meta(i) for i in range(first, first + self.global_batch_size)]
 
     def microbatch_work(self, metas: list[SampleMeta], num_microbatches: int) -> list[MicrobatchWork]:
         if len(metas) < num_microbatches:
@@ -89,6 +102,19 @@ class Scenario:
             work.append(sample_work(self.arch, metas[start:start + size], self.llm_batching))
             start += size
         return work
+
+    def layout_work(self, metas: list[SampleMeta], layout: "BatchLayout") -> list[MicrobatchWork]:
+        """Per slot, per phase, the workload of the samples the slot holds *in that phase*
+        (``work[j][m]`` from ``layout.slots[m][j]``), batched as ``llm_batching`` says."""
+        work: list[MicrobatchWork] = [{} for _ in range(layout.num_microbatches)]
+        for phase, slots in layout.slots.items():
+            for j, slot in enumerate(slots):
+                work[j][phase] = sample_work(self.arch, [metas[s] for s in slot], self.llm_batching)[phase]
+        return work
+
+    def per_sample_work(self, metas: list[SampleMeta]) -> list[MicrobatchWork]:
+        """Each sample's own workload (what a routed message or a backward part costs)."""
+        return [sample_work(self.arch, [m], self.llm_batching) for m in metas]
 
     # ---- plans ----------------------------------------------------------------------------
     def megatron_plan(self) -> Plan:
@@ -157,17 +183,46 @@ class Scenario:
         }
 
     # ---- simulation -----------------------------------------------------------------------
-    def run(self, plan: Plan, work: list[MicrobatchWork] | None = None) -> SimResult:
+    def run(self, plan: Plan, work: list[MicrobatchWork] | None = None, *, layout: "BatchLayout | None" = None,
+            sample_work: list[MicrobatchWork] | None = None) -> SimResult:
+        """Simulate one iteration of ``plan`` on ``work`` (default: the first global batch cut
+        into equal-count microbatches). With a ``layout``, ``work`` is per slot and phase
+        (`layout_work`) and ``sample_work`` per sample (`per_sample_work`)."""
+        return self._run(plan, work, layout, sample_work)[0]
+
+    def _run(self, plan: Plan, work: list[MicrobatchWork] | None, layout: "BatchLayout | None",
+             sample_work: list[MicrobatchWork] | None) -> tuple[SimResult, AnalyticCostModel]:
         plan.resolve(self.arch.layer_counts())
         if plan.world_size > self.cluster.num_gpus:
             raise ScenarioError(
                 f"plan needs {plan.world_size} GPUs but cluster.num_gpus = {self.cluster.num_gpus}"
             )
         if work is None:
+            if layout is not None:
+                raise ScenarioError("Scenario.run with a layout needs its per-slot work (Scenario.layout_work)")
             work = self.microbatch_work(self.metas(), plan.num_microbatches)
         cost = AnalyticCostModel(self.arch, plan, self.cluster)
-        schedule = build_schedule(plan, self.trainable_stages(plan))  # frozen stages run no backward
-        return simulate(schedule, plan, cost, work, num_samples=self.global_batch_size)
+        # frozen stages run no backward
+        schedule = build_schedule(plan, self.trainable_stages(plan), layout=layout)
+        result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work)
+        return result, cost
+
+    def run_balanced(self, plan: Plan, balance: "BalanceConfig | str", step: int = 0,
+                     metas: list[SampleMeta] | None = None) -> "BalancedRun":
+        """Simulate iteration ``step`` of ``plan`` under a balancing policy (a `BalanceConfig` or
+        a policy name for every phase): per-sample costs of the global batch (`sample_costs`),
+        the layout (`make_layout`), the schedule built with it, and each slot's workload per
+        phase from the samples it holds there. ``metas`` overrides the drawn batch."""
+        from loom.balance.policy import BalanceConfig, make_layout, sample_costs
+
+        config = BalanceConfig(default=balance) if isinstance(balance, str) else balance
+        plan.resolve(self.arch.layer_counts())
+        metas = self.metas(step) if metas is None else metas
+        layout = make_layout(config, plan, sample_costs(self.arch, metas), self.llm_batching)
+        work = self.layout_work(metas, layout)
+        result, cost = self._run(plan, work, layout, self.per_sample_work(metas))
+        return BalancedRun(policy_label(config, plan.module_names), config.order, layout, result,
+                           phase_loads(plan, cost, work), work)
 
     def trainable_stages(self, plan: Plan) -> dict[tuple[str, int], bool]:
         out = {}
@@ -180,6 +235,32 @@ class Scenario:
 
     def memory_capacity(self) -> float:
         return float(self.cluster.spec.hbm_bytes)
+
+
+@dataclass
+class BalancedRun:
+    """One simulated iteration under a balancing policy: ``policy`` names it (one name, or
+    ``phase=name`` pairs when phases differ), ``layout`` is what the policy decided, ``work[j][m]``
+    slot ``j``'s workload in phase ``m``, ``loads`` the per-phase balance figures."""
+
+    policy: str
+    order: str
+    layout: "BatchLayout"
+    result: SimResult
+    loads: PhaseLoads
+    work: list[MicrobatchWork]
+
+    def summary(self) -> dict[str, Any]:
+        """The simulator's summary plus ``policy``, ``order``, the layout's microbatch count and
+        ``load_max_over_mean`` (``dp`` and ``microbatch``, per phase)."""
+        return {**self.result.summary(), "policy": self.policy, "order": self.order,
+                "layout_microbatches": self.layout.num_microbatches, "load_max_over_mean": self.loads.summary()}
+
+
+def policy_label(config: "BalanceConfig", phases: list[str]) -> str:
+    chosen = config.summary(phases)
+    names = set(chosen.values())
+    return names.pop() if len(names) == 1 else ",".join(f"{p}={n}" for p, n in chosen.items())
 
 
 def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "packed") -> MicrobatchWork:

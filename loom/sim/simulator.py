@@ -6,18 +6,29 @@ dependencies forward").
 (`loom.runtime.executor`, `loom.schedule.ir`):
 
 - ``FORWARD`` / ``BACKWARD`` take ``cost.stage_time(module, stage, kind, work)`` for the
-  microbatch's own workload of that module;
+  microbatch's own workload of that module; one part of a split backward (``samples`` set,
+  entrain.md §3.6) costs the backward of its samples' workload only;
 - a send does not block its sender (it takes no time there); its message arrives at
   ``send time + cost.transfer_time(src_unit, dst_unit, module, stage, work)``, where
   ``(module, stage)`` is the stage whose *output* crosses the edge: the sender's for an
-  activation, the receiver's for a gradient (the gradient has the activation's shape);
-- a receive blocks until its message has arrived;
+  activation, the receiver's for a gradient (the gradient has the activation's shape), and
+  ``work`` that stage's microbatch workload, or on a routed edge (``samples`` set) the
+  workload of the samples it carries;
+- a receive blocks until its message has arrived (matched like the validator's
+  ``_message_key``: direction, both units, the sender's and the receiver's microbatch, both
+  stages and ``samples``);
 - ``GRAD_SYNC`` is a collective over the units holding a ``GRAD_SYNC`` of the same stage (its
   data-parallel replicas): all of them leave it at ``max(arrivals) + cost.grad_sync_time``;
 - ``OPTIMIZER_STEP`` takes ``cost.optimizer_time``.
 
 With ``link_contention`` a unit's outgoing messages also share one link: each transfer starts
 when the previous one from the same unit has finished.
+
+Balanced layouts (`loom.balance.layout.BatchLayout`): ``work[j][m]`` is then the workload of
+slot ``j`` *of module m* (encoder slot ``j`` and LLM slot ``j`` may hold different samples), and
+the per-sample table ``sample_work[s]`` (position ``s`` of the global batch) gives the workload
+of a part: the sum of its samples' workloads of the module, exact for packed workloads (the
+encoders' items, a packed LLM), which are additive over samples.
 
 The play is a dataflow evaluation, not a time-stepped loop: every unit has a pointer into its
 list; a ready stack holds the units that can advance; a unit blocked on a receive waits on that
@@ -146,6 +157,40 @@ class SimResult:
 
 
 # ---- inputs ------------------------------------------------------------------------------
+class _PartWork:
+    """The workload of a subset of samples of one module (a routed message, a backward part):
+    the sum of the samples' workloads in ``sample_work``, memoised per ``(module, samples)``."""
+
+    def __init__(self, sample_work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None, any_work: bool):
+        self.table = sample_work
+        self.any_work = any_work
+        self.cache: dict[tuple[str, tuple[int, ...]], Workload] = {}
+
+    def __call__(self, module: str, samples: tuple[int, ...]) -> Workload:
+        key = (module, samples)
+        w = self.cache.get(key)
+        if w is not None:
+            return w
+        if self.table is None:
+            if self.any_work:
+                raise ValueError(
+                    f"the schedule names sample subsets (routed edges or a split backward, e.g. {module} samples "
+                    f"{list(samples)[:8]}) but no sample_work was given: pass the per-sample workloads "
+                    f"(sample_work[position]) so a part costs its own samples"
+                )
+            w = _EMPTY
+        else:
+            w = _EMPTY
+            for s in samples:
+                try:
+                    row = self.table[s]
+                except (IndexError, KeyError):
+                    raise KeyError(f"sample_work has no entry for sample {s} (named by a {module} part)") from None
+                w = w + row.get(module, _EMPTY)
+        self.cache[key] = w
+        return w
+
+
 def _work_table(work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None, count: int) -> list[MicrobatchWork]:
     """Every microbatch's workload by index; ``None`` gives every microbatch an empty one (for
     cost models that ignore the workload, such as `UniformCostModel`)."""
@@ -171,10 +216,15 @@ def simulate(
     num_samples: int | None = None,
     link_contention: bool = False,
     step: int = 0,
+    sample_work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None = None,
 ) -> SimResult:
     """Play one iteration of ``schedule`` (whose ranks are ``plan``'s pipeline units) under
-    ``cost``, with ``work[j]`` the per-module workload of microbatch ``j``. ``num_samples``
-    (the global batch size) adds ``samples_per_s``; ``step`` stamps the timeline events.
+    ``cost``, with ``work[j]`` the per-module workload of microbatch ``j`` (with a balanced
+    layout: of slot ``j`` of each module). ``num_samples`` (the global batch size) adds
+    ``samples_per_s``; ``step`` stamps the timeline events. ``sample_work[s]``, the per-module
+    workload of sample ``s`` of the global batch, prices the parts of a layout's schedule (routed
+    messages, split backwards); it is needed only when the schedule has such parts and ``work``
+    is given.
 
     Raises `DeadlockError` if some unit can never finish. The IR is not otherwise checked: run
     `loom.schedule.validate_schedule` first for a precise diagnosis of a malformed one."""
@@ -186,6 +236,7 @@ def simulate(
         )
     count = schedule.num_microbatches
     works = _work_table(work, count)
+    part_work = _PartWork(sample_work, work is not None)
     n = len(units)
     actions = [schedule.actions[u] for u in units]
     roles = {u: plan.role_of_unit(u) for u in units}
@@ -222,22 +273,34 @@ def simulate(
             a = acts[i]
             k = a.kind
             if k is FORWARD or k is BACKWARD:
-                d = stage_time(a.module, a.stage, _NAME[k], works[a.microbatch].get(a.module, _EMPTY))
+                if a.samples is None:
+                    w = works[a.microbatch].get(a.module, _EMPTY)
+                else:  # one part of a split backward: its own samples' work
+                    w = part_work(a.module, a.samples)
+                d = stage_time(a.module, a.stage, _NAME[k], w)
                 log.append(TimelineEvent(first_rank[u], _NAME[k], a.short(), a.module, a.stage, a.microbatch, t, t + d, step))
                 compute[u] += d
                 t += d
             elif k is SEND_ACT or k is SEND_GRAD:
                 # The tensor crossing the edge is the output of the edge's forward-direction source.
+                # Its microbatch is the sender's for an activation, the receiver's for a gradient.
+                other = a.microbatch if a.peer_microbatch is None else a.peer_microbatch
                 if k is SEND_ACT:
-                    om, os_ = a.module, a.stage
+                    om, os_, omb = a.module, a.stage, a.microbatch
                 else:
-                    om, os_ = a.peer_module, a.peer_stage
-                d = transfer_time(u, a.peer, om, os_, works[a.microbatch].get(om, _EMPTY))
+                    om, os_, omb = a.peer_module, a.peer_stage, other
+                if a.samples is None:
+                    w = works[omb].get(om, _EMPTY)
+                else:  # a routed edge carries only its part's rows
+                    w = part_work(om, a.samples)
+                d = transfer_time(u, a.peer, om, os_, w)
                 start = t
                 if link_contention:
                     start = max(t, link_free[u])
                     link_free[u] = start + d
-                key = (k is SEND_GRAD, u, a.peer, a.microbatch, a.module, a.stage, a.peer_module, a.peer_stage, a.samples)
+                # (direction, sender, receiver, sender's microbatch, receiver's microbatch, stages, samples)
+                key = (k is SEND_GRAD, u, a.peer, a.microbatch, other, a.module, a.stage, a.peer_module, a.peer_stage,
+                       a.samples)
                 posted = messages.get(key)
                 if posted is None:
                     messages[key] = [start + d]
@@ -248,7 +311,9 @@ def simulate(
                     ready.append(woken)
                 log.append(TimelineEvent(first_rank[u], _NAME[k], a.short(), a.module, a.stage, a.microbatch, t, t, step))
             elif k is RECV_ACT or k is RECV_GRAD:
-                key = (k is RECV_GRAD, a.peer, u, a.microbatch, a.peer_module, a.peer_stage, a.module, a.stage, a.samples)
+                other = a.microbatch if a.peer_microbatch is None else a.peer_microbatch
+                key = (k is RECV_GRAD, a.peer, u, other, a.microbatch, a.peer_module, a.peer_stage, a.module, a.stage,
+                       a.samples)
                 posted = messages.get(key)
                 if not posted:
                     waiting[key] = u
@@ -317,7 +382,7 @@ def simulate(
         model_flops=flops,
         mfu=flops / denominator if denominator > 0 else None,
         samples_per_s=num_samples / iteration if num_samples is not None and iteration > 0 else None,
-        peak_memory=peak_memory(schedule, plan, cost, works),
+        peak_memory=_peak_memory(schedule, plan, cost, works, part_work),
         timeline=[e for log in events for e in log],
     )
 
@@ -347,16 +412,23 @@ def peak_memory(
     plan: Plan,
     cost: CostModel,
     work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None = None,
+    sample_work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None = None,
 ) -> dict[int, float]:
-    """Per unit: static memory plus the most activation memory held at once (``work`` as for
-    `simulate`).
+    """Per unit: static memory plus the most activation memory held at once (``work`` and
+    ``sample_work`` as for `simulate`).
 
     A unit's live activations change only at its own forwards and backwards, so the peak
     follows from the order of its list alone, whatever the timing. A microbatch's activation is
     taken at its forward and freed at its last backward on the unit (a split backward frees at
     the last part); on a stage without backward (``schedule.needs_backward``) it is freed as
-    soon as the forward ends, so it counts only while that forward runs."""
+    soon as the forward ends, so it counts only while that forward runs. The recompute working
+    set of a backward part is its own samples'."""
     works = _work_table(work, schedule.num_microbatches)
+    return _peak_memory(schedule, plan, cost, works, _PartWork(sample_work, work is not None))
+
+
+def _peak_memory(schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork],
+                 part_work: _PartWork) -> dict[int, float]:
     peaks: dict[int, float] = {}
     no_backward = {k for k, needed in schedule.needs_backward.items() if not needed}
     for u in sorted(schedule.actions):
@@ -380,8 +452,9 @@ def peak_memory(
                     live -= size
             elif a.kind is BACKWARD:
                 key = (a.module, a.stage, a.microbatch)
-                # the recompute working set is live while this backward runs
-                peak = max(peak, live + cost.transient_memory(a.module, a.stage, works[a.microbatch].get(a.module, _EMPTY)))
+                # the recompute working set is live while this backward (part) runs
+                w = works[a.microbatch].get(a.module, _EMPTY) if a.samples is None else part_work(a.module, a.samples)
+                peak = max(peak, live + cost.transient_memory(a.module, a.stage, w))
                 backwards_left[key] -= 1
                 if backwards_left[key] == 0:
                     live -= held.pop(key, 0.0)

@@ -126,6 +126,9 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
                 print(f"step {step:5d}/{cfg.run.steps}  loss {float(loss):.4f}  "
                       f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step", flush=True)
 
+    if rank == 0 and set(got.layout.policy.values()) != {"none"}:
+        # a balanced run's schedule changes with its layout: keep the last step's next to the base one
+        engine.schedule_for(got.layout).to_json(run_dir / "schedule_last_step.json")
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(last_timeline, gathered, dst=0)
     if rank == 0:

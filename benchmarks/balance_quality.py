@@ -1,0 +1,210 @@
+"""Balance quality: how much each balancing policy evens out the work and shortens the iteration,
+on skewed data mixes at cluster scale (SIMULATED), with a hook for a real 2-rank run.
+
+    python -m benchmarks.balance_quality [--steps 3] [--mixes caption,interleaved] [--no-real]
+
+What runs (`simulated_quality`): for each skewed mix of `loom.data.synthetic.SKEWED_MIXES`
+(caption-like, multi-image, audio-heavy, interleaved documents) a scenario (`loom.sim.scenario`)
+of Llama-3-8B with a ViT-H/14 vision encoder (and Whisper-large for the audio-heavy mix, which
+has speech) on H100s, the Megatron-style plan at TP 2 x DP 8 (every encoder one stage, the LLM 3
+stages: 64 GPUs, 80 with audio), 8 microbatches per pipeline (64 in all), global batch 512, LLM
+sequences ``packed`` (as large-scale trainers do) and ``padded`` (loom's runtime, the side a
+real CPU run measures). Every policy of `loom.balance.policy.POLICIES` lays out the same global
+batches (`Scenario.run_balanced`: `sample_costs`, `make_layout`, the schedule built with the
+layout, per-slot per-phase workloads), and the simulator plays them under the analytic cost
+model. Per LLM batching ``<b>``, mix, policy and phase (each encoder and the LLM), averaged over
+``--steps`` iterations (different global batches):
+
+- ``<b>.<mix>.<policy>.dp_max_over_mean.<phase>``: max / mean over data-parallel replicas of
+  the phase's simulated compute (`loom.sim.loads`; 1 = balanced);
+- ``<b>.<mix>.<policy>.microbatch_max_over_mean.<phase>``: the same over microbatch slots;
+- ``<b>.<mix>.<policy>.iteration_time_vs_none``: simulated iteration time / that of ``none``
+  (the unbalanced, equal-count layout); ``<b>.<mix>.none.iteration_time_s`` the baseline, in s;
+- ``<b>.<policy>.iteration_time_vs_none_mean``: the geometric mean of the ratio over the mixes.
+
+Every figure above is simulated. ``real_step_time_ratio`` is the hook for the measured side: if
+``benchmarks/balance_real.py`` exists, `main` calls its ``real_run()`` (a real 2-rank CPU run,
+balanced step time over unbalanced) and merges the dict it returns into the figures; otherwise
+the figure is written with value ``null`` and a note. Writes
+``benchmarks/results/balance_quality.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import figure, format_table, machine_info, write_result
+from loom.balance.policy import POLICIES
+from loom.cost.arch import load_model_arch
+from loom.cost.hardware import Cluster
+from loom.data.synthetic import SKEWED_MIXES
+from loom.sim.scenario import ParallelDegrees, Scenario
+
+LLM_NAME = "llama3-8b"
+VISION = "vit-h-14"
+AUDIO = "whisper-large"
+TENSOR_PARALLEL, DATA_PARALLEL, LLM_STAGES, MICROBATCHES_PER_PIPELINE = 2, 8, 3, 8
+GLOBAL_BATCH = 512
+# packed: large-scale trainers; padded: loom's runtime (each microbatch right-padded), the
+# side the real 2-rank run measures
+LLM_BATCHING = ("packed", "padded")
+
+
+def scenario_for(mix: str, seed: int = 0, llm_batching: str = "packed") -> Scenario:
+    """The benchmark's scenario for ``mix``: a vision encoder, plus an audio one if the mix has
+    speech; frozen encoders with trainable projectors (LLaVA stage 2), GPUs for exactly
+    one stage per encoder and ``LLM_STAGES`` LLM stages at TP x DP."""
+    encoders = {"vision": VISION}
+    if mix == "audio_heavy":
+        encoders["audio"] = AUDIO
+    freeze = [f"{name}.encoder" for name in encoders]
+    arch = load_model_arch(LLM_NAME, encoders, "mlp", freeze)
+    gpus = (len(encoders) + LLM_STAGES) * TENSOR_PARALLEL * DATA_PARALLEL
+    return Scenario(
+        name=f"balance-quality-{mix}", arch=arch, cluster=Cluster("H100", gpus, 8), mix=mix, seed=seed,
+        global_batch_size=GLOBAL_BATCH, llm_batching=llm_batching,
+        degrees=ParallelDegrees(tensor_parallel=TENSOR_PARALLEL, data_parallel=DATA_PARALLEL,
+                                microbatches_per_pipeline=MICROBATCHES_PER_PIPELINE),
+    )
+
+
+def simulated_quality(mixes: tuple[str, ...] = SKEWED_MIXES, policies: tuple[str, ...] = POLICIES,
+                      steps: int = 1, seed: int = 0,
+                      llm_batching: tuple[str, ...] = LLM_BATCHING) -> dict[str, Any]:
+    """Simulate every (LLM batching, mix, policy) over ``steps`` global batches; returns
+    ``{"figures": ..., "config": ..., "rows": [...]}`` (rows: one per batching, mix and policy,
+    for the table)."""
+    if "none" not in policies:
+        policies = ("none", *policies)
+    figures: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any]] = []
+    for batching in llm_batching:
+        ratios: dict[str, list[float]] = {p: [] for p in policies}
+        for mix in mixes:
+            scenario = scenario_for(mix, seed, batching)
+            plan = scenario.megatron_plan()
+            acc: dict[str, dict[str, Any]] = {}
+            for step in range(steps):
+                metas = scenario.metas(step)
+                for policy in policies:
+                    run = scenario.run_balanced(plan, policy, metas=metas)
+                    loads = run.loads.summary()
+                    a = acc.setdefault(policy, {"time": 0.0, "bubble": 0.0, "microbatches": 0,
+                                                "dp": {}, "microbatch": {}})
+                    a["time"] += run.result.iteration_time / steps
+                    a["bubble"] += run.result.bubble_fraction / steps
+                    a["microbatches"] = max(a["microbatches"], run.layout.num_microbatches)
+                    for axis in ("dp", "microbatch"):
+                        for phase, v in loads[axis].items():
+                            a[axis][phase] = a[axis].get(phase, 0.0) + v / steps
+            base = acc["none"]["time"]
+            prefix = f"{batching}.{mix}"
+            figures[f"{prefix}.none.iteration_time_s"] = figure(base, "s (simulated)", 6)
+            for policy in policies:
+                a = acc[policy]
+                ratio = a["time"] / base
+                ratios[policy].append(ratio)
+                figures[f"{prefix}.{policy}.iteration_time_vs_none"] = figure(ratio, "ratio (simulated)")
+                for axis in ("dp", "microbatch"):
+                    for phase, v in a[axis].items():
+                        figures[f"{prefix}.{policy}.{axis}_max_over_mean.{phase}"] = figure(v, "ratio (simulated)")
+                rows.append({"llm_batching": batching, "mix": mix, "policy": policy, "iteration_time_s": a["time"],
+                             "vs_none": ratio, "bubble_fraction": a["bubble"],
+                             "layout_microbatches": a["microbatches"], "dp": a["dp"], "microbatch": a["microbatch"]})
+        for policy in policies:
+            geo = math.exp(sum(math.log(r) for r in ratios[policy]) / len(ratios[policy]))
+            figures[f"{batching}.{policy}.iteration_time_vs_none_mean"] = figure(
+                geo, "ratio (simulated, geometric mean over mixes)")
+    config = {
+        "simulated": True, "mixes": list(mixes), "policies": list(policies), "steps": steps, "seed": seed,
+        "llm_batching": list(llm_batching),
+        "model": {"llm": LLM_NAME, "vision": VISION, "audio (audio_heavy only)": AUDIO, "projector": "mlp",
+                  "frozen": "encoders"},
+        "plan": {"kind": "megatron-style", "tensor_parallel": TENSOR_PARALLEL, "data_parallel": DATA_PARALLEL,
+                 "llm_stages": LLM_STAGES, "encoder_stages": 1,
+                 "num_microbatches": MICROBATCHES_PER_PIPELINE * DATA_PARALLEL, "schedule": "1f1b"},
+        "global_batch_size": GLOBAL_BATCH, "gpu": "H100", "cost_model": "analytic", "order": "given",
+    }
+    return {"figures": figures, "config": config, "rows": rows}
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def phases(r: dict[str, Any], axis: str) -> str:
+        return " ".join(f"{p} {v:.3f}" for p, v in r[axis].items())
+
+    table = [(r["llm_batching"], r["mix"], r["policy"], f"{r['iteration_time_s']:.4f}", f"{r['vs_none']:.3f}",
+              f"{100 * r['bubble_fraction']:.1f}%", str(r["layout_microbatches"]), phases(r, "dp"),
+              phases(r, "microbatch")) for r in rows]
+    print(format_table(("LLM", "mix", "policy", "iter s", "vs none", "bubble", "mbs", "DP max/mean", "microbatch max/mean"),
+                       table))
+
+
+def run_real() -> dict[str, Any] | None:
+    """``benchmarks.balance_real.real_run()`` if that module exists, else ``None``."""
+    try:
+        from benchmarks.balance_real import real_run
+    except ImportError as e:
+        if e.name not in ("benchmarks.balance_real", "benchmarks"):
+            raise  # the module exists but something it imports is missing: a real error
+        print("real run missing: benchmarks/balance_real.py does not exist, so real_step_time_ratio is left null")
+        return None
+    return real_run()
+
+
+def merge_real(figures: dict[str, dict[str, Any]], real: dict[str, Any] | None, config: dict[str, Any],
+               why_missing: str = "benchmarks/balance_real.py is missing") -> None:
+    """Merge the real run's dict into the figures: numbers become figures (unit ``ratio`` for
+    names with ``ratio``, ``s`` for names ending in ``_s``), ready figures are kept as they are,
+    anything else goes to ``config["real_run"]``."""
+    if real is None:
+        figures["real_step_time_ratio"] = {"value": None, "unit": "ratio (measured)",
+                                           "note": f"filled by benchmarks/balance_real.py real_run(); not run: {why_missing}"}
+        return
+    extra = {}
+    for key, value in real.items():
+        if isinstance(value, dict) and "value" in value:
+            figures[key] = value
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            unit = "ratio (measured)" if "ratio" in key else "s (measured)" if key.endswith("_s") else "measured"
+            figures[key] = figure(value, unit)
+        else:
+            extra[key] = value
+    if extra:
+        config["real_run"] = extra
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=3, help="global batches per mix (figures are their mean)")
+    ap.add_argument("--mixes", default=",".join(SKEWED_MIXES), help="comma-separated data mixes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-real", action="store_true", help="skip benchmarks/balance_real.py even if it exists")
+    args = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    out = simulated_quality(tuple(m for m in args.mixes.split(",") if m), POLICIES, args.steps, args.seed)
+    seconds = time.perf_counter() - t0
+    print_table(out["rows"])
+    print(f"(simulated: {len(out['rows'])} layouts x {args.steps} global batches in {seconds:.1f} s; "
+          f"DP / microbatch max/mean: each phase's simulated compute across data-parallel replicas / slots, 1 = balanced)")
+    for batching in LLM_BATCHING:
+        print(f"{batching}: iteration time / none, geometric mean over the mixes: " + ", ".join(
+            f"{p} {out['figures'][f'{batching}.{p}.iteration_time_vs_none_mean']['value']:.3f}" for p in POLICIES))
+    real = None if args.no_real else run_real()
+    merge_real(out["figures"], real, out["config"],
+               "--no-real was given" if args.no_real else "benchmarks/balance_real.py is missing")
+    if real is not None:
+        print(f"real_step_time_ratio = {out['figures'].get('real_step_time_ratio', {}).get('value')}")
+    path = write_result("balance_quality", out["figures"], out["config"], machine_info())
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
