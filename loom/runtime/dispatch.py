@@ -105,7 +105,8 @@ class Dispatcher:
         costs = sample_costs(self.arch, metas)
         layout = make_layout(self.balance, self.plan, costs)
         counts = [count_tokens(m, self.token_counts) for m in metas]
-        rows = RowMap(layout, {e: [c[e] for c in counts] for e in self.plan.encoder_names})
+        rows = RowMap(layout, {e: [c[e] for c in counts] for e in self.plan.encoder_names},
+                      {e: [len(getattr(m, SAMPLE_FIELDS[e])) for m in metas] for e in self.plan.encoder_names})
 
         received: dict[int, list[torch.Tensor] | list[int]] = {}
         for phase in self.plan.module_names:

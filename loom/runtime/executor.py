@@ -13,6 +13,7 @@ Semantics that make a parallel run equal the single-process reference:
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +89,10 @@ class PipelineExecutor:
         actions = self.actions if schedule is None else schedule.actions[self.rank]
         num_mb = (self.schedule if schedule is None else schedule).num_microbatches
         backward_parts = _count(actions, ActionKind.BACKWARD)
+        # Split backwards at an encoder's first stage run their forward per part too (entrain.md
+        # §7.12's first option), so each part's backward covers only its own samples.
+        split = {j: parts for j, parts in _parts(actions).items() if self.stage.is_first and self.stage.module != LLM}
+        part_outputs: dict[int, list[torch.Tensor]] = {}
         # mb -> {(source module, source microbatch): received activation}
         inputs: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
         saved: dict[int, tuple[dict[tuple[str, int], torch.Tensor], torch.Tensor | None]] = {}
@@ -112,7 +117,11 @@ class PipelineExecutor:
                     contexts[j] = self.model.module_context(self.stage.module, batches[j])
                 received = inputs.pop(j, {})
                 with torch.set_grad_enabled(self.needs_backward[me]):
-                    out = run_layers(self.stage.layers, self._stage_input(received, j, rows), contexts[j])
+                    if j in split:
+                        part_outputs[j] = self._forward_parts(batches[j], j, split[j], rows)
+                        out = torch.cat(part_outputs[j])
+                    else:
+                        out = run_layers(self.stage.layers, self._stage_input(received, j, rows), contexts[j])
                     if self.stage.computes_loss:
                         out = loss_sum(out, batches[j].labels) / num_targets
                         loss_total += out.detach()
@@ -141,10 +150,19 @@ class PipelineExecutor:
                 # An output can be independent of everything trainable for one microbatch (a
                 # frozen LLM stage whose microbatch has no image tokens to merge): then there is
                 # nothing to propagate and the input gradient sent back is zero.
-                if out.requires_grad:
-                    # A split backward (entrain.md §3.6) runs the graph once per part with that
-                    # part's rows of the gradient (zeros elsewhere); by linearity the parts sum
-                    # to the whole, and the graph is kept until the last part.
+                if j in part_outputs:  # a split backward over per-part forwards: this part's rows only
+                    part = split[j].index(a.samples)
+                    start = sum(t.shape[0] for t in part_outputs[j][:part])
+                    piece = part_outputs[j][part]
+                    if piece.requires_grad:
+                        torch.autograd.backward(piece, grad[start:start + piece.shape[0]])
+                    part_outputs[j][part] = piece.detach()
+                    if last_part:
+                        del part_outputs[j]
+                elif out.requires_grad:
+                    # A split backward on a later encoder stage (entrain.md §3.6) runs the stage's
+                    # graph once per part with that part's rows of the gradient (zeros elsewhere);
+                    # by linearity the parts sum to the whole; the graph is kept until the last.
                     torch.autograd.backward(out, grad, retain_graph=not last_part)
                 if last_part:
                     # keep only the inputs whose gradients still have to be sent back
@@ -195,6 +213,28 @@ class PipelineExecutor:
         (x,) = received.values()
         return x
 
+    def _forward_parts(self, batch: Batch, j: int, parts: list[tuple[int, ...]], rows: "RowMap") -> list[torch.Tensor]:
+        """Forward of an encoder microbatch one part at a time (each part's samples in the
+        microbatch's order); the rows of the concatenated output follow the parts, which
+        ``rows`` is told so routed messages still pick the right rows."""
+        module = self.stage.module
+        slot = rows.layout.slots[module][j]
+        key, items = next(iter(batch.modality_inputs[module].items()))
+        first_item, n = {}, 0
+        for s in slot:
+            first_item[s] = n
+            n += rows.items[module][s]
+        outs, order = [], []
+        for part in parts:
+            members = [s for s in slot if s in set(part)]
+            sub_items = [items[i] for s in members for i in range(first_item[s], first_item[s] + rows.items[module][s])]
+            sub = dataclasses.replace(batch, modality_inputs={module: {key: sub_items}},
+                                      sample_ids=[batch.sample_ids[slot.index(s)] for s in members])
+            outs.append(run_layers(self.stage.layers, None, self.model.module_context(module, sub)))
+            order.extend(members)
+        rows.set_order(module, j, order)
+        return outs
+
     def _microbatch(self, microbatches: dict[int, Batch], j: int) -> Batch:
         if j not in microbatches:
             raise KeyError(f"rank {self.rank} runs microbatch {j} but was not given it (has {sorted(microbatches)})")
@@ -235,6 +275,15 @@ def _count(actions: list[Action], kind: ActionKind) -> dict[int, int]:
         if a.kind is kind:
             counts[a.microbatch] = counts.get(a.microbatch, 0) + 1
     return counts
+
+
+def _parts(actions: list[Action]) -> dict[int, list[tuple[int, ...]]]:
+    """Microbatch -> the sample tuples of its split-backward parts, in schedule order."""
+    parts: dict[int, list[tuple[int, ...]]] = {}
+    for a in actions:
+        if a.kind is ActionKind.BACKWARD and a.samples is not None:
+            parts.setdefault(a.microbatch, []).append(a.samples)
+    return parts
 
 
 def _later(actions: list[Action], a: Action, kind: ActionKind) -> bool:

@@ -22,10 +22,12 @@ from loom.plan.plan import LLM
 @dataclass
 class RowMap:
     """``tokens[encoder][position]``: tokens encoder ``encoder`` emits for the sample at
-    ``position`` of the global batch (0 when it has no items of that modality)."""
+    ``position`` of the global batch (0 when it has no items of that modality);
+    ``items[encoder][position]``: how many items of that modality the sample has."""
 
     layout: BatchLayout
     tokens: dict[str, list[int]]
+    items: dict[str, list[int]] = field(default_factory=dict)  # items of each sample per encoder
     _starts: dict[tuple[str, int], dict[int, int]] = field(default_factory=dict, repr=False)
 
     def _start_rows(self, encoder: str, j: int) -> dict[int, int]:
@@ -37,6 +39,15 @@ class RowMap:
                 row += self.tokens[encoder][s]
             self._starts[key] = starts
         return self._starts[key]
+
+    def set_order(self, encoder: str, j: int, order: list[int]) -> None:
+        """Encoder microbatch ``j``'s output rows follow ``order`` instead of the slot's order
+        (a split microbatch forwarded part by part)."""
+        starts, row = {}, 0
+        for s in order:
+            starts[s] = row
+            row += self.tokens[encoder][s]
+        self._starts[(encoder, j)] = starts
 
     def index(self, encoder: str, j: int, samples: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """Rows of encoder microbatch ``j``'s output that hold ``samples``, in that order."""

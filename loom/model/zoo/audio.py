@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.model.layers import Layer, run_layers
-from loom.model.zoo.vision import EncoderBlock, block_diagonal_mask, run_encoder_block, run_norm, sinusoidal_embedding
+from loom.model.zoo.vision import EncoderBlock, run_encoder_block, run_norm, sinusoidal_embedding
 
 if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md): metadata types only
     from loom.data.sample import AudioMeta
@@ -161,7 +161,8 @@ class AudioEncoder(nn.Module):
         return self._tokens_for_samples(meta.num_samples)
 
     def context(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Validated clips, per-clip sinusoidal positions and the block-diagonal attention mask."""
+        """Validated clips, per-clip sinusoidal positions and per-clip frame counts (the
+        attention segments)."""
         waveforms: list[torch.Tensor] = list(inputs["waveforms"])
         for i, wav in enumerate(waveforms):
             if wav.dim() != 1:
@@ -180,7 +181,6 @@ class AudioEncoder(nn.Module):
             "waveforms": waveforms,
             "positions": sinusoidal_embedding(positions_ids, self.hidden_size),
             "lengths": lengths,
-            "attention_mask": block_diagonal_mask(lengths, device),
         }
 
     def layers(self) -> list[Layer]:

@@ -69,18 +69,47 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int, base: float = 10000.
 
 
 def block_diagonal_mask(lengths: list[int], device: torch.device | str) -> torch.Tensor:
-    """``[N, N]`` boolean mask (True = may attend) letting each packed item see only itself."""
+    """``[N, N]`` boolean mask (True = may attend) letting each packed item see only itself.
+    What `segment_attention` computes without materialising it (kept as its test oracle)."""
     segment_ids = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), torch.tensor(lengths, dtype=torch.long, device=device)
     )
     return segment_ids[:, None] == segment_ids[None, :]
 
 
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Attention of a packed sequence ``[heads, N, head_dim]`` in which each segment (item)
+    attends only to itself: the block-diagonal mask's result, at the cost of the blocks alone
+    (sum of length², what the cost model and the balancers assume; a dense ``[N, N]`` mask would
+    cost N²). Segments of equal length run as one batched call, as varlen kernels do on GPUs."""
+    if not any(lengths):
+        # no items: an empty result that stays in the graph, so the block's parameters get
+        # (zero) gradients exactly as with the dense mask
+        return q * 0
+    out = torch.empty_like(q)
+    starts, offset = [], 0
+    for n in lengths:
+        starts.append(offset)
+        offset += n
+    by_length: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        if n:
+            by_length.setdefault(n, []).append(starts[i])
+    for n, firsts in by_length.items():
+        idx = (torch.tensor(firsts, device=q.device)[:, None] + torch.arange(n, device=q.device)[None, :]).reshape(-1)
+        # [heads, G*n, d] -> [G, heads, n, d]
+        def gather(t: torch.Tensor) -> torch.Tensor:
+            return t.index_select(1, idx).view(t.shape[0], len(firsts), n, t.shape[2]).transpose(0, 1)
+        o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v))
+        out.index_copy_(1, idx, o.transpose(0, 1).reshape(q.shape[0], len(firsts) * n, q.shape[2]))
+    return out
+
+
 class EncoderBlock(nn.Module):
     """Pre-norm transformer block: x + attn(LN(x)), then x + MLP(LN(x)), over a packed sequence.
 
-    The input is ``[N, hidden]`` (all items of a call packed); ``mask`` is the ``[N, N]``
-    boolean block-diagonal mask that keeps items apart.
+    The input is ``[N, hidden]`` (all items of a call packed); ``lengths`` are the items'
+    token counts, which keep them apart (`segment_attention`).
     """
 
     def __init__(self, hidden_size: int, num_heads: int, mlp_ratio: float, norm_eps: float) -> None:
@@ -95,22 +124,22 @@ class EncoderBlock(nn.Module):
         self.fc1 = nn.Linear(hidden_size, mlp_hidden)
         self.fc2 = nn.Linear(mlp_hidden, hidden_size)
 
-    def attention(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def attention(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
-        # [N, 3*hidden] -> 3 x [1, heads, N, head_dim]: one "batch" holding the packed sequence.
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3).unsqueeze(1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(out.squeeze(0).transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
+        # [N, 3*hidden] -> 3 x [heads, N, head_dim]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        out = segment_attention(q, k, v, lengths)
+        return self.proj(out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attn_norm(x), mask)
+    def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        x = x + self.attention(self.attn_norm(x), lengths)
         return x + self.fc2(F.gelu(self.fc1(self.mlp_norm(x))))
 
 
 def run_encoder_block(block: EncoderBlock, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
-    """Layer forward of an encoder block: the mask comes from the context."""
+    """Layer forward of an encoder block: the items' lengths come from the context."""
     # Call the module (not .forward) so that hooks applied from outside (FSDP, ...) fire.
-    return block(x, ctx["attention_mask"])
+    return block(x, ctx["lengths"])
 
 
 def run_norm(norm: nn.Module, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
@@ -179,7 +208,8 @@ class VisionEncoder(nn.Module):
         return (meta.height // p) * (meta.width // p)
 
     def context(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Validated images, their 2D patch positions and the block-diagonal attention mask."""
+        """Validated images, their 2D patch positions and per-image patch counts (the
+        attention segments)."""
         images: list[torch.Tensor] = list(inputs["images"])
         p = self.config.patch_size
         grids: list[tuple[int, int]] = []
@@ -218,7 +248,6 @@ class VisionEncoder(nn.Module):
             "images": images,
             "positions": positions,
             "lengths": lengths,
-            "attention_mask": block_diagonal_mask(lengths, device),
         }
 
     def layers(self) -> list[Layer]:
