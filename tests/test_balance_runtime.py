@@ -30,6 +30,7 @@ from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
 from loom.train.build import build_data, build_model, num_targets, token_counters
 from loom.train.config import ModelConfig, TrainConfig
+from reference import assert_matches_reference, save_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -82,16 +83,8 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     result = engine.step(got.batches, got.num_targets, layout=got.layout, rows=got.rows)
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
-    params = engine.stage.named_parameters()
-    torch.save({
-        "loss": float(loss),
-        "grads": {n: p.grad.clone() for n, p in params.items() if p.grad is not None},
-        "no_grad": sorted(n for n, p in params.items() if p.grad is None),
-        "role": cfg.plan.role_of(rank),
-        "samples": {j: list(b.sample_ids) for j, b in got.batches.items()},
-        "slots": {p: [list(s) for s in v] for p, v in got.layout.slots.items()},
-        "identity": got.layout.is_identity(),
-    }, Path(out) / f"rank{rank}.pt")
+    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(),
+              role=cfg.plan.role_of(rank), samples={j: list(b.sample_ids) for j, b in got.batches.items()})
 
 
 def _reference(case: str):
@@ -126,21 +119,7 @@ def test_balanced_step_matches_single_process(case: str, tmp_path: Path) -> None
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(CASES[case])]
     model, ref_loss, sample_ids = _reference(case)
 
-    losses = {round(r["loss"], 10) for r in results}
-    assert len(losses) == 1
-    assert results[0]["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6)
-
-    ref = dict(model.named_parameters())
-    seen: set[str] = set()
-    for r in results:
-        for name, g in r["grads"].items():
-            assert ref[name].grad is not None, f"{name}: parallel run has a gradient, reference none"
-            torch.testing.assert_close(g, ref[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{case} {name}: {m}")
-            seen.add(name)
-        for name in r["no_grad"]:
-            assert ref[name].grad is None, f"{name}: reference has a gradient, parallel run none"
-    trainable = {n for n, p in ref.items() if p.requires_grad}
-    assert seen == trainable
+    assert_matches_reference(results, model, ref_loss)
 
     # every sample exactly once in each phase, counted over what the first stages really ran
     cfg, _ = _config(case)

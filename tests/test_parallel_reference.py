@@ -21,6 +21,7 @@ from loom.train.config import ModelConfig, TrainConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 
 from loom.runtime.local import run_local as run_distributed
+from reference import assert_matches_reference, save_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -86,12 +87,7 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     result = engine.step(batches, targets)
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
-    params = engine.stage.named_parameters()
-    torch.save({
-        "loss": float(loss),
-        "grads": {n: p.grad.clone() for n, p in params.items() if p.grad is not None},
-        "no_grad": sorted(n for n, p in params.items() if p.grad is None),
-    }, Path(out) / f"rank{rank}.pt")
+    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters())
 
 
 def _reference(case: str):
@@ -122,26 +118,5 @@ def test_parallel_matches_single_process(case: str, tmp_path: Path) -> None:
     world = CASES[case]
     run_distributed(_worker, world, case, str(tmp_path))
     model, ref_loss = _reference(case)
-    ref = dict(model.named_parameters())
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
-
-    for r, res in enumerate(results):
-        assert res["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"rank {r} loss"
-    seen: set[str] = set()
-    for r, res in enumerate(results):
-        for name, g in res["grads"].items():
-            assert ref[name].grad is not None, f"rank {r}: {name} has a gradient but the reference has none"
-            torch.testing.assert_close(g, ref[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
-            seen.add(name)
-        for name in res["no_grad"]:
-            assert ref[name].grad is None, f"rank {r}: {name} got no gradient but the reference has one"
-            assert not ref[name].requires_grad, f"rank {r}: trainable {name} got no gradient"
-    expected = {n for n, p in ref.items() if p.grad is not None}
-    assert seen == expected, f"parameters whose gradient no rank checked: {sorted(expected - seen)}"
-    if case == "missing_modality":
-        audio = [n for n in expected if n.startswith("encoders.audio.")]
-        assert audio and all(torch.count_nonzero(ref[n].grad) == 0 for n in audio)
-    if case == "frozen":
-        frozen = {n for n, p in ref.items() if not p.requires_grad}
-        assert frozen and all(ref[n].grad is None for n in frozen)
-        assert any(".projector." in n for n in expected) and not any(n.startswith("llm.") for n in expected)
+    assert_matches_reference(results, model, ref_loss)

@@ -1,0 +1,39 @@
+"""Shared by the reference-semantics tests: what a worker saves and how the parent compares it
+with the single-process model (DESIGN.md principle 1)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+
+def save_rank(path: Path, loss: float, named_parameters: dict[str, torch.nn.Parameter], **extra: Any) -> None:
+    """A worker's result: the all-reduced loss, its stage's gradients, the parameters without one."""
+    torch.save({
+        "loss": loss,
+        "grads": {n: p.grad.clone() for n, p in named_parameters.items() if p.grad is not None},
+        "no_grad": sorted(n for n, p in named_parameters.items() if p.grad is None),
+        **extra,
+    }, path)
+
+
+def assert_matches_reference(results: list[dict[str, Any]], model: torch.nn.Module, ref_loss: float) -> None:
+    """Every rank's loss equals the reference's, every gradient a rank holds equals the reference
+    gradient, frozen parameters have none on either side, and every reference gradient was checked."""
+    ref = dict(model.named_parameters())
+    for r, res in enumerate(results):
+        assert res["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-6), f"rank {r} loss"
+    seen: set[str] = set()
+    for r, res in enumerate(results):
+        for name, g in res["grads"].items():
+            assert ref[name].grad is not None, f"rank {r}: {name} has a gradient but the reference has none"
+            torch.testing.assert_close(g, ref[name].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+            seen.add(name)
+        for name in res["no_grad"]:
+            assert ref[name].grad is None, f"rank {r}: {name} got no gradient but the reference has one"
+            assert not ref[name].requires_grad, f"rank {r}: trainable {name} got no gradient"
+    expected = {n for n, p in ref.items() if p.grad is not None}
+    assert seen == expected, f"parameters whose gradient no rank checked: {sorted(expected - seen)}"
