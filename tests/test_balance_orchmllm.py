@@ -207,3 +207,114 @@ def test_nodewise_validation():
         nodewise_rearrangement(balanced, [0, 1, 2, 9], [1, 1, 1, 1], 2)
     with pytest.raises(ValueError, match="volumes"):
         nodewise_rearrangement(balanced, [0, 1, 2, 3], [1, 1, 1, -1], 2)
+
+
+def test_integer_lpt_paths_equal_heap_reference():
+    # The integer core's branches: uint16 radix order (max < 2^16) or packed int64 keys
+    # (max >= 2^16); int32 or int64 rank keys (by the load bound); int16 or int32 scatter.
+    from loom.balance.orchmllm import _lpt_integer_core
+
+    rng = np.random.default_rng(11)
+    cases = [
+        (rng.integers(0, 40, size=900), 37),  # many ties and zeros, uint16 order, int32 keys
+        (rng.integers(60_000, 200_000, size=700), 50),  # max >= 2^16: packed int64 order
+        (rng.integers(0, 2**30, size=500), 7),  # load bound >= 2^31: int64 rank keys
+        (rng.integers(1, 10, size=40_000), 33_000),  # > 2^15 ranks: int32 scatter
+        (np.zeros(300, dtype=np.int64), 9),  # all equal: ties on index, then rank
+    ]
+    for w, d in cases:
+        ref = _lpt_reference(w.astype(float), d)
+        rank_of, loads = _lpt_integer_core(w, d)
+        assert rank_of.dtype == np.int64 and np.array_equal(rank_of, ref)
+        assert np.array_equal(loads, packed_loads(w.astype(float), ref, d))
+        a = lpt_balance(w, d)
+        assert np.array_equal(a.rank_of_sample, ref) and np.array_equal(a.loads, loads)
+    # Values that cannot be packed fall back to the float path with the same answer.
+    big = rng.integers(2**31, 2**40, size=200)
+    assert _lpt_integer_core(big, 5) is None
+    assert np.array_equal(lpt_balance(big, 5).rank_of_sample, _lpt_reference(big.astype(float), 5))
+
+
+def test_lpt_integer_dtypes_and_lists_agree():
+    rng = np.random.default_rng(12)
+    w = rng.integers(1, 3000, size=5000)
+    ref = lpt_balance(w.astype(float), 97)
+    for arr in (w.astype(np.int32), w.astype(np.uint16), w.astype(np.uint64), w.tolist()):
+        a = lpt_balance(arr, 97)
+        assert np.array_equal(a.rank_of_sample, ref.rank_of_sample)
+        assert a.loads.dtype == np.float64 and np.array_equal(a.loads, ref.loads)
+    with pytest.raises(ValueError, match=r"workloads\[2\].*negative"):
+        lpt_balance(np.array([3, 1, -1, 2] * 20), 4)
+
+
+def test_lpt_scratch_is_per_thread():
+    # The integer core keeps n-sized scratch per thread; concurrent calls must not share it.
+    import threading
+
+    rng = np.random.default_rng(13)
+    inputs = [rng.integers(1, 5000, size=int(rng.integers(2000, 6000))) for _ in range(6)]
+    expected = [lpt_balance(w, 61).rank_of_sample for w in inputs]
+    results = {}
+
+    def work(i):
+        for _ in range(5):
+            results[i] = lpt_balance(inputs[i], 61).rank_of_sample
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, e in enumerate(expected):
+        assert np.array_equal(results[i], e)
+
+
+def test_nodewise_bounds_are_valid_and_tighter():
+    from loom.balance.orchmllm import (
+        _nodewise_lower_bound,
+        _nodewise_node_bound,
+        _traffic_matrix,
+    )
+
+    rng = np.random.default_rng(14)
+    improved = 0
+    for d, c in [(4, 2), (6, 2), (6, 3), (8, 4)]:
+        for _ in range(3):
+            balanced, _, volumes = _nodewise_instance(rng, d, 4, c)
+            source = rng.integers(0, d, volumes.size)
+            exact = nodewise_brute_force(balanced, source, volumes, c)
+            V = _traffic_matrix(source, balanced.rank_of_sample, volumes, d)
+            per_rank = _nodewise_lower_bound(V, c)
+            per_node = _nodewise_node_bound(V, c, deadline=float("inf"))
+            assert per_rank <= exact + 1e-9 and per_node <= exact * (1 + 1e-9) + 1e-9
+            plan = nodewise_rearrangement(balanced, source, volumes, c, time_limit=5.0)
+            assert per_rank - 1e-9 <= plan.lower_bound <= exact + 1e-9
+            assert plan.max_internode_send == pytest.approx(exact)
+            improved += per_node > per_rank + 1e-9
+    assert improved  # coupling a node's ranks beats the per-rank bound on some instances
+
+
+def test_nodewise_milp_limit_leaves_room_for_overhead(monkeypatch):
+    # The MILP's own time limit is what is left of time_limit after the heuristic and the bound,
+    # less a reserve for HiGHS's setup and overrun: never the whole budget.
+    import time
+
+    import loom.balance.orchmllm as orch
+
+    rng = np.random.default_rng(15)
+    balanced, _, volumes = _nodewise_instance(rng, 32, 8, 8)
+    source = rng.integers(0, 32, volumes.size)
+    seen = []
+    real = orch._milp_nodes
+
+    def spy(V, c, upper, limit):
+        seen.append((time.perf_counter(), limit))
+        return real(V, c, upper, limit)
+
+    monkeypatch.setattr(orch, "_milp_nodes", spy)
+    start = time.perf_counter()
+    plan = nodewise_rearrangement(balanced, source, volumes, 8, time_limit=0.2)
+    # (Skipped when the bound already proves the heuristic optimal, or no time is left.)
+    for called, limit in seen:
+        assert limit <= (start + 0.2 - called) - orch._MILP_OVERHEAD_S
+    assert 0.0 <= plan.gap <= 1.0 and plan.lower_bound <= plan.max_internode_send + 1e-9

@@ -49,6 +49,8 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     )
     demo = DemoConfig(num_samples=64, seed=SEED, mix=SKEWED)
     layout, policy = case.rsplit("-", 1)
+    pack = layout.endswith("packed")  # LLM microbatches as one packed row each
+    layout = layout.removesuffix("packed")
     if layout == "pipe2":  # vision -> LLM, one rank each: a pipeline, no DP
         plan = Plan([ModuleSpec("vision"), ModuleSpec("llm")], num_microbatches=4)
     elif layout == "dp2":  # LLM only, two replicas: DP, no pipeline
@@ -68,7 +70,7 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     else:
         raise KeyError(case)
     cfg = TrainConfig(model=model, plan=plan)
-    cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo, pack_sequences=pack)
     return cfg, BalanceConfig(default=policy)
 
 
@@ -78,13 +80,16 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     model = build_model(cfg.model, tokenizer, seed=SEED)
     arch = arch_from_model(model)
     engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
-    dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, token_counters(model), arch, balance, torch.device("cpu"))
+    dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, token_counters(model), arch, balance, torch.device("cpu"),
+                            pack=cfg.data.pack_sequences)
     got = dispatcher.dispatch(list(range(GLOBAL_BATCH)))
     result = engine.step(got.batches, got.num_targets, layout=got.layout, rows=got.rows)
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(),
-              role=cfg.plan.role_of(rank), samples={j: list(b.sample_ids) for j, b in got.batches.items()})
+              role=cfg.plan.role_of(rank), samples={j: list(b.sample_ids) for j, b in got.batches.items()},
+              # every action is timed from its own start (wall-clock epoch seconds) to its end
+              timeline_ok=all(e.start_s > 1e9 and 0 <= e.duration_s < 600 for e in result.timeline))
 
 
 def _reference(case: str):
@@ -110,6 +115,7 @@ CASES = {
     "mixed-orchmllm": 4,
     "omni-entrain": 4,
     "deep-entrain": 4,
+    "pipe2dp2packed-orchmllm": 4,  # the reference stays padded: packing must not change the math
 }
 
 
@@ -120,6 +126,7 @@ def test_balanced_step_matches_single_process(case: str, tmp_path: Path) -> None
     model, ref_loss, sample_ids = _reference(case)
 
     assert_matches_reference(results, model, ref_loss)
+    assert all(r["timeline_ok"] for r in results), "a timeline event with a bogus start or duration"
 
     # every sample exactly once in each phase, counted over what the first stages really ran
     cfg, _ = _config(case)

@@ -125,3 +125,35 @@ def test_unmodified_hugging_face_llm_as_the_backbone(setup):
     assert [l.name for l in model.module_layers("llm")][:2] == ["llm.model.embed_tokens", "llm.model.layers.0"]
     model.loss(batch).backward()
     assert vision.projector[0].weight.grad is not None
+
+
+def test_packed_sequences_match_padded_rows() -> None:
+    """One packed row per microbatch (positions and causal attention restart per sample, the
+    last token of a sample predicts nothing) gives the padded batch's loss and gradients."""
+    import dataclasses
+
+    from loom.data.collate import collate
+    from loom.data.demo import DemoConfig
+    from loom.model.zoo import LlamaConfig, VisionConfig
+    from loom.train.build import build_data, build_model, token_counters
+    from loom.train.config import ModelConfig, TrainConfig
+
+    cfg = TrainConfig(model=ModelConfig(vision=VisionConfig(hidden_size=32, num_layers=1, num_heads=2), audio=None,
+                                        llm=LlamaConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                                                        intermediate_size=64)))
+    cfg.data = dataclasses.replace(cfg.data, demo=DemoConfig(num_samples=16, seed=2, mix={"text": 1, "multi_image": 1}))
+    tokenizer, dataset = build_data(cfg)
+    samples = [dataset[i] for i in range(6)]
+    results = []
+    for pack in (False, True):
+        model = build_model(cfg.model, tokenizer, seed=4)
+        batch = collate(samples, tokenizer, token_counters(model), pack=pack)
+        assert (batch.segments is not None) == pack
+        loss = model.loss(batch)
+        loss.backward()
+        results.append((batch.num_targets, loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (t0, l0, g0), (t1, l1, g1) = results
+    assert t0 == t1
+    torch.testing.assert_close(l1, l0, rtol=1e-5, atol=1e-6)
+    for name in g0:
+        torch.testing.assert_close(g1[name], g0[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -320,7 +320,7 @@ def test_segment_attention_equals_the_block_diagonal_mask() -> None:
     block-diagonal mask, for mixed and repeated lengths and empty segments."""
     import torch.nn.functional as F
 
-    from loom.model.zoo.vision import block_diagonal_mask, segment_attention
+    from loom.model.zoo.attention import block_diagonal_mask, segment_attention
 
     torch.manual_seed(0)
     lengths = [4, 9, 4, 0, 1, 9, 16]

@@ -11,6 +11,7 @@ same functions drive ``count_tokens``, which the planner and balancer use on met
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -102,8 +103,12 @@ def collate(
     tokenizer: Tokenizer,
     token_counts: TokenCounts,
     placeholder_ids: Mapping[str, int] | None = None,
+    pack: bool = False,
 ) -> Batch:
     """Tokenize, expand markers to placeholders, right-pad and build next-token labels.
+
+    With ``pack`` the samples go one after another into a single row ``[1, L]`` instead
+    (``Batch.segments`` holds their lengths; no padding at all).
 
     - ``token_counts[encoder](item_meta)`` is the number of placeholder ids an item expands
       to; only encoders named here get an entry in ``modality_inputs`` (with every item of
@@ -141,12 +146,15 @@ def collate(
         all_ids.append(tokenizer.encode(sample.text))
         for encoder, inputs in modality_inputs.items():
             inputs[MODALITIES[encoder][1]].extend(getattr(sample, SAMPLE_FIELDS[encoder]))
-    input_ids, labels = collate_ids([s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids)
+    input_ids, labels, segments = collate_ids(
+        [s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids, pack
+    )
     return Batch(
         input_ids=input_ids,
         labels=labels,
         modality_inputs=modality_inputs,
         sample_ids=[s.meta.sample_id for s in samples],
+        segments=segments,
     )
 
 
@@ -156,10 +164,12 @@ def collate_ids(
     tokenizer: Tokenizer,
     token_counts: TokenCounts,
     placeholder_ids: Mapping[str, int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, labels)`` of `collate` from metadata and each sample's text ids alone,
-    without any modality payload: what an LLM rank needs (the encoders' outputs arrive as
-    activations). Checks that each text has one marker per item and the metadata's length."""
+    pack: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
+    """``(input_ids, labels, segments)`` of `collate` from metadata and each sample's text ids
+    alone, without any modality payload: what an LLM rank needs (the encoders' outputs arrive as
+    activations). Checks that each text has one marker per item and the metadata's length.
+    ``segments`` is ``None`` unless ``pack``."""
     if not metas:
         raise ValueError("collate: got no samples; pass at least one")
     placeholder_ids = dict(placeholder_ids or {})
@@ -203,6 +213,10 @@ def collate_ids(
         rows.append(ids)
         placeholder_rows.append(is_placeholder)
 
+    segments = [len(r) for r in rows] if pack else None
+    if pack:  # one row: the samples back to back; each keeps its own shifted labels
+        rows, placeholder_rows = [[t for r in rows for t in r]], [[p for r in placeholder_rows for p in r]]
+        ends = set(itertools.accumulate(segments))
     batch_size, length = len(rows), max(len(r) for r in rows)
     input_ids = torch.full((batch_size, length), tokenizer.pad_id, dtype=torch.long)
     labels = torch.full((batch_size, length), IGNORE_INDEX, dtype=torch.long)
@@ -213,8 +227,10 @@ def collate_ids(
         # id that equals a real word's id cannot leak into the loss.
         targets = row[1:].clone()
         targets[torch.tensor(is_placeholder[1:], dtype=torch.bool)] = IGNORE_INDEX
+        if pack:  # a sample's last position predicts nothing (not the next sample's BOS)
+            targets[torch.tensor(sorted(e - 1 for e in ends if e < len(ids)), dtype=torch.long)] = IGNORE_INDEX
         labels[b, : len(ids) - 1] = targets
-    return input_ids, labels
+    return input_ids, labels, segments
 
 
 T = TypeVar("T")

@@ -100,12 +100,15 @@ class Batch:
     - ``modality_inputs``: per encoder name, the keyword inputs of its ``context()``, e.g.
       ``{"vision": {"images": [...]}, "audio": {"waveforms": [...]}}``, items in sample order.
     - ``sample_ids``: which samples, in order.
+    - ``segments``: with packing, the samples' lengths in the single row ``[1, L]`` (attention
+      and positions restart at each); ``None`` for one right-padded row per sample.
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     modality_inputs: dict[str, dict[str, list[torch.Tensor]]]
     sample_ids: list[int]
+    segments: list[int] | None = None
 
     @property
     def num_targets(self) -> int:

@@ -134,6 +134,12 @@ class HFCausalLMAdapter:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected [batch, length]")
         batch, length = input_ids.shape
         device = input_ids.device
+        if inputs.get("segments") is not None:
+            raise ValueError(
+                "packed sequences (data.pack_sequences = true) need an LLM whose attention keeps packed "
+                "samples apart; the Hugging Face adapter runs the model's own attention: set "
+                "data.pack_sequences = false, or use the zoo Llama"
+            )
         padding_mask = inputs.get("attention_mask")
         position_ids = inputs.get("position_ids")
         if position_ids is None:

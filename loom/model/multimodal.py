@@ -212,7 +212,10 @@ class MultimodalModel(nn.Module):
         masked = ids.clone()
         for m in masks.values():
             masked[m] = 0  # placeholder ids need not exist in the LLM's vocabulary
-        ctx = adapter_for(self.llm).context({"input_ids": masked})
+        inputs = {"input_ids": masked}
+        if getattr(batch, "segments", None) is not None:
+            inputs["segments"] = batch.segments  # packed samples: the LLM keeps them apart
+        ctx = adapter_for(self.llm).context(inputs)
         ctx["placeholder_masks"] = masks
         return ctx
 

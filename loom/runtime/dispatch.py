@@ -83,10 +83,12 @@ class Dispatcher:
         device: torch.device,
         placeholder_ids: Mapping[str, int] | None = None,
         group: dist.ProcessGroup | None = None,
+        pack: bool = False,
     ):
         self.plan, self.dataset, self.tokenizer = plan, dataset, tokenizer
         self.token_counts, self.arch, self.balance = token_counts, arch, balance.check(plan.module_names)
         self.device, self.placeholder_ids, self.group = device, placeholder_ids, group
+        self.pack = pack  # LLM microbatches as one packed row (then balancing costs the LLM as packed)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.module, self.stage, self.replica = plan.role_of(self.rank)
 
@@ -103,7 +105,7 @@ class Dispatcher:
             raise DispatchError(errors[0])
         metas = [m for part, _ in gathered for m in part]
         costs = sample_costs(self.arch, metas)
-        layout = make_layout(self.balance, self.plan, costs)
+        layout = make_layout(self.balance, self.plan, costs, "packed" if self.pack else "padded")
         counts = [count_tokens(m, self.token_counts) for m in metas]
         rows = RowMap(layout, {e: [c[e] for c in counts] for e in self.plan.encoder_names},
                       {e: [len(getattr(m, SAMPLE_FIELDS[e])) for m in metas] for e in self.plan.encoder_names})
@@ -201,9 +203,9 @@ class Dispatcher:
             slot_metas = [metas[p] for p in slot]
             ids = [m.sample_id for m in slot_metas]
             if self.module == LLM:
-                input_ids, labels = collate_ids(slot_metas, [received[p] for p in slot], self.tokenizer,
-                                                self.token_counts, self.placeholder_ids)
-                batches[j] = Batch(input_ids, labels, {}, ids)
+                input_ids, labels, segments = collate_ids(slot_metas, [received[p] for p in slot], self.tokenizer,
+                                                          self.token_counts, self.placeholder_ids, self.pack)
+                batches[j] = Batch(input_ids, labels, {}, ids, segments)
             else:
                 key = MODALITIES[self.module][1]
                 items = [t for p in slot for t in received[p]]

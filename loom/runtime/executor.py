@@ -152,10 +152,10 @@ class PipelineExecutor:
                 # nothing to propagate and the input gradient sent back is zero.
                 if j in part_outputs:  # a split backward over per-part forwards: this part's rows only
                     part = split[j].index(a.samples)
-                    start = sum(t.shape[0] for t in part_outputs[j][:part])
+                    first_row = sum(t.shape[0] for t in part_outputs[j][:part])
                     piece = part_outputs[j][part]
                     if piece.requires_grad:
-                        torch.autograd.backward(piece, grad[start:start + piece.shape[0]])
+                        torch.autograd.backward(piece, grad[first_row:first_row + piece.shape[0]])
                     part_outputs[j][part] = piece.detach()
                     if last_part:
                         del part_outputs[j]

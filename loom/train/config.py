@@ -51,6 +51,9 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     global_batch_size: int = 16
+    # LLM microbatches as one packed row (attention and positions restart per sample; no
+    # padding) instead of one right-padded row per sample. Needs the zoo Llama.
+    pack_sequences: bool = False
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 

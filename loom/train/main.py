@@ -75,7 +75,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         cfg.plan.to_json(run_dir / "plan.json")
         engine.schedule.to_json(run_dir / "schedule.json")
     sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
-    dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch_from_model(model), cfg.balance, device)
+    dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch_from_model(model), cfg.balance, device,
+                            pack=cfg.data.pack_sequences)
 
     progress = None
     metrics = balance_log = None

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.model.layers import Layer, decoder_layers, run_layers
+from loom.model.zoo.attention import segment_attention
 
 
 @dataclass
@@ -104,7 +105,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None
+    ) -> torch.Tensor:
         b, length, _ = x.shape
         q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -114,7 +117,10 @@ class Attention(nn.Module):
         repeats = self.num_heads // self.num_kv_heads
         k = k.repeat_interleave(repeats, dim=1)
         v = v.repeat_interleave(repeats, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if segments is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # packed samples in one row: causal within each sample only
+            out = segment_attention(q[0], k[0], v[0], segments, causal=True).unsqueeze(0)
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
 
@@ -141,14 +147,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.norm_eps)
         self.mlp = FeedForward(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _run_decoder_layer(layer: DecoderLayer, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
     # Call the module (not .forward) so that hooks applied from outside (FSDP, ...) fire.
-    return layer(x, ctx["rope_cos"], ctx["rope_sin"])
+    return layer(x, ctx["rope_cos"], ctx["rope_sin"], ctx.get("segments"))
 
 
 class LlamaModel(nn.Module):
@@ -203,7 +211,10 @@ class LlamaForCausalLM(nn.Module):
         return len(self.layers())
 
     def context(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """Input ids, position ids ``[B, L]`` and the RoPE tables built from them."""
+        """Input ids, position ids ``[B, L]`` and the RoPE tables built from them.
+
+        With ``"segments"`` (sample lengths summing to ``L``, ``B = 1``) the row holds several
+        packed samples: positions restart at every sample and attention stays inside each."""
         input_ids: torch.Tensor = inputs["input_ids"]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected [batch, length]")
@@ -213,12 +224,24 @@ class LlamaForCausalLM(nn.Module):
                 f"input_ids has length {length}, more than max_seq_len={self.config.max_seq_len}; "
                 "raise LlamaConfig.max_seq_len or shorten the sequences"
             )
+        segments = inputs.get("segments")
         position_ids = inputs.get("position_ids")
+        if segments is not None:
+            segments = [int(n) for n in segments]
+            if batch != 1 or sum(segments) != length:
+                raise ValueError(
+                    f"segments {segments} must sum to the packed row's length {length} (with batch 1, got {batch})"
+                )
+            if position_ids is None:
+                position_ids = torch.cat([torch.arange(n, device=input_ids.device) for n in segments])
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device)
         position_ids = position_ids.to(input_ids.device).expand(batch, length)
         cos, sin = rope_tables(position_ids, self.hidden_size // self.config.num_heads, self.config.rope_theta)
-        return {"input_ids": input_ids, "position_ids": position_ids, "rope_cos": cos, "rope_sin": sin}
+        ctx = {"input_ids": input_ids, "position_ids": position_ids, "rope_cos": cos, "rope_sin": sin}
+        if segments is not None:
+            ctx["segments"] = segments
+        return ctx
 
     def layers(self) -> list[Layer]:
         return decoder_layers(self.model, self.lm_head, list(self.model.layers), lambda i, block: partial(_run_decoder_layer, block))
