@@ -267,16 +267,6 @@ class _Scratch:
         self.n = n
         self.keep = n <= _SCRATCH_MAX_ITEMS
 
-    def indices(self) -> np.ndarray:
-        """0..n-1 as int32 (n < 2^31), cached."""
-        store = self._local.__dict__
-        idx = store.get("indices")
-        if not self.keep or idx is None or idx.size < self.n:
-            idx = np.arange(self.n, dtype=np.int32)
-            if self.keep:
-                store["indices"] = idx
-        return idx[: self.n]
-
     def get(self, name: str, dtype) -> np.ndarray:
         dtype = np.dtype(dtype)
         nbytes = self.n * dtype.itemsize
@@ -313,9 +303,9 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
     n = wi.size
     m = num_ranks
     top = int(wi.max())
-    if top >= 2**31 or n >= 2**31:
+    if top >= 2**31 or n >= 2**32:
         return None
-    total = int(wi.sum(dtype=np.int64))  # < 2^62: n < 2^31 values < 2^31
+    total = int(wi.sum(dtype=np.int64))  # < 2^63: n < 2^32 values < 2^31
     b = max(1, (m - 1).bit_length())
     mask = (1 << b) - 1
     key_bound = (total // m + 2 * top + 1) << b
@@ -327,33 +317,16 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
         return None
     ws = _Scratch(n)
     ps = ws.get("ps", dt)  # item sizes in LPT order
-    rank_of = None
-    if top < 2**17:
-        # Sort packed int32 keys (dense rank of max - w) << ib | index in place when they fit
-        # in 31 bits: no argsort, no n-sized allocation but the output.
-        u = ws.get("u", np.int64)
-        np.subtract(top, wi, out=u, casting="unsafe")  # 0 <= top - w < 2^17
-        present = np.bincount(u, minlength=top + 1) > 0
-        ib = max(1, (n - 1).bit_length())
-        values = np.flatnonzero(present)  # distinct top - w, ascending
-        if max(1, (values.size - 1).bit_length()) + ib <= 31:
-            code = np.cumsum(present, dtype=np.int32)
-            code -= 1  # dense rank of each present top - w
-            key = ws.get("key", np.int32)
-            np.take(code, u, out=key, mode="clip")
-            key <<= ib
-            key |= ws.indices()
-            key.sort()
-            np.right_shift(key, ib, out=u)
-            np.take((top - values).astype(dt), u, out=ps, mode="clip")
-            rank_of = np.empty(n, dtype=np.int64)
-            np.bitwise_and(key, (1 << ib) - 1, out=rank_of)  # the LPT order
-    if rank_of is None:
-        # Packed int64 keys (top - w) << 32 | index, sorted in the output buffer.
+    if top < 2**16:
+        u = ws.get("a16", np.uint16)
+        np.subtract(top, wi, out=u, casting="unsafe")  # exact: 0 <= top - w < 2^16
+        rank_of = np.argsort(u, kind="stable")  # the LPT order; becomes the output below
+        np.subtract(top, np.take(u, rank_of, out=ws.get("b16", np.uint16), mode="clip"), out=ps, dtype=dt)
+    else:
         rank_of = np.empty(n, dtype=np.int64)
         np.subtract(top, wi, out=rank_of, casting="unsafe")  # exact: 0 <= top - w < 2^31
         rank_of <<= 32
-        rank_of |= ws.indices()
+        rank_of |= np.arange(n, dtype=np.uint32)
         rank_of.sort()
         np.right_shift(rank_of, 32, out=ps, casting="unsafe")  # top - w
         np.subtract(top, ps, out=ps)
