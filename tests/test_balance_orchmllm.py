@@ -318,3 +318,21 @@ def test_nodewise_milp_limit_leaves_room_for_overhead(monkeypatch):
     for called, limit in seen:
         assert limit <= (start + 0.2 - called) - orch._MILP_OVERHEAD_S
     assert 0.0 <= plan.gap <= 1.0 and plan.lower_bound <= plan.max_internode_send + 1e-9
+
+
+def test_padded_balance_real_valued_costs_equal_brute_force():
+    """Real alpha, beta: the upper search bound max(w) * ceil(n/d) must stay feasible despite
+    rounding in bound / w (it once failed on 3 * w / w = 2.999...), and the result is optimal."""
+    import itertools
+    import random
+
+    assert sorted(map(sorted, padded_balance([94, 39, 91, 111, 104, 61], 2, alpha=1.0, beta=0.001).ranks)) == [
+        [0, 3, 4], [1, 2, 5]]
+    rng = random.Random(11)
+    for _ in range(150):
+        n, d = rng.randint(1, 7), rng.randint(1, 3)
+        lengths = [rng.randint(1, 120) for _ in range(n)]
+        a, b = rng.random() + 0.1, rng.random() * 0.01
+        got = padded_balance(lengths, d, alpha=a, beta=b).max_load
+        best = min(padded_loads(lengths, np.array(p), d, a, b).max() for p in itertools.product(range(d), repeat=n))
+        assert got <= best * (1 + 1e-9), (lengths, d, a, b, got, best)

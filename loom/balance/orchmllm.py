@@ -497,6 +497,12 @@ def _greedy_run_starts(w_sorted: np.ndarray, bound: float, limit: int, integer: 
     else:
         per = np.floor(np.divide(bound, w_sorted, out=np.full(n, np.inf), where=w_sorted > 0))
         per = np.minimum(per, float(n + 1))
+        # bound / w rounds: 3 * w / w may come out as 2.999...; correct the floor by the exact
+        # test count * w <= bound in both directions, so the always-feasible upper bound is
+        # feasible here too
+        finite = np.isfinite(per) & (w_sorted > 0)
+        per = np.where(finite & ((per + 1) * w_sorted <= bound), per + 1, per)
+        per = np.where(finite & (per * w_sorted > bound), per - 1, per)
     g = np.arange(1, n + 1, dtype=np.int64) - per if integer else np.arange(1, n + 1) - per
     starts: list[int] = []
     s = 0
