@@ -49,10 +49,9 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from benchmarks.common import (figure, format_table, get_from, join_all, machine_info, median, peak_rss_mb,
-                               start_gloo, write_result)
+from benchmarks.common import (WorkerGroup, figure, format_table, machine_info, median, peak_rss_mb,
+                               write_result)
 
 NAME = "balance_real"
 WORLD_SIZE = 2
@@ -189,31 +188,18 @@ def _worker(rank: int, world_size: int, policy: str, cfg_dict: dict, commands: l
     replies.put(("done", rank, peak_rss_mb()))
 
 
-class Group:
+class Group(WorkerGroup):
     """A policy's pair of processes and the queues that drive them."""
 
     def __init__(self, policy: str, cfg: RealConfig, trace_dir: str | None):
-        ctx = mp.get_context("spawn")
+        super().__init__(policy, _worker, WORLD_SIZE, asdict(cfg), extra=(trace_dir,))
         self.policy = policy
-        self.commands = [ctx.Queue() for _ in range(WORLD_SIZE)]
-        self.replies = ctx.Queue()
-        self.procs = start_gloo(_worker, WORLD_SIZE, policy, asdict(cfg), self.commands, self.replies, trace_dir)
         self.losses: list[float] = []
         self.steps: list[dict[str, Any]] = []  # per step: the slower rank's times, layout stats
         self.peak_rss_mb: list[float] = []
 
-    def _replies(self, kind: str) -> list[tuple]:
-        got = [get_from(self.replies, self.procs) for _ in range(WORLD_SIZE)]
-        assert all(r[0] == kind for r in got), f"{self.policy}: expected {kind!r} replies, got {got}"
-        return sorted(got, key=lambda r: r[1])
-
-    def wait_ready(self) -> None:
-        self._replies("ready")
-
     def step(self, i: int) -> dict[str, Any]:
-        for q in self.commands:
-            q.put(i)
-        got = self._replies("step")
+        got = self.command(i)
         self.losses.append(sum(r[3] for r in got))  # only the LLM rank computes the loss
         infos = [r[4] for r in got]
         # both ranks leave at the closing barrier: the slower clock; parts: the slower rank's
@@ -226,10 +212,7 @@ class Group:
         return step
 
     def finish(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        self.peak_rss_mb = [r[2] for r in self._replies("done")]
-        join_all(self.procs)
+        self.peak_rss_mb = self.close()
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -287,7 +270,7 @@ def real_run(steps: int = 10, warmup: int = 2, policies: str | tuple[str, ...] =
     # the same work in every group: the same loss on the first step
     ref = groups[BASELINE].losses[0]
     rel0 = {n: abs(g.losses[0] - ref) / max(abs(ref), 1e-12) for n, g in groups.items()}
-    say(f"first-step loss: " + ", ".join(f"{n} {g.losses[0]:.6f}" for n, g in groups.items())
+    say("first-step loss: " + ", ".join(f"{n} {g.losses[0]:.6f}" for n, g in groups.items())
         + f" (largest relative difference {max(rel0.values()):.2e})")
     if max(rel0.values()) > LOSS_RTOL:
         raise RuntimeError(f"the groups compute different losses on the first step "
@@ -339,7 +322,7 @@ def real_run(steps: int = 10, warmup: int = 2, policies: str | tuple[str, ...] =
         if "disttrain" in names:
             print(f"real_step_time_ratio_disttrain = {ratio['disttrain']:.3f}  (paired {paired['disttrain']:.3f}; "
                   f"engine.step only {engine_ratio['disttrain']:.3f})")
-        print(f"schedule build + validate per new layout: " + ", ".join(
+        print("schedule build + validate per new layout: " + ", ".join(
             f"{n} {s['schedule_ms_per_new_layout'] or 0:.1f} ms x {s['new_layouts']}/{cfg.steps} steps"
             for n, s in summary.items()) + f"; total {wall:.0f} s")
         print("what the runtime computes, mean per step: " + "; ".join(

@@ -53,6 +53,44 @@ def join_all(procs: Sequence[mp.Process], timeout: float = 120.0) -> None:
         raise RuntimeError(f"worker process(es) did not exit cleanly: {bad}")
 
 
+class WorkerGroup:
+    """A set of fresh gloo processes driven step by step through queues, so several groups can
+    take turns on one machine. The worker ``fn(rank, world_size, name, *args, commands,
+    replies, ...)`` convention: it puts ``("ready", rank)`` once built, then for every command
+    from ``commands[rank]`` (``None`` ends) one ``("step", rank, ...)`` reply, and at the end
+    ``("done", rank, peak_rss_mb)``."""
+
+    def __init__(self, name: str, fn: Any, world_size: int, *args: Any, extra: tuple = ()):
+        ctx = mp.get_context("spawn")
+        self.name, self.world_size = name, world_size
+        self.commands = [ctx.Queue() for _ in range(world_size)]
+        self.replies = ctx.Queue()
+        self.procs = start_gloo(fn, world_size, name, *args, self.commands, self.replies, *extra)
+
+    def replies_of(self, kind: str) -> list[tuple]:
+        """One reply of ``kind`` from every rank, in rank order."""
+        got = [get_from(self.replies, self.procs) for _ in range(self.world_size)]
+        assert all(r[0] == kind for r in got), f"{self.name}: expected {kind!r} replies, got {got}"
+        return sorted(got, key=lambda r: r[1])
+
+    def wait_ready(self) -> None:
+        self.replies_of("ready")
+
+    def command(self, value: Any) -> list[tuple]:
+        """Send ``value`` to every rank and return their step replies."""
+        for q in self.commands:
+            q.put(value)
+        return self.replies_of("step")
+
+    def close(self) -> list[float]:
+        """End the workers; returns each rank's peak RSS in MB."""
+        for q in self.commands:
+            q.put(None)
+        peaks = [r[2] for r in self.replies_of("done")]
+        join_all(self.procs)
+        return peaks
+
+
 # ---- measurements ------------------------------------------------------------------------
 def peak_rss_mb() -> float:
     """Peak resident set size of this process so far, in MB (MiB); Linux reports KiB, macOS bytes."""

@@ -36,11 +36,10 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
-from benchmarks.common import (figure, format_table, get_from, join_all, machine_info, median, peak_rss_mb,
-                               start_gloo, write_result)
+from benchmarks.common import (WorkerGroup, figure, format_table, machine_info, median, peak_rss_mb,
+                               write_result)
 from loom.data.sample import Batch
 from loom.model.layers import Layer, run_layers
 from loom.model.multimodal import IGNORE_INDEX, MultimodalModel, loss_sum
@@ -202,40 +201,23 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
     replies.put(("done", rank, peak_rss_mb()))
 
 
-class Side:
+class Side(WorkerGroup):
     """A side's pair of processes and the queues that drive them."""
 
     def __init__(self, side: str, cfg: BenchConfig, profile_dir: str | None):
-        ctx = mp.get_context("spawn")
-        self.name = side
-        self.commands = [ctx.Queue() for _ in range(WORLD_SIZE)]
-        self.replies = ctx.Queue()
-        self.procs = start_gloo(_worker, WORLD_SIZE, side, asdict(cfg), self.commands, self.replies, profile_dir)
+        super().__init__(side, _worker, WORLD_SIZE, asdict(cfg), extra=(profile_dir,))
         self.times: list[float] = []
         self.losses: list[float] = []
         self.peak_rss_mb = 0.0
 
-    def _replies(self, kind: str) -> list[tuple]:
-        got = [get_from(self.replies, self.procs) for _ in range(WORLD_SIZE)]
-        assert all(r[0] == kind for r in got), f"{self.name}: expected {kind!r} replies, got {got}"
-        return sorted(got, key=lambda r: r[1])
-
-    def wait_ready(self) -> None:
-        self._replies("ready")
-
     def step(self, i: int) -> float:
-        for q in self.commands:
-            q.put(i)
-        got = self._replies("step")
+        got = self.command(i)
         elapsed = max(r[3] for r in got)  # both ranks leave at the closing barrier: the slower clock
         self.losses.append(got[-1][4])  # the last stage computes the loss
         return elapsed
 
     def finish(self) -> None:
-        for q in self.commands:
-            q.put(None)
-        self.peak_rss_mb = max(r[2] for r in self._replies("done"))
-        join_all(self.procs)
+        self.peak_rss_mb = max(self.close())
 
 
 # ---- main ----------------------------------------------------------------------------------

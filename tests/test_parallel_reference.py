@@ -98,7 +98,7 @@ def _reference(case: str):
     batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
     loss = model.loss(batch, targets)
     loss.backward()
-    return model, float(loss)
+    return model, float(loss.detach())
 
 
 CASES = {

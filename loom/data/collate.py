@@ -125,18 +125,6 @@ def collate(
     if not samples:
         raise ValueError("collate: got no samples; pass at least one")
     _check_encoders(token_counts)
-    placeholder_ids = dict(placeholder_ids or {})
-    unknown = sorted(set(placeholder_ids) - set(MODALITIES))
-    if unknown:
-        raise ValueError(
-            f"placeholder_ids names unknown encoders {unknown}; use names from {list(MODALITIES)}"
-        )
-    marker_to_encoder = {tokenizer.token_id(marker): enc for enc, (marker, _) in MODALITIES.items()}
-    placeholder = {
-        enc: placeholder_ids.get(enc, tokenizer.token_id(marker))
-        for enc, (marker, _) in MODALITIES.items()
-    }
-
     modality_inputs: dict[str, dict[str, list[torch.Tensor]]] = {
         enc: {MODALITIES[enc][1]: []} for enc in MODALITIES if enc in token_counts
     }
@@ -172,7 +160,13 @@ def collate_ids(
     ``segments`` is ``None`` unless ``pack``."""
     if not metas:
         raise ValueError("collate: got no samples; pass at least one")
+    _check_encoders(token_counts)
     placeholder_ids = dict(placeholder_ids or {})
+    unknown = sorted(set(placeholder_ids) - set(MODALITIES))
+    if unknown:
+        raise ValueError(
+            f"placeholder_ids names unknown encoders {unknown}; use names from {list(MODALITIES)}"
+        )
     marker_to_encoder = {tokenizer.token_id(marker): enc for enc, (marker, _) in MODALITIES.items()}
     placeholder = {
         enc: placeholder_ids.get(enc, tokenizer.token_id(marker))
