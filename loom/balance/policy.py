@@ -263,12 +263,10 @@ def _disttrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
     total = _phase_total(costs, plan.module_names)
     groups = balance_dp_groups(total, dp)
     if any(len(g) < k for g in groups):
-        groups = balance_dp_groups(total, dp, equal_counts=n % dp == 0) if n % dp == 0 else groups
-    if any(len(g) < k for g in groups):
-        raise BalanceError(
-            f"DistTrain gave a data-parallel group fewer than {k} samples for its {k} microbatches; raise "
-            f"data.global_batch_size (now {n}) or lower plan.num_microbatches"
-        )
+        # a group with fewer samples than its microbatches (it drew the heavy ones): Algorithm 2
+        # with equal counts (disttrain.md §3.3, defect 2) when they divide, else the lightest
+        # samples of the fullest groups move over; n >= dp * k, so both succeed
+        groups = balance_dp_groups(total, dp, equal_counts=True) if n % dp == 0 else _fill_counts(groups, k, total)
     per_group: list[list[tuple[int, ...]]] = []
     p_llm = plan.spec(LLM).num_stages
     for g in groups:
@@ -321,6 +319,19 @@ def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
     slots = {e: tuple(enc_slots) for e in plan.encoder_names}
     slots[LLM] = tuple(llm_slots)
     return BatchLayout(slots, {p: "entrain" for p in plan.module_names})
+
+
+def _fill_counts(groups: list[list[int]], k: int, cost: list[float]) -> list[list[int]]:
+    """Every group at least ``k`` samples: the cheapest sample of the fullest group moves to a
+    short one until none is short (deterministic; keeps every sample)."""
+    groups = [list(g) for g in groups]
+    for g in groups:
+        while len(g) < k:
+            donor = max(groups, key=len)
+            s = min(donor, key=lambda x: (cost[x], x))
+            donor.remove(s)
+            g.append(s)
+    return [sorted(g) for g in groups]
 
 
 def _keep_llm_nonempty(enc: list[tuple[int, ...]], llm: list[tuple[int, ...]], dp: int) -> list[tuple[int, ...]]:
