@@ -122,7 +122,7 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_balanced_step_matches_single_process(case: str, tmp_path: Path) -> None:
     run_local(_worker, CASES[case], case, str(tmp_path))
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(CASES[case])]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(CASES[case])]
     model, ref_loss, sample_ids = _reference(case)
 
     assert_matches_reference(results, model, ref_loss)
