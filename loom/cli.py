@@ -4,6 +4,7 @@
     loom plan  [--config FILE] [--comm] [dotted.key=value ...]      print the plan and its schedule
     loom profile [--config FILE] [--out PATH] [dotted.key=value ...] time every layer on this machine
     loom simulate --config SCENARIO [--compare] [--json] [--policy NAME,...] [--order given|disttrain]
+                  [--eager-forward N]
                                                                     simulate plans at cluster scale
     loom profile [--config FILE] [--out PATH] [dotted.key=value ...] measure the model's layers here
 
@@ -121,6 +122,8 @@ def _policies(args: argparse.Namespace) -> list[str] | None:
 
     if args.order not in ORDERS:
         raise ValueError(f"--order {args.order!r} is unknown; choose one of {', '.join(ORDERS)}")
+    if getattr(args, "eager_forward", 0) < 0:
+        raise ValueError(f"--eager-forward {args.eager_forward}: use 0 or more microbatches")
     if not args.policy:
         return None
     names: list[str] = []
@@ -139,7 +142,7 @@ def _policies(args: argparse.Namespace) -> list[str] | None:
     return names
 
 
-def _policy_rows(scenario, plan, policies: list[str], order: str, metas) -> list[tuple[str, str, object]]:
+def _policy_rows(scenario, plan, policies: list[str], order: str, metas, eager: int = 0) -> list[tuple[str, str, object]]:
     """Simulate ``plan`` under each policy: ``(row label, file stem suffix, BalancedRun)``. The
     first row is the ``none`` baseline in the given order, the reference of every ``vs none``."""
     from loom.balance.policy import JOINT, BalanceConfig
@@ -152,7 +155,8 @@ def _policy_rows(scenario, plan, policies: list[str], order: str, metas) -> list
         label, stem = name, name
         if own_order != "given":
             label, stem = f"{name} ({own_order} order)", f"{name}.{own_order}-order"
-        runs.append((label, stem, scenario.run_balanced(plan, BalanceConfig(name, order=own_order), metas=metas)))
+        config = BalanceConfig(name, order=own_order, eager_forward=eager if name == "entrain" else 0)
+        runs.append((label, stem, scenario.run_balanced(plan, config, metas=metas)))
     return runs
 
 
@@ -195,7 +199,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                 runs = [(None, name, scenario.run(plan, scenario.microbatch_work(metas, plan.num_microbatches)), None)]
             else:
                 runs = [(label, f"{name}.{stem}", run.result, run)
-                        for label, stem, run in _policy_rows(scenario, plan, policies, args.order, metas)]
+                        for label, stem, run in _policy_rows(scenario, plan, policies, args.order, metas,
+                                                             args.eager_forward)]
             baseline = runs[0][3]
             for label, stem, result, balanced in runs:
                 worst = max(result.peak_memory, key=result.peak_memory.get)
@@ -308,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
                                 "entrain; repeatable or comma-separated), against the unbalanced 'none'")
             p.add_argument("--order", default="given",
                            help="microbatch order for the per-phase policies: given or disttrain (Algorithm 3)")
+            p.add_argument("--eager-forward", type=int, default=0, metavar="N",
+                           help="with --policy entrain: encoders forward N more microbatches before their first "
+                                "backward (Entrain's eager forward)")
         if name == "profile":
             p.add_argument("--out", default=None, help="profile JSON (default: <run.out_dir>/<run.name>/profile.json)")
             p.add_argument("--tokens", default="64,128,256,512,1024", help="token counts to measure, comma-separated")

@@ -206,3 +206,28 @@ def _corrupt_worker(rank: int, world_size: int, out: str) -> None:
         d.dispatch(list(range(4)))
     except DispatchError as e:
         Path(out, f"rank{rank}.txt").write_text(str(e))
+
+
+def test_eager_forward_deepens_encoder_warmup_and_stays_valid(demo) -> None:
+    """Entrain's eager forward (§3.6): encoders run more forwards before their first backward;
+    the schedule stays valid (no deadlock) and the LLM's order is untouched."""
+    from loom.schedule.ir import ActionKind
+
+    model, arch, dataset = demo
+    plan = _plan(model, "pipe", 8)
+    metas = [dataset.meta(i) for i in range(24)]
+    layout = make_layout(BalanceConfig(default="entrain"), plan, sample_costs(arch, metas))
+    run = dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
+
+    def before_first_backward(schedule, rank):
+        kinds = [a.kind for a in schedule.actions[rank] if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+        return kinds.index(ActionKind.BACKWARD)
+
+    base = build_schedule(plan, layout=layout)
+    eager = build_schedule(plan, layout=layout, eager=2)
+    validate_schedule(eager, run)
+    vision, llm = run.unit_of("vision", 0, 0), run.unit_of("llm", 0, 0)
+    assert before_first_backward(eager, vision) == min(before_first_backward(base, vision) + 2, layout.num_microbatches)
+    assert eager.actions[llm] == base.actions[llm]
+    with pytest.raises(BalanceError, match="balance.eager_forward"):
+        BalanceConfig(eager_forward=-1).check()

@@ -51,6 +51,8 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     layout, policy = case.rsplit("-", 1)
     pack = layout.endswith("packed")  # LLM microbatches as one packed row each
     layout = layout.removesuffix("packed")
+    eager = 2 if layout.endswith("eager") else 0  # Entrain's eager forward: a deeper encoder warmup
+    layout = layout.removesuffix("eager")
     if layout == "pipe2":  # vision -> LLM, one rank each: a pipeline, no DP
         plan = Plan([ModuleSpec("vision"), ModuleSpec("llm")], num_microbatches=4)
     elif layout == "dp2":  # LLM only, two replicas: DP, no pipeline
@@ -71,7 +73,7 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
         raise KeyError(case)
     cfg = TrainConfig(model=model, plan=plan)
     cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo, pack_sequences=pack)
-    return cfg, BalanceConfig(default=policy)
+    return cfg, BalanceConfig(default=policy, eager_forward=eager)
 
 
 def _worker(rank: int, world_size: int, case: str, out: str) -> None:
@@ -80,6 +82,7 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     model = build_model(cfg.model, tokenizer, seed=SEED)
     arch = arch_from_model(model)
     engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
+    engine.eager_forward = balance.eager_forward
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, token_counters(model), arch, balance, torch.device("cpu"),
                             pack=cfg.data.pack_sequences)
     got = dispatcher.dispatch(list(range(GLOBAL_BATCH)))
@@ -116,6 +119,7 @@ CASES = {
     "omni-entrain": 4,
     "deep-entrain": 4,
     "pipe2dp2packed-orchmllm": 4,  # the reference stays padded: packing must not change the math
+    "pipe2eager-entrain": 2,  # Entrain's eager forward (a deeper encoder warmup)
 }
 
 

@@ -60,6 +60,9 @@ class BalanceConfig:
     default: str = "none"
     policy: dict[str, str] = field(default_factory=dict)
     order: str = "given"
+    # extra microbatches every encoder stage forwards before its first backward (Entrain's
+    # eager forward, entrain.md §3.6); each holds one more microbatch of activations
+    eager_forward: int = 0
 
     def policy_of(self, phase: str) -> str:
         if phase in self.policy:
@@ -74,6 +77,8 @@ class BalanceConfig:
                 raise BalanceError(f"{where} = {name!r} is not a policy; choose one of {list(POLICIES)}")
         if self.order not in ORDERS:
             raise BalanceError(f"balance.order = {self.order!r}: choose one of {list(ORDERS)}")
+        if not isinstance(self.eager_forward, int) or self.eager_forward < 0:
+            raise BalanceError(f"balance.eager_forward = {self.eager_forward!r}: use 0 or more extra microbatches")
         if phases is not None:
             unknown = sorted(set(self.policy) - set(phases) - {"encoders"})
             if unknown:

@@ -34,6 +34,7 @@ class ParallelEngine:
     executor: PipelineExecutor
     optimizer: torch.optim.Optimizer | None
     trainable: dict[tuple[str, int], bool] = field(default_factory=dict)
+    eager_forward: int = 0  # extra encoder warmup microbatches of balanced schedules (Entrain §3.6)
     _schedules: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -77,7 +78,7 @@ class ParallelEngine:
         if key not in self._schedules:
             if len(self._schedules) >= 64:
                 self._schedules.clear()
-            schedule = build_schedule(self.plan, self.trainable, layout=layout)
+            schedule = build_schedule(self.plan, self.trainable, layout=layout, eager=self.eager_forward)
             validate_schedule(schedule, replace(self.plan, num_microbatches=layout.num_microbatches))
             self._schedules[key] = schedule
         return self._schedules[key]

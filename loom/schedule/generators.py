@@ -155,7 +155,7 @@ def warmup_count(plan: Plan, stage: Stage) -> int:
     return plan.spec(m).num_stages + p_llm - s - 1
 
 
-def _lookahead(plan: Plan, kind: str, route_slack: int = 0) -> dict[Stage, float]:
+def _lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0) -> dict[Stage, float]:
     """Per stage, how far ahead (in *global* microbatch indices) a rank forwards before each
     backward: before ``B(a)`` it runs every forward of its own microbatches ``j <= a + D``.
 
@@ -172,6 +172,10 @@ def _lookahead(plan: Plan, kind: str, route_slack: int = 0) -> dict[Stage, float
     microbatch of its round of ``R`` slots, and an encoder microbatch's gradients come from any
     LLM microbatch of that round; the encoder then forwards ``2 (R - 1)`` further ahead so the
     LLM never waits for a forward that waits for a backward of the same round.
+
+    ``eager``: encoder stages forward that many more of their own microbatches before their
+    first backward (Entrain's eager forward execution, entrain.md §3.6: the deferred backward
+    parts then find free slots mid-iteration), at the price of as many more activations held.
     """
     stages = pipeline_stages(plan)
     if kind == "gpipe":
@@ -179,7 +183,7 @@ def _lookahead(plan: Plan, kind: str, route_slack: int = 0) -> dict[Stage, float
     _, succs = _neighbours(plan)
     lookahead: dict[Stage, float] = {}
     for st in reversed(stages):  # successors first
-        d = warmup_count(plan, st) * plan.spec(st[0]).data_parallel
+        d = (warmup_count(plan, st) + (eager if st[0] != LLM else 0)) * plan.spec(st[0]).data_parallel
         lookahead[st] = max([d] + [lookahead[dst] + (route_slack if st[0] != dst[0] else 0) for dst in succs[st]])
     return lookahead
 
@@ -208,6 +212,7 @@ def build_schedule(
     trainable: dict[Stage, bool] | None = None,
     kind: str | None = None,
     layout: "BatchLayout | None" = None,
+    eager: int = 0,
 ) -> Schedule:
     """Build the schedule of one training iteration for a resolved plan.
 
@@ -238,6 +243,7 @@ def build_schedule(
     split backward (entrain.md §3.6): the part whose gradients are due at once at its usual
     place, the deferred part just before the rank's next backward, when their gradients have
     arrived; the input gradient to an earlier encoder stage leaves after the last part.
+    ``eager`` deepens the encoders' warmup by that many microbatches (see `_lookahead`).
     """
     kind = plan.schedule if kind is None else kind
     if kind not in KINDS:
@@ -252,7 +258,9 @@ def build_schedule(
     needs_backward, gradient_edges = backward_flow(plan, trainable)
     preds, succs = _neighbours(plan)
     rnd = math.lcm(*(m.data_parallel for m in plan.modules))
-    lookahead = _lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0)
+    if eager < 0:
+        raise ValueError(f"eager = {eager}: the extra encoder warmup must be 0 or more microbatches")
+    lookahead = _lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0, eager)
 
     def peer_rank(stage: Stage, microbatch: int) -> int:
         m, s = stage

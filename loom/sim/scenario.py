@@ -191,7 +191,7 @@ class Scenario:
         return self._run(plan, work, layout, sample_work)[0]
 
     def _run(self, plan: Plan, work: list[MicrobatchWork] | None, layout: "BatchLayout | None",
-             sample_work: list[MicrobatchWork] | None) -> tuple[SimResult, AnalyticCostModel]:
+             sample_work: list[MicrobatchWork] | None, eager: int = 0) -> tuple[SimResult, AnalyticCostModel]:
         plan.resolve(self.arch.layer_counts())
         if plan.world_size > self.cluster.num_gpus:
             raise ScenarioError(
@@ -203,7 +203,7 @@ class Scenario:
             work = self.microbatch_work(self.metas(), plan.num_microbatches)
         cost = AnalyticCostModel(self.arch, plan, self.cluster)
         # frozen stages run no backward
-        schedule = build_schedule(plan, self.trainable_stages(plan), layout=layout)
+        schedule = build_schedule(plan, self.trainable_stages(plan), layout=layout, eager=eager)
         result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work)
         return result, cost
 
@@ -220,7 +220,7 @@ class Scenario:
         metas = self.metas(step) if metas is None else metas
         layout = make_layout(config, plan, sample_costs(self.arch, metas), self.llm_batching)
         work = self.layout_work(metas, layout)
-        result, cost = self._run(plan, work, layout, self.per_sample_work(metas))
+        result, cost = self._run(plan, work, layout, self.per_sample_work(metas), eager=config.eager_forward)
         return BalancedRun(policy_label(config, plan.module_names), config.order, layout, result,
                            phase_loads(plan, cost, work), work)
 

@@ -70,6 +70,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         return torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
 
     engine = ParallelEngine.create(model, cfg.plan, device, make_optimizer)
+    engine.eager_forward = cfg.balance.eager_forward
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg)) if engine.optimizer else None
     if rank == 0:
         cfg.plan.to_json(run_dir / "plan.json")
