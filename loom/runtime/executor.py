@@ -91,7 +91,7 @@ class PipelineExecutor:
         backward_parts = _count(actions, ActionKind.BACKWARD)
         # Split backwards at an encoder's first stage run their forward per part too (entrain.md
         # §7.12's first option), so each part's backward covers only its own samples.
-        split = {j: parts for j, parts in _parts(actions).items() if self.stage.is_first and self.stage.module != LLM}
+        split = _parts(actions) if self.stage.is_first and self.stage.module != LLM else {}
         part_outputs: dict[int, list[torch.Tensor]] = {}
         # mb -> {(source module, source microbatch): received activation}
         inputs: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
@@ -114,7 +114,8 @@ class PipelineExecutor:
             elif a.kind is ActionKind.FORWARD:
                 if j not in batches:
                     batches[j] = move_batch(self._microbatch(microbatches, j), self.device)
-                    contexts[j] = self.model.module_context(self.stage.module, batches[j])
+                    if j not in split:  # a split microbatch builds one context per part
+                        contexts[j] = self.model.module_context(self.stage.module, batches[j])
                 received = inputs.pop(j, {})
                 with torch.set_grad_enabled(self.needs_backward[me]):
                     if j in split:
