@@ -128,6 +128,15 @@ class BatchLayout:
                         )
 
 
+def max_over_mean(values: list[float] | tuple[float, ...]) -> float:
+    """``max / mean`` of loads; 1.0 (nothing to balance) for an empty or all-zero list. The
+    balance figure of the run directory, ``loom simulate --policy`` and the benchmarks."""
+    if not values:
+        return 1.0
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
 def round_size(plan: Plan) -> int:
     return math.lcm(*(m.data_parallel for m in plan.modules))
 

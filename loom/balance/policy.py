@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from loom.balance.disttrain import balance_dp_groups, reorder_microbatches
 from loom.balance.entrain import entrain_replica_plans
-from loom.balance.layout import BatchLayout, LayoutError, identity_layout, round_size
+from loom.balance.layout import BatchLayout, LayoutError, identity_layout, max_over_mean, round_size
 from loom.balance.orchmllm import lpt_balance, padded_balance
 from loom.cost.arch import ModelArch
 from loom.cost.flops import attention_flops, gemm_flops
@@ -363,10 +363,7 @@ def load_stats(layout: BatchLayout, plan: Plan, costs: SampleCosts) -> dict[str,
         dp = plan.spec(phase).data_parallel
         per_slot = [sum(costs.work[phase][s] for s in slot) for slot in slots]
         per_replica = [sum(per_slot[j] for j in range(r, len(per_slot), dp)) for r in range(dp)]
-        stats[phase] = {"replicas": _max_over_mean(per_replica), "microbatches": _max_over_mean(per_slot)}
+        stats[phase] = {"replicas": round(max_over_mean(per_replica), 4),
+                        "microbatches": round(max_over_mean(per_slot), 4)}
     return stats
 
-
-def _max_over_mean(values: list[float]) -> float:
-    mean = sum(values) / len(values) if values else 0.0
-    return round(max(values) / mean, 4) if mean > 0 else 1.0

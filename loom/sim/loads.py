@@ -15,16 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from loom.balance.layout import max_over_mean
 from loom.cost.model import CostModel, MicrobatchWork, Workload
 from loom.plan.plan import Plan
-
-
-def max_over_mean(values: Sequence[float]) -> float:
-    """``max / mean`` of ``values``; 1.0 for an empty or all-zero list (nothing to balance)."""
-    if not values:
-        return 1.0
-    mean = sum(values) / len(values)
-    return max(values) / mean if mean > 0 else 1.0
 
 
 @dataclass(frozen=True)
