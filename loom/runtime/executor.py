@@ -89,6 +89,8 @@ class PipelineExecutor:
         actions = self.actions if schedule is None else schedule.actions[self.rank]
         num_mb = (self.schedule if schedule is None else schedule).num_microbatches
         backward_parts = _count(actions, ActionKind.BACKWARD)
+        # a routed forward output leaves in several messages: it is kept until the last one
+        last_send = {a.microbatch: i for i, a in enumerate(actions) if a.kind is ActionKind.SEND_ACT}
         # Split backwards at an encoder's first stage run their forward per part too (entrain.md
         # §7.12's first option), so each part's backward covers only its own samples.
         split = _parts(actions) if self.stage.is_first and self.stage.module != LLM else {}
@@ -103,7 +105,7 @@ class PipelineExecutor:
         events: list[TimelineEvent] = []
         sync = exact_timing and self.device.type == "cuda"
 
-        for a in actions:
+        for i, a in enumerate(actions):
             start = time.time()
             j = a.microbatch
             if a.kind is ActionKind.RECV_ACT:
@@ -132,7 +134,7 @@ class PipelineExecutor:
                 if a.samples is not None:  # a routed edge: only the rows of the named samples
                     out = out.detach().index_select(0, rows.index(self.stage.module, j, a.samples, out.device))
                 self.comm.send(out, a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, a.other_microbatch, num_mb, grad=False))
-                if not self.needs_backward[me] and not _later(actions, a, ActionKind.SEND_ACT):
+                if not self.needs_backward[me] and i == last_send[j]:
                     saved.pop(j)  # nothing will flow back: drop the activation now
             elif a.kind is ActionKind.RECV_GRAD:
                 g = self.comm.recv(a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, a.other_microbatch, num_mb, grad=True))
@@ -285,18 +287,6 @@ def _parts(actions: list[Action]) -> dict[int, list[tuple[int, ...]]]:
         if a.kind is ActionKind.BACKWARD and a.samples is not None:
             parts.setdefault(a.microbatch, []).append(a.samples)
     return parts
-
-
-def _later(actions: list[Action], a: Action, kind: ActionKind) -> bool:
-    """Whether another ``kind`` action of ``a``'s microbatch follows ``a`` (a routed forward
-    output leaves in several messages; it is kept until the last)."""
-    seen = False
-    for b in actions:
-        if b is a:
-            seen = True
-        elif seen and b.kind is kind and b.microbatch == a.microbatch:
-            return True
-    return False
 
 
 def _event(rank: int, a: Action, start: float, end: float, step: int) -> TimelineEvent:
