@@ -46,6 +46,7 @@ from loom.balance.policy import POLICIES
 from loom.cost.arch import load_model_arch
 from loom.cost.hardware import Cluster
 from loom.data.synthetic import SKEWED_MIXES
+from loom.planner.baselines import megatron_plan
 from loom.sim.scenario import ParallelDegrees, Scenario
 
 LLM_NAME = "llama3-8b"
@@ -90,7 +91,7 @@ def simulated_quality(mixes: tuple[str, ...] = SKEWED_MIXES, policies: tuple[str
         ratios: dict[str, list[float]] = {p: [] for p in policies}
         for mix in mixes:
             scenario = scenario_for(mix, seed, batching)
-            plan = scenario.megatron_plan()
+            plan = megatron_plan(scenario)
             acc: dict[str, dict[str, Any]] = {}
             for step in range(steps):
                 metas = scenario.metas(step)

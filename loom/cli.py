@@ -169,6 +169,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     ``--policy``, each plan under each balancing policy, against the unbalanced ``none``."""
     import json
 
+    from loom.planner.baselines import frozen_aware_plan, megatron_plan
     from loom.sim.scenario import ScenarioError, load_scenario
 
     if args.config is None:
@@ -183,11 +184,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         scenario = load_scenario(args.config)
         plans: dict[str, object] = {}
         if args.compare:
-            plans["megatron-style"] = scenario.megatron_plan()
-            plans["frozen-aware"] = scenario.frozen_aware_plan()[0]
+            plans["megatron-style"] = megatron_plan(scenario)
+            plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
         plans.update(scenario.plans)
         if not plans:
-            plans["frozen-aware"] = scenario.frozen_aware_plan()[0]
+            plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
         metas = scenario.metas()
         out_dir = Path(args.out) / scenario.name
         out_dir.mkdir(parents=True, exist_ok=True)

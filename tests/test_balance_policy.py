@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.balance.layout import BatchLayout, LayoutError
+from loom.schedule.layout import BatchLayout, LayoutError
 from loom.balance.policy import POLICIES, BalanceConfig, BalanceError, load_stats, make_layout, sample_costs
 from loom.cost.arch import arch_from_model
 from loom.data.demo import DemoConfig

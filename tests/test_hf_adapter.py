@@ -12,7 +12,7 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from loom.model import hf  # noqa: E402
-from loom.model.layers import adapter_for as layers_adapter_for  # noqa: E402
+from loom.model.adapter import adapter_for as layers_adapter_for  # noqa: E402
 from loom.model.layers import run_layers  # noqa: E402
 
 TINY = dict(

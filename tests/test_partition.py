@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from loom.plan.partition import (
+from loom.planner.partition import (
     LayerCost,
     brute_force_partition,
     frozen_aware_boundaries,

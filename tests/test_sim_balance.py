@@ -19,7 +19,8 @@ from loom.schedule import Action, ActionKind, Schedule, build_schedule, unit_cos
 from loom.schedule.validate import validate_schedule
 from loom.sim import peak_memory, simulate
 from loom.sim.loads import max_over_mean
-from loom.sim.scenario import ParallelDegrees, Scenario, sample_work
+from loom.cost.workload import sample_work
+from loom.sim.scenario import ParallelDegrees, Scenario
 from loom.data.synthetic import MIXES, SKEWED_MIXES, SyntheticMetadata
 
 from plans import multimodal

@@ -7,7 +7,9 @@ import pytest
 from loom.cli import main
 from loom.cost.arch import load_model_arch
 from loom.data.sample import ImageMeta, SampleMeta
-from loom.sim.scenario import load_scenario, sample_work
+from loom.cost.workload import sample_work
+from loom.planner.baselines import megatron_plan
+from loom.sim.scenario import load_scenario
 
 SMALL = """
 name = "small"
@@ -106,5 +108,5 @@ def test_missing_scenario_file(tmp_path, capsys):
 
 def test_shipped_scenario_loads():
     scenario = load_scenario("configs/sim/llama3-70b-vith-1024xh100.toml")
-    plan = scenario.megatron_plan()
+    plan = megatron_plan(scenario)
     assert plan.world_size == 1024 and plan.spec("vision").num_stages == 1

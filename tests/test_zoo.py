@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from loom.data.sample import AudioMeta, ImageMeta
-from loom.model.layers import LayerAdapter, adapter_for, run_layers
+from loom.model.adapter import adapter_for
+from loom.model.layers import LayerAdapter, run_layers
 from loom.model.zoo import (
     AudioConfig,
     AudioEncoder,

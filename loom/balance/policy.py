@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from loom.balance.disttrain import balance_dp_groups, reorder_microbatches
 from loom.balance.entrain import entrain_replica_plans
-from loom.balance.layout import BatchLayout, LayoutError, identity_layout, max_over_mean, round_size
+from loom.schedule.layout import BatchLayout, LayoutError, identity_layout, max_over_mean, round_size
 from loom.balance.orchmllm import lpt_balance, padded_balance
 from loom.cost.arch import ModelArch
 from loom.cost.flops import attention_flops, gemm_flops
@@ -119,7 +119,7 @@ def _coefficients(arch: ModelArch, name: str) -> tuple[float, float]:
 
 def sample_costs(arch: ModelArch, metas: list[SampleMeta]) -> SampleCosts:
     """Costs of every sample of a batch, from metadata only."""
-    from loom.sim.scenario import sample_work  # the one metadata -> Workload rule
+    from loom.cost.workload import sample_work  # the one metadata -> Workload rule
 
     per_sample = [sample_work(arch, [m]) for m in metas]
     coef = {name: _coefficients(arch, name) for name in arch.module_names}

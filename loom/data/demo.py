@@ -30,37 +30,8 @@ import numpy as np
 import torch
 
 from loom.data.sample import AudioMeta, ImageMeta, Sample, SampleMeta
+from loom.data.demo_words import COLOURS, NUMBER_WORDS, SHAPE_CORNERS, SHAPES, TEMPLATE_WORDS, TONES, demo_vocabulary
 from loom.data.tokenizer import AUDIO_MARKER, IMAGE_MARKER, Tokenizer
-
-# ---------------------------------------------------------------------------------------------
-# Word lists. The tokenizer's vocabulary is derived from these (``demo_vocabulary``), so every
-# word a template below can emit must come from one of them.
-# ---------------------------------------------------------------------------------------------
-
-NUMBER_WORDS: tuple[str, ...] = (
-    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
-)
-
-# RGB in [0, 1]; saturated so that a colour is recognisable from a single 8x8 patch.
-COLOURS: dict[str, tuple[float, float, float]] = {
-    "red": (0.92, 0.12, 0.10),
-    "green": (0.12, 0.80, 0.15),
-    "blue": (0.15, 0.30, 0.95),
-    "yellow": (0.95, 0.88, 0.10),
-}
-
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-SHAPE_CORNERS: dict[str, int] = {"circle": 0, "square": 4, "triangle": 3}
-
-# Pitch word -> frequency in Hz. Far apart (more than an octave) so that a tiny conv encoder
-# separates them easily; all well below the Nyquist frequency of the default 8 kHz.
-TONES: dict[str, float] = {"low": 300.0, "mid": 700.0, "high": 1500.0}
-
-# The fixed words of the templates, punctuation included (it is space-separated in the text).
-TEMPLATE_WORDS: tuple[str, ...] = (
-    "a", "and", ",", ":", ".", "shape", "shapes", "tone", "then",
-    "plus", "is", "has", "corners", "count", "from",
-)
 
 SAMPLE_KINDS: tuple[str, ...] = ("text", "image", "multi_image", "audio", "image_audio")
 
@@ -75,12 +46,6 @@ DEFAULT_MIX: dict[str, float] = {
 # Shapes are placed in distinct cells of a 2x2 grid, so at most four fit without overlapping.
 _GRID = 2
 _MAX_SHAPES = _GRID * _GRID
-
-
-def demo_vocabulary() -> list[str]:
-    """Every word the demo generator can emit, deterministic order, no duplicates."""
-    words = [*TEMPLATE_WORDS, *NUMBER_WORDS, *COLOURS, *SHAPES, *TONES]
-    return list(dict.fromkeys(words))
 
 
 @dataclass

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from loom.data.demo_words import demo_vocabulary
+
 PAD = "<pad>"
 BOS = "<bos>"
 EOS = "<eos>"
@@ -28,14 +30,11 @@ class Tokenizer:
     """Lowercase, split on whitespace, look each word up; unknown words become ``<unk>``.
 
     ``words`` is the vocabulary after the specials; by default every word the demo generator
-    can produce (``loom.data.demo.demo_vocabulary()``), in the generator's deterministic order.
+    can produce (``loom.data.demo_words.demo_vocabulary()``), in the generator's deterministic order.
     """
 
     def __init__(self, words: Iterable[str] | None = None) -> None:
         if words is None:
-            # Imported here because the demo dataset itself uses a Tokenizer to count tokens.
-            from loom.data.demo import demo_vocabulary
-
             words = demo_vocabulary()
         self._tokens: list[str] = list(SPECIAL_TOKENS)
         self._ids: dict[str, int] = {tok: i for i, tok in enumerate(self._tokens)}

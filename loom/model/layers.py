@@ -77,19 +77,3 @@ def decoder_layers(
     layers.append(Layer("model.norm", body.norm, lambda x, ctx: body.norm(x), kind="norm"))
     layers.append(Layer("lm_head", lm_head, lambda x, ctx: lm_head(x), kind="head"))
     return layers
-
-
-def adapter_for(module: nn.Module) -> LayerAdapter:
-    """The layer adapter of ``module``: the module itself when it implements the protocol
-    (the zoo), else a registered adapter for its class (Hugging Face models)."""
-    if isinstance(module, LayerAdapter):
-        return module
-    from loom.model import hf  # imported lazily: transformers is optional
-
-    adapter = hf.adapter_for(module)
-    if adapter is None:
-        raise TypeError(
-            f"{type(module).__name__} has no layer adapter: implement layers()/context() on it "
-            "(see loom.model.layers) or register one in loom.model.hf"
-        )
-    return adapter

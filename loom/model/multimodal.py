@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from loom.model.layers import Layer, adapter_for, prefixed, run_layers
+from loom.model.adapter import adapter_for
+from loom.model.layers import Layer, prefixed, run_layers
 
 if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md layers): types only
     from loom.data.sample import AudioMeta, Batch, ImageMeta

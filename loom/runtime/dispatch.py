@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from loom.balance.layout import BatchLayout
+from loom.schedule.layout import BatchLayout
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
 from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, collate_ids, count_tokens, target_count

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from loom.balance.layout import BatchLayout
+from loom.schedule.layout import BatchLayout
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import Plan, PlanError

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loom.balance.layout import BatchLayout
+from loom.schedule.layout import BatchLayout
 from loom.plan.plan import LLM
 
 

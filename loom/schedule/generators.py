@@ -25,7 +25,7 @@ from loom.plan.plan import LLM, Plan, PlanError
 from loom.schedule.ir import Action, ActionKind, Schedule, stage_key
 
 if TYPE_CHECKING:  # the layout is data from loom.balance; only its routes are read here
-    from loom.balance.layout import BatchLayout
+    from loom.schedule.layout import BatchLayout
 
 Stage = tuple[str, int]
 Edge = tuple[Stage, Stage]
@@ -233,7 +233,7 @@ def build_schedule(
     count, then alternates one forward and one backward, then drains; see `_lookahead` for how
     the warmup carries over to modules of different data-parallel degrees.
 
-    With a ``layout`` (`loom.balance.layout.BatchLayout`, one per iteration) the microbatch
+    With a ``layout`` (`loom.schedule.layout.BatchLayout`, one per iteration) the microbatch
     count is the layout's, and an encoder's microbatch ``j`` and the LLM's ``k`` may hold
     different samples. Each encoder-to-LLM edge then becomes one message per ``(j, k)`` pair
     that shares samples (``samples`` names them, ``peer_microbatch`` the other side): encoder

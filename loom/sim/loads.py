@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from loom.balance.layout import max_over_mean
+from loom.schedule.layout import max_over_mean
 from loom.cost.model import CostModel, MicrobatchWork, Workload
 from loom.plan.plan import Plan
 

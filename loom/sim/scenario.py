@@ -1,7 +1,7 @@
 """Simulation scenarios: a model from published configs, a cluster, a data mix and one or more
 plans, played by the simulator (what ``loom simulate`` runs).
 
-Two plans are built automatically for comparison:
+Two plans are built for comparison by `loom.planner.baselines`:
 
 - **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage with the
   LLM's TP and DP, and the LLM's layers are split evenly over the remaining stages;
@@ -32,23 +32,19 @@ from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch import ModelArch, load_model_arch
 from loom.cost.hardware import Cluster, get_gpu
 from loom.cost.model import MicrobatchWork, Workload
+from loom.cost.workload import WorkloadError, sample_work
 from loom.data.sample import SampleMeta
 from loom.data.synthetic import MIXES, SyntheticMetadata
-from loom.plan.partition import loosely_coupled_search, plan_with_stage_counts
 from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 from loom.schedule.generators import build_schedule
 from loom.sim.loads import PhaseLoads, phase_loads
 from loom.sim.simulator import SimResult, simulate
 
 if TYPE_CHECKING:
-    from loom.balance.layout import BatchLayout
+    from loom.schedule.layout import BatchLayout
     from loom.balance.policy import BalanceConfig
 
-# which metadata field holds an encoder's items, by the encoder architecture's kind
-_ITEMS = {"vision": "images", "audio": "audios"}
-
-
-class ScenarioError(ValueError):
+class ScenarioError(WorkloadError):
     """A bad simulation scenario; the message names the field and the fix."""
 
 
@@ -115,50 +111,6 @@ class Scenario:
     def per_sample_work(self, metas: list[SampleMeta]) -> list[MicrobatchWork]:
         """Each sample's own workload (what a routed message or a backward part costs)."""
         return [sample_work(self.arch, [m], self.llm_batching) for m in metas]
-
-    # ---- plans ----------------------------------------------------------------------------
-    def megatron_plan(self) -> Plan:
-        d = self.degrees
-        # encoders take TP x DP ranks per stage (no CP); the LLM's stages take TP x CP x DP
-        encoder_ranks = len(self.arch.encoder_names) * d.tensor_parallel * d.data_parallel
-        llm_stages = (self.cluster.num_gpus - encoder_ranks) // (d.tensor_parallel * d.context_parallel * d.data_parallel)
-        if llm_stages < 1:
-            raise ScenarioError(f"{self.cluster.num_gpus} GPUs leave no pipeline stage for the LLM "
-                                f"at TP {d.tensor_parallel} x DP {d.data_parallel}")
-        encoders = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
-                               zero_stage=d.zero_stage, recompute=d.recompute) for n in self.arch.encoder_names]
-        llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=llm_stages, tensor_parallel=d.tensor_parallel,
-                         context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)
-        plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
-                    schedule=d.schedule)
-        return plan.resolve(self.arch.layer_counts(), self.cluster.num_gpus)
-
-    def frozen_aware_plan(self) -> tuple[Plan, Any]:
-        """Algorithm 1 over the device budget, boundaries by the frozen-aware DP."""
-        d = self.degrees
-        etp = d.encoder_tensor_parallel or d.tensor_parallel
-        template = Plan(
-            [ModuleSpec(n, data_parallel=d.data_parallel, tensor_parallel=etp, zero_stage=d.zero_stage,
-                        recompute=d.recompute) for n in self.arch.encoder_names]
-            + [ModuleSpec(LLM, data_parallel=d.data_parallel, tensor_parallel=d.tensor_parallel,
-                          context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)],
-            num_microbatches=d.microbatches_per_pipeline * d.data_parallel, schedule=d.schedule,
-        )
-        metas = self.metas()
-        work = self.microbatch_work(metas, template.num_microbatches)
-        costs = self.layer_costs(template, work)
-        ranks = {m.name: m.data_parallel * m.ranks_per_unit for m in template.modules}
-
-        def iteration_time(stage_counts: dict[str, int]) -> float:
-            plan = plan_with_stage_counts(template, stage_counts, costs)
-            return self.run(plan, work).iteration_time
-
-        result = loosely_coupled_search(
-            costs[LLM], {n: costs[n] for n in self.arch.encoder_names}, self.cluster.num_gpus, iteration_time,
-            ranks_per_stage=ranks,
-        )
-        plan = plan_with_stage_counts(template, result.stage_counts, costs)
-        return plan, result
 
     def layer_costs(self, plan: Plan, work: list[MicrobatchWork]) -> dict[str, list[float]]:
         """Frozen-aware per-layer ``T_l = F + B_w + B_d (+ R)`` (cornstarch.md §3.2.2 eqs. 3.1-3.3)
@@ -261,34 +213,6 @@ def policy_label(config: "BalanceConfig", phases: list[str]) -> str:
     chosen = config.summary(phases)
     names = set(chosen.values())
     return names.pop() if len(names) == 1 else ",".join(f"{p}={n}" for p, n in chosen.items())
-
-
-def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "packed") -> MicrobatchWork:
-    """Per-module `Workload` of a microbatch of samples, from metadata only."""
-    work: MicrobatchWork = {}
-    kinds = {arch.module(n).kind for n in arch.encoder_names}
-    for kind, field_name in _ITEMS.items():
-        if kind not in kinds and any(getattr(m, field_name) for m in metas):
-            raise ScenarioError(
-                f"the data has {field_name} but the model has no {kind} encoder: add one under "
-                f"[model] encoders, or choose a data.mix without {field_name}"
-            )
-    llm_lengths = [m.text_tokens - len(m.images) - len(m.audios) for m in metas]
-    for name in arch.encoder_names:
-        module = arch.module(name)
-        field_name = _ITEMS.get(module.kind)
-        if field_name is None:
-            raise ScenarioError(f"encoder {name!r} has kind {module.kind!r}; simulation knows {sorted(_ITEMS)}")
-        lengths = []
-        for b, meta in enumerate(metas):
-            for item in getattr(meta, field_name):
-                lengths.append(module.num_tokens(item))
-                llm_lengths[b] += module.llm_tokens(item)
-        work[name] = Workload.of_lengths(lengths)
-    if llm_batching not in ("packed", "padded"):
-        raise ScenarioError(f"data.llm_batching = {llm_batching!r}: choose 'packed' or 'padded'")
-    work[LLM] = Workload.of_lengths(llm_lengths) if llm_batching == "packed" else Workload.padded(llm_lengths)
-    return work
 
 
 # ---- loading --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ dependencies forward").
 With ``link_contention`` a unit's outgoing messages also share one link: each transfer starts
 when the previous one from the same unit has finished.
 
-Balanced layouts (`loom.balance.layout.BatchLayout`): ``work[j][m]`` is then the workload of
+Balanced layouts (`loom.schedule.layout.BatchLayout`): ``work[j][m]`` is then the workload of
 slot ``j`` *of module m* (encoder slot ``j`` and LLM slot ``j`` may hold different samples), and
 the per-sample table ``sample_work[s]`` (position ``s`` of the global batch) gives the workload
 of a part: the sum of its samples' workloads of the module, exact for packed workloads (the

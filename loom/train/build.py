@@ -68,8 +68,8 @@ def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoD
     from loom.cost.profile import Profile, ProfileError
     from loom.data.sampler import GlobalBatchSampler
     from loom.data.collate import split_microbatches
-    from loom.plan.partition import frozen_aware_boundaries, frozen_aware_layer_costs
-    from loom.sim.scenario import sample_work
+    from loom.planner.partition import frozen_aware_boundaries, frozen_aware_layer_costs
+    from loom.cost.workload import sample_work
 
     try:
         profile = Profile.load(cfg.run.profile)

@@ -1,0 +1,1 @@
+"""Stage partitioning and plan search: every decision that picks a plan (DESIGN.md, layers)."""

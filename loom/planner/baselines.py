@@ -1,0 +1,60 @@
+"""The two plans ``loom simulate --compare`` sets side by side for a `Scenario`.
+
+- **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage with the
+  LLM's TP and DP, and the LLM's layers are split evenly over the remaining stages;
+- **frozen-aware**: the loosely-coupled search of cornstarch.md §2.6 (Algorithm 1) picks each
+  module's stage count for the device budget by simulated iteration time, and the stage
+  boundaries come from the frozen-aware partitioning DP (cornstarch.md §3.2.2, eq. 3.5) over
+  per-layer costs ``F + B_w + B_d (+ recompute)`` of a typical microbatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.planner.partition import loosely_coupled_search, plan_with_stage_counts
+from loom.sim.scenario import Scenario, ScenarioError
+
+
+def megatron_plan(scenario: Scenario) -> Plan:
+    """Encoders as extra first stages at the LLM's TP and DP, the LLM split evenly (disttrain.md §2)."""
+    d, arch, cluster = scenario.degrees, scenario.arch, scenario.cluster
+    # encoders take TP x DP ranks per stage (no CP); the LLM's stages take TP x CP x DP
+    encoder_ranks = len(arch.encoder_names) * d.tensor_parallel * d.data_parallel
+    llm_stages = (cluster.num_gpus - encoder_ranks) // (d.tensor_parallel * d.context_parallel * d.data_parallel)
+    if llm_stages < 1:
+        raise ScenarioError(f"{cluster.num_gpus} GPUs leave no pipeline stage for the LLM "
+                            f"at TP {d.tensor_parallel} x DP {d.data_parallel}")
+    encoders = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
+                           zero_stage=d.zero_stage, recompute=d.recompute) for n in arch.encoder_names]
+    llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=llm_stages, tensor_parallel=d.tensor_parallel,
+                     context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)
+    plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
+                schedule=d.schedule)
+    return plan.resolve(arch.layer_counts(), cluster.num_gpus)
+
+
+def frozen_aware_plan(scenario: Scenario) -> tuple[Plan, Any]:
+    """Algorithm 1 (cornstarch.md §2.6) over the device budget, boundaries by the frozen-aware DP."""
+    d, arch, cluster = scenario.degrees, scenario.arch, scenario.cluster
+    etp = d.encoder_tensor_parallel or d.tensor_parallel
+    template = Plan(
+        [ModuleSpec(n, data_parallel=d.data_parallel, tensor_parallel=etp, zero_stage=d.zero_stage,
+                    recompute=d.recompute) for n in arch.encoder_names]
+        + [ModuleSpec(LLM, data_parallel=d.data_parallel, tensor_parallel=d.tensor_parallel,
+                      context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)],
+        num_microbatches=d.microbatches_per_pipeline * d.data_parallel, schedule=d.schedule,
+    )
+    work = scenario.microbatch_work(scenario.metas(), template.num_microbatches)
+    costs = scenario.layer_costs(template, work)
+    ranks = {m.name: m.data_parallel * m.ranks_per_unit for m in template.modules}
+
+    def iteration_time(stage_counts: dict[str, int]) -> float:
+        return scenario.run(plan_with_stage_counts(template, stage_counts, costs), work).iteration_time
+
+    result = loosely_coupled_search(
+        costs[LLM], {n: costs[n] for n in arch.encoder_names}, cluster.num_gpus, iteration_time,
+        ranks_per_stage=ranks,
+    )
+    return plan_with_stage_counts(template, result.stage_counts, costs), result
