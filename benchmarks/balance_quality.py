@@ -108,22 +108,22 @@ def simulated_quality(mixes: tuple[str, ...] = SKEWED_MIXES, policies: tuple[str
                             a[axis][phase] = a[axis].get(phase, 0.0) + v / steps
             base = acc["none"]["time"]
             prefix = f"{batching}.{mix}"
-            figures[f"{prefix}.none.iteration_time_s"] = figure(base, "s (simulated)", 6)
+            figures[f"{prefix}.none.iteration_time_s"] = figure(base, "s (simulated)", "lower", digits=6)
             for policy in policies:
                 a = acc[policy]
                 ratio = a["time"] / base
                 ratios[policy].append(ratio)
-                figures[f"{prefix}.{policy}.iteration_time_vs_none"] = figure(ratio, "ratio (simulated)")
+                figures[f"{prefix}.{policy}.iteration_time_vs_none"] = figure(ratio, "ratio (simulated)", "lower")
                 for axis in ("dp", "microbatch"):
                     for phase, v in a[axis].items():
-                        figures[f"{prefix}.{policy}.{axis}_max_over_mean.{phase}"] = figure(v, "ratio (simulated)")
+                        figures[f"{prefix}.{policy}.{axis}_max_over_mean.{phase}"] = figure(v, "ratio (simulated)", "lower")
                 rows.append({"llm_batching": batching, "mix": mix, "policy": policy, "iteration_time_s": a["time"],
                              "vs_none": ratio, "bubble_fraction": a["bubble"],
                              "layout_microbatches": a["microbatches"], "dp": a["dp"], "microbatch": a["microbatch"]})
         for policy in policies:
             geo = math.exp(sum(math.log(r) for r in ratios[policy]) / len(ratios[policy]))
             figures[f"{batching}.{policy}.iteration_time_vs_none_mean"] = figure(
-                geo, "ratio (simulated, geometric mean over mixes)")
+                geo, "ratio (simulated, geometric mean over mixes)", "lower")
     config = {
         "simulated": True, "mixes": list(mixes), "policies": list(policies), "steps": steps, "seed": seed,
         "llm_batching": list(llm_batching),
@@ -162,20 +162,17 @@ def run_real() -> dict[str, Any] | None:
 
 def merge_real(figures: dict[str, dict[str, Any]], real: dict[str, Any] | None, config: dict[str, Any],
                why_missing: str = "benchmarks/balance_real.py is missing") -> None:
-    """Merge the real run's dict into the figures: numbers become figures (unit ``ratio`` for
-    names with ``ratio``, ``s`` for names ending in ``_s``), ready figures are kept as they are,
-    anything else goes to ``config["real_run"]``."""
+    """Merge the real run's dict into the figures: ready figures (built with ``figure``) are
+    kept as they are, anything else goes to ``config["real_run"]``."""
     if real is None:
-        figures["real_step_time_ratio"] = {"value": None, "unit": "ratio (measured)",
+        figures["real_step_time_ratio"] = {"value": None, "unit": "ratio (measured)", "better": "higher",
+                                           "spread": None, "spread_is": None,
                                            "note": f"filled by benchmarks/balance_real.py real_run(); not run: {why_missing}"}
         return
     extra = {}
     for key, value in real.items():
         if isinstance(value, dict) and "value" in value:
             figures[key] = value
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            unit = "ratio (measured)" if "ratio" in key else "s (measured)" if key.endswith("_s") else "measured"
-            figures[key] = figure(value, unit)
         else:
             extra[key] = value
     if extra:

@@ -333,15 +333,15 @@ def real_run(steps: int = 10, warmup: int = 2, policies: str | tuple[str, ...] =
     out: dict[str, Any] = {"real_step_time_ratio": round(ratio[HEADLINE], 4)}
     if "disttrain" in names:
         out["real_step_time_ratio_disttrain"] = round(ratio["disttrain"], 4)
-    out["real_paired_step_time_ratio"] = figure(paired[HEADLINE], "ratio (measured)")
-    out["real_engine_step_time_ratio"] = figure(engine_ratio[HEADLINE], "ratio (measured)")
+    out["real_paired_step_time_ratio"] = figure(paired[HEADLINE], "ratio (measured)", "higher")
+    out["real_engine_step_time_ratio"] = figure(engine_ratio[HEADLINE], "ratio (measured)", "higher")
     for n, s in summary.items():
-        out[f"real_{n}_step_ms"] = figure(s["step_ms"], "ms (measured)", 2)
-        out[f"real_{n}_peak_rss_mb"] = figure(s["peak_rss_mb"], "MB (measured)", 1)
-        out[f"real_{n}_vision_microbatch_max_over_mean"] = figure(s["mb_max_over_mean"]["vision"], "ratio (layout)")
-        out[f"real_{n}_schedule_ms_per_step"] = figure(s["schedule_ms_per_step"], "ms (measured)", 2)
-        out[f"real_{n}_dispatch_ms"] = figure(s["dispatch_ms"], "ms (measured)", 2)
-        out[f"real_{n}_llm_padded_over_real_tokens"] = figure(s["llm_padded_over_real_tokens"], "ratio (layout)")
+        out[f"real_{n}_step_ms"] = figure(s["step_ms"], "ms (measured)", "lower", digits=2)
+        out[f"real_{n}_peak_rss_mb"] = figure(s["peak_rss_mb"], "MB (measured)", "lower", digits=1)
+        out[f"real_{n}_vision_microbatch_max_over_mean"] = figure(s["mb_max_over_mean"]["vision"], "ratio (layout)", "lower")
+        out[f"real_{n}_schedule_ms_per_step"] = figure(s["schedule_ms_per_step"], "ms (measured)", "lower", digits=2)
+        out[f"real_{n}_dispatch_ms"] = figure(s["dispatch_ms"], "ms (measured)", "lower", digits=2)
+        out[f"real_{n}_llm_padded_over_real_tokens"] = figure(s["llm_padded_over_real_tokens"], "ratio (layout)", "lower")
     out["config"] = {
         **asdict(cfg), "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo",
         "plan": "[vision] -> [llm], one rank each", "headline": f"{BASELINE} / {HEADLINE}", "optimizer": "AdamW",
@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cfg = {name: getattr(args, name) for name in asdict(RealConfig())}
     out = real_run(verbose=True, trace_dir=args.trace, **cfg)
     config = out.pop("config")
-    figures = {k: v if isinstance(v, dict) else figure(v, "ratio (measured)") for k, v in out.items()}
+    figures = {k: v if isinstance(v, dict) else figure(v, "ratio (measured)", "higher") for k, v in out.items()}
     path = write_result(NAME, figures, config, machine_info(), args.out)
     print(f"wrote {path}")
     return {"figures": figures, "config": config}

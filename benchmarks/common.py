@@ -7,7 +7,9 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -16,7 +18,8 @@ import torch.multiprocessing as mp
 
 from loom.runtime.local import run_local, start_local
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
 # ---- processes ---------------------------------------------------------------------------
@@ -103,21 +106,110 @@ def median(values: Sequence[float]) -> float:
 
 
 def machine_info() -> dict[str, Any]:
+    """The machine a result was measured on; ``write_result`` adds ``load_avg_1m``."""
     return {"cpus": os.cpu_count(), "torch": torch.__version__.split("+")[0], "device": "cpu"}
 
 
+def load_avg_1m() -> float | None:
+    """The 1-minute load average (None where the platform has none): a busy machine explains
+    noisy timings, so every result records it at the start and at the end of its run."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+# The start of the run: set when a benchmark imports this module, reset by ``start_run()``
+# (a benchmark that runs others inside it, or waits before measuring, calls it itself).
+_run_start_load: float | None = load_avg_1m()
+
+
+def start_run() -> None:
+    """Mark the start of a benchmark run: records the load average ``write_result`` reports
+    as the first of ``machine.load_avg_1m``."""
+    global _run_start_load
+    _run_start_load = load_avg_1m()
+
+
+def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
+    """``commit`` (HEAD) and ``dirty`` (uncommitted changes outside ``benchmarks/results/``,
+    which a run itself rewrites) of the checkout a result comes from; both None outside git."""
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return {"commit": None, "dirty": None}
+    status = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+    return {"commit": head.strip(), "dirty": None if status is None else bool(status.strip())}
+
+
 # ---- output ------------------------------------------------------------------------------
-def figure(value: float, unit: str, digits: int = 4) -> dict[str, Any]:
-    return {"value": round(float(value), digits), "unit": unit}
+BETTER = ("lower", "higher")
+SPREAD_KINDS = ("iqr", "min-max")
+
+
+def figure(value: float, unit: str, better: str, spread: Sequence[float] | None = None,
+           spread_is: str | None = None, digits: int = 4) -> dict[str, Any]:
+    """One figure of DESIGN.md's result format. ``better`` says which direction is good;
+    ``spread`` is ``[lo, hi]`` over the repeats, ``spread_is`` how it was taken ("iqr" for
+    the interquartile range, "min-max" for fewer than 5 repeats); ``summarize`` builds both."""
+    if better not in BETTER:
+        raise ValueError(f"figure(better={better!r}): pass better='lower' or better='higher' "
+                         "(which direction of this figure is an improvement)")
+    if (spread is None) != (spread_is is None):
+        raise ValueError(f"figure(spread={spread!r}, spread_is={spread_is!r}): give both or neither")
+    out: dict[str, Any] = {"value": round(float(value), digits), "unit": unit, "better": better,
+                           "spread": None, "spread_is": None}
+    if spread is not None:
+        if spread_is not in SPREAD_KINDS:
+            raise ValueError(f"figure(spread_is={spread_is!r}): use one of {SPREAD_KINDS}")
+        if len(spread) != 2 or not float(spread[0]) <= float(spread[1]):
+            raise ValueError(f"figure(spread={list(spread)!r}): give [lo, hi] with lo <= hi")
+        out["spread"] = [round(float(spread[0]), digits), round(float(spread[1]), digits)]
+        out["spread_is"] = spread_is
+    return out
+
+
+def spread_of(values: Sequence[float]) -> tuple[list[float], str]:
+    """The interquartile range of ``values`` for 5 or more of them, else their [min, max]
+    (quartiles of 3 or 4 numbers say little): ``(spread, spread_is)``."""
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("spread_of(values=[]): needs at least one value (repeats >= 1)")
+    if len(vals) >= 5:
+        q1, _, q3 = statistics.quantiles(vals, n=4, method="inclusive")
+        return [q1, q3], "iqr"
+    return [min(vals), max(vals)], "min-max"
+
+
+def summarize(values: Sequence[float], unit: str, better: str, digits: int = 4) -> dict[str, Any]:
+    """A figure over repeated measurements: the median, with ``spread_of`` as its spread."""
+    spread, kind = spread_of(values)
+    return figure(median(values), unit, better, spread, kind, digits)
 
 
 def write_result(name: str, figures: dict[str, dict[str, Any]], config: dict[str, Any],
                  machine: dict[str, Any] | None = None, results_dir: Path | None = None) -> Path:
-    """Write ``<results_dir>/<name>.json`` in DESIGN.md's format; returns its path."""
+    """Write ``<results_dir>/<name>.json`` in DESIGN.md's format; returns its path. Adds where
+    the result comes from: ``commit``, ``dirty``, ``date`` (UTC) and ``machine.load_avg_1m``
+    as [at ``start_run()`` or import, now]."""
+    for key, fig in figures.items():
+        missing = {"value", "unit", "better", "spread", "spread_is"} - set(fig)
+        if missing:
+            raise ValueError(f"write_result({name!r}): figure {key!r} lacks {sorted(missing)}; "
+                             "build it with figure(value, unit, better=...) or summarize(...)")
     out_dir = results_dir or RESULTS_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    data = {"benchmark": name, "figures": figures, "config": config, "machine": machine or machine_info()}
+    info = dict(machine or machine_info())
+    info["load_avg_1m"] = [_run_start_load, load_avg_1m()]
+    data = {"benchmark": name, "figures": figures, "config": config, "machine": info,
+            **git_state(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
 
