@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from loom.schedule.layout import BatchLayout, LayoutError
+from loom.balance.config import check_balance_config
 from loom.balance.policy import POLICIES, BalanceConfig, BalanceError, load_stats, make_layout, sample_costs
 from loom.cost.arch import arch_from_model
 from loom.data.demo import DemoConfig
@@ -142,8 +143,55 @@ def test_unsplittable_batches_are_refused(demo) -> None:
     metas = [dataset.meta(i) for i in range(12)]
     with pytest.raises(BalanceError, match=r"not a multiple of the round size 2"):
         make_layout(BalanceConfig(default="orchmllm"), _plan(model, "dp2", 3), sample_costs(arch, metas))
-    with pytest.raises(BalanceError, match=r"set every module's data_parallel"):
+    with pytest.raises(BalanceError, match=r"set every module's plan.modules.<name>.data_parallel to 1"):
         make_layout(BalanceConfig(default="entrain"), _plan(model, "mixed", 4), sample_costs(arch, metas))
+
+
+# every refusal that depends on the config alone, from the one pre-launch check (issue 8, point 12)
+REFUSALS = [
+    ("none", "pipe", 4, 3, r"data.global_batch_size = 3 is smaller than plan.num_microbatches = 4"),
+    ("orchmllm", "dp2", 3, 12, r"plan.num_microbatches = 3 is not a multiple of the round size 2"),
+    ("orchmllm", "mixed", 5, 12, r"not a multiple of the round size 2"),
+    ("entrain", "mixed", 4, 12, r"balance.default = 'entrain'.*data_parallel to 1"),
+    ("disttrain", "mixed", 4, 12, r"balance.default = 'disttrain'.*data_parallel to 1"),
+    ("entrain", "dp2", 3, 12, r"plan.num_microbatches = 3 is not a multiple of the data-parallel degree 2"),
+    ("disttrain", "dp2", 5, 12, r"plan.num_microbatches = 5 is not a multiple of the data-parallel degree 2"),
+    ("entrain", "dp2", 4, 13, r"data.global_batch_size = 13 does not split evenly over the 2"),
+]
+
+
+@pytest.mark.parametrize("policy,plan_name,m,n,message", REFUSALS)
+def test_check_balance_config_refuses_before_launch(demo, policy, plan_name, m, n, message) -> None:
+    model, arch, dataset = demo
+    plan = _plan(model, plan_name, m)
+    with pytest.raises(BalanceError, match=message):
+        check_balance_config(BalanceConfig(default=policy), plan, n)
+    # make_layout refuses the same way, so no rank can get further than the CLI's check
+    with pytest.raises(BalanceError, match=message):
+        make_layout(BalanceConfig(default=policy), plan, sample_costs(arch, [dataset.meta(i) for i in range(n)]))
+
+
+def test_check_balance_config_accepts_what_each_policy_can_lay_out(demo) -> None:
+    model, arch, dataset = demo
+    for policy, plan_name, m, n in [("none", "dp2", 3, 7), ("none", "mixed", 5, 5), ("orchmllm", "mixed", 4, 9),
+                                   ("disttrain", "dp2", 4, 9), ("entrain", "dp2", 4, 10)]:
+        plan = _plan(model, plan_name, m)
+        check_balance_config(BalanceConfig(default=policy), plan, n)
+        layout = make_layout(BalanceConfig(default=policy), plan, sample_costs(arch, [dataset.meta(i) for i in range(n)]))
+        validate_schedule(build_schedule(plan, layout=layout),
+                          dataclasses.replace(plan, num_microbatches=layout.num_microbatches))
+    with pytest.raises(BalanceError, match=r"balance.ranks_per_node = 0: use a positive integer"):
+        BalanceConfig(ranks_per_node=0).check()
+
+
+def test_policy_none_lays_out_any_microbatch_count(demo) -> None:
+    """Issue 8 point 11: DP 2 with 3 microbatches is a valid plan; under ``none`` its identity
+    layout must pass every check (no round is needed for the plan's own j -> j edges)."""
+    model, arch, dataset = demo
+    plan = _plan(model, "dp2", 3)
+    layout = make_layout(BalanceConfig(), plan, sample_costs(arch, [dataset.meta(i) for i in range(6)]))
+    assert layout.is_identity() and layout.num_microbatches == 3
+    validate_schedule(build_schedule(plan, layout=layout), plan)
 
 
 def test_layout_check_catches_drops_duplicates_and_far_routes(demo) -> None:

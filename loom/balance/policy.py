@@ -30,8 +30,9 @@ costs, so the hardware's rate cancels.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from loom.balance.config import JOINT, ORDERS, POLICIES, BalanceConfig, BalanceError, check_balance_config
 from loom.balance.disttrain import balance_dp_groups, reorder_microbatches
 from loom.balance.entrain import entrain_replica_plans
 from loom.schedule.layout import BatchLayout, LayoutError, identity_layout, max_over_mean, round_size
@@ -42,60 +43,6 @@ from loom.cost.model import Workload
 from loom.data.collate import split_microbatches
 from loom.data.sample import SampleMeta
 from loom.plan.plan import LLM, Plan
-
-POLICIES = ("none", "orchmllm", "disttrain", "entrain")
-ORDERS = ("given", "disttrain")
-JOINT = ("disttrain", "entrain")  # policies that decide every phase at once
-
-
-class BalanceError(ValueError):
-    """A balancing request that cannot be met; the message names the config field and the fix."""
-
-
-@dataclass
-class BalanceConfig:
-    """``[balance]`` of a run: ``policy`` maps phase (module name, or ``"encoders"`` for every
-    encoder) to a policy name; phases not named use ``default``."""
-
-    default: str = "none"
-    policy: dict[str, str] = field(default_factory=dict)
-    order: str = "given"
-    # extra microbatches every encoder stage forwards before its first backward (Entrain's
-    # eager forward, entrain.md §3.6); each holds one more microbatch of activations
-    eager_forward: int = 0
-
-    def policy_of(self, phase: str) -> str:
-        if phase in self.policy:
-            return self.policy[phase]
-        if phase != LLM and "encoders" in self.policy:
-            return self.policy["encoders"]
-        return self.default
-
-    def check(self, phases: list[str] | None = None) -> "BalanceConfig":
-        for where, name in [("balance.default", self.default)] + [(f"balance.policy.{k}", v) for k, v in self.policy.items()]:
-            if name not in POLICIES:
-                raise BalanceError(f"{where} = {name!r} is not a policy; choose one of {list(POLICIES)}")
-        if self.order not in ORDERS:
-            raise BalanceError(f"balance.order = {self.order!r}: choose one of {list(ORDERS)}")
-        if not isinstance(self.eager_forward, int) or self.eager_forward < 0:
-            raise BalanceError(f"balance.eager_forward = {self.eager_forward!r}: use 0 or more extra microbatches")
-        if phases is not None:
-            unknown = sorted(set(self.policy) - set(phases) - {"encoders"})
-            if unknown:
-                raise BalanceError(f"balance.policy names {unknown}, which are not modules of the plan {phases}; "
-                                   f"use module names or 'encoders'")
-            chosen = {p: self.policy_of(p) for p in phases}
-            for joint in JOINT:
-                if joint in chosen.values() and set(chosen.values()) != {joint}:
-                    raise BalanceError(
-                        f"balance.policy {chosen}: {joint!r} decides every phase at once; set balance.default = "
-                        f"{joint!r} and name no other policy"
-                    )
-        return self
-
-    def summary(self, phases: list[str]) -> dict[str, str]:
-        return {p: self.policy_of(p) for p in phases}
-
 
 # ---- per-sample costs ------------------------------------------------------------------------
 @dataclass(frozen=True)
@@ -141,16 +88,10 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     than microbatches, a policy that needs equal data-parallel degrees, rounds that do not
     divide the microbatch count)."""
     phases = plan.module_names
-    config.check(phases)
     if llm_batching not in ("padded", "packed"):
         raise BalanceError(f"llm_batching = {llm_batching!r}: choose 'padded' or 'packed'")
     n = len(costs.llm_lengths)
-    m = plan.num_microbatches
-    if n < m:
-        raise BalanceError(
-            f"data.global_batch_size = {n} is smaller than plan.num_microbatches = {m}: every microbatch "
-            f"needs a sample; raise the batch size or lower the microbatch count"
-        )
+    check_balance_config(config, plan, n)
     chosen = config.summary(phases)
     if set(chosen.values()) == {"disttrain"}:
         layout = _disttrain(plan, costs)
