@@ -15,7 +15,7 @@ What runs, all in one session on this machine:
    generation and collation are *excluded*). A step runs from a barrier (data ready) to the
    end of `engine.step` on the last rank (``max end - min start`` over both ranks, one clock),
    the AdamW step included.
-2. The profile (`loom.cost.profile.Profiler`) of the vision + LLM model, one thread, with one
+2. The profile (`loom.profile.Profiler`) of the vision + LLM model, one thread, with one
    co-running process standing in for the other rank (`CoRunners`); the LLM-only model uses
    its LLM part (`Profile.subset`, the same layers). Message and all-reduce costs are measured
    by the same two worker processes with the executor's communicator (`message_pass`).
@@ -64,7 +64,10 @@ import torch.multiprocessing as mp
 
 from benchmarks.common import figure, format_table, get_from, join_all, machine_info, start_gloo, write_result
 from loom.cost.model import Workload
-from loom.cost.profile import Profile, Profiler, ProfiledCostModel, fit_communication, message_pass
+from loom.cost.profile_comm import fit_communication
+from loom.cost.profile_file import Profile
+from loom.cost.profiled import ProfiledCostModel
+from loom.profile import Profiler, message_pass
 from loom.data.collate import collate, count_tokens, split_microbatches
 from loom.data.demo import DEFAULT_MIX, DemoConfig
 from loom.model.zoo import LlamaConfig, VisionConfig

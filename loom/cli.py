@@ -95,8 +95,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Profile the config's model on this machine (`loom.cost.profile`) and write the JSON."""
-    from loom.cost.profile import profile_model
+    """Profile the config's model on this machine (`loom.profile`) and write the JSON."""
+    from loom.profile import profile_model
     from loom.train.build import build_data, build_model
 
     cfg = load_config(args.config if args.config else (DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None),

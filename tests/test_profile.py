@@ -13,21 +13,14 @@ import torch
 
 from loom.cost.arch import arch_from_model
 from loom.cost.model import Workload
-from loom.cost.profile import (
-    FEATURES,
-    LinearFit,
-    Profile,
-    ProfileError,
-    ProfiledCostModel,
-    evaluate,
-    fit_cost,
-    model_signature,
-    nnls,
-    profile_model,
-)
+from loom.cost.profile_comm import Communication, fit_communication
+from loom.cost.profile_file import Profile, ProfileError, model_signature
+from loom.cost.profile_fit import FEATURES, LinearFit, evaluate, fit_cost, nnls
+from loom.cost.profiled import ProfiledCostModel
 from loom.data.tokenizer import Tokenizer
 from loom.model.zoo import LlamaConfig, VisionConfig
 from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.profile import profile_model
 from loom.train.build import build_model
 from loom.train.config import ModelConfig
 
@@ -242,8 +235,6 @@ def test_message_costs_are_charged_to_the_compute_around_them(quick_profile: Pro
     sends and receives take none), and the wire time is what the waiting receiver sees beyond
     its own receive cost."""
     import dataclasses
-
-    from loom.cost.profile import Communication
 
     const = lambda s: LinearFit(s, 0.0, [])
     comm = Communication(send_post=const(1e-3), recv_ready=const(2e-3), latency=const(5e-3), all_reduce=const(4e-3))

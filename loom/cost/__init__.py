@@ -1,1 +1,2 @@
-"""Cost model: hardware specs, per-layer costs, memory and FLOPs, and the profiler that fits them."""
+"""Cost model: hardware specs, architectures, per-layer costs, memory and FLOPs, profile fitting
+and the profile file format (the measuring harness is `loom.profile`)."""

@@ -66,7 +66,7 @@ MicrobatchWork = dict[str, Workload]
 
 class CostModel(ABC):
     """Durations and memory of a plan's stages. Implementations: `loom.cost.analytic`
-    (hardware specs) and `loom.cost.profile` (fitted on the real device)."""
+    (hardware specs) and `loom.cost.profiled` (fitted on the real device)."""
 
     plan: Plan
 

@@ -65,7 +65,7 @@ def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoD
     from loom.cost.arch import arch_from_model
     from loom.cost.frozen import INPUT_KINDS
     from loom.cost.model import Workload
-    from loom.cost.profile import Profile, ProfileError
+    from loom.cost.profile_file import Profile, ProfileError
     from loom.data.sampler import GlobalBatchSampler
     from loom.data.collate import split_microbatches
     from loom.planner.partition import frozen_aware_boundaries, frozen_aware_layer_costs

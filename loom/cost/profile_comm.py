@@ -1,0 +1,57 @@
+"""The communication costs a profile holds (`Communication`), fitted from the rows that
+`loom.profile.comm.message_pass` measures with the executor's communicator."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping, Sequence
+
+from loom.cost.profile_fit import LinearFit
+
+
+@dataclass
+class Communication:
+    """Message and collective costs measured on two local processes of this machine, as the
+    executor's communicator (`loom.runtime.comm`: a header, then the payload) sees them:
+
+    - ``send_post``: the sender's time in ``send`` (posting both messages);
+    - ``recv_ready``: the receiver's time in ``recv`` for a message posted before, the sender
+      computing meanwhile (a pipeline stage goes on to its next forward or backward after a
+      send). gloo moves a message only once its receive is posted, and on a machine with as
+      many cores as ranks the sender's communication thread then has to win a core from the
+      sender's compute: this is a whole transfer plus that wait, paid by the receiver;
+    - ``latency``: from the end of the sender's post to the end of a receive that was already
+      waiting, the sender computing on meanwhile;
+    - ``recv_ready_idle``, ``latency_idle``: the same with the sender waiting instead of
+      computing (for comparison; the cost model uses the two above);
+    - ``all_reduce``: a gradient bucket's flatten + all-reduce + unflatten on ``world`` ranks.
+    """
+
+    send_post: LinearFit
+    recv_ready: LinearFit
+    latency: LinearFit
+    all_reduce: LinearFit
+    world: int = 2
+    recv_ready_idle: LinearFit | None = None
+    latency_idle: LinearFit | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (asdict(v) if isinstance(v, LinearFit) else v) for k, v in self.__dict__.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Communication":
+        return cls(**{k: (LinearFit(**v) if isinstance(v, dict) else v) for k, v in d.items()})
+
+
+def fit_communication(passes: Sequence[Mapping[str, Sequence[Sequence[float]]]], world: int = 2) -> Communication:
+    """`Communication` from the rows of several `message_pass` calls (any ranks): the median
+    per quantity and size, then a linear fit per quantity."""
+    points: dict[str, dict[float, list[float]]] = {}
+    for rows in passes:
+        for key, pts in rows.items():
+            for nbytes, secs in pts:
+                points.setdefault(key, {}).setdefault(float(nbytes), []).append(float(secs))
+    fits = {key: LinearFit.fit([(b, statistics.median(v)) for b, v in sorted(per.items())])
+            for key, per in points.items()}
+    return Communication(**fits, world=world)

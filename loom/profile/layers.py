@@ -1,0 +1,102 @@
+"""Timing one layer on the device: forward, full backward and input-only backward, and the
+bytes autograd saves for it (entrain.md §3.1: "profiles every layer separately").
+
+Times are ``time.perf_counter`` with ``torch.cuda.synchronize`` around each call on a GPU.
+``backward_input`` is ``torch.autograd.grad`` w.r.t. the layer's *input* only (autograd then
+skips the weight-gradient kernels); the full backward is w.r.t. the input *and* the parameters,
+and the profiler fits ``backward_weight`` as their difference. The autograd engine's fixed
+per-call cost (`backward_call_overhead`) is measured so it can be taken off each layer's
+backward: a stage runs one backward call for all its layers and the cost model adds it back
+once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from loom.cost.model import Workload
+from loom.model.layers import Layer
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """Seconds ``fn`` takes on ``device`` (synchronised before and after), and its result."""
+    synchronize(device)
+    t0 = time.perf_counter()
+    out = fn()
+    synchronize(device)
+    return time.perf_counter() - t0, out
+
+
+def is_float_tensor(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
+
+def saved_bytes(fn: Callable[[], Any], exclude: set[int]) -> tuple[int, Any]:
+    """Bytes of the distinct storages autograd saves for backward while ``fn`` runs, except
+    those in ``exclude`` (the layer's parameters)."""
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            s = t.untyped_storage()
+            if s.data_ptr() not in exclude:
+                storages[s.data_ptr()] = s.nbytes()
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(storages.values()), out
+
+
+def backward_call_overhead(repeats: int = 50, device: torch.device | str = "cpu") -> float:
+    """Seconds of one ``torch.autograd.grad`` call on a one-op graph: the engine's fixed cost,
+    paid once per call. The profiler times each layer's backward as its own call, a stage runs
+    one call for all its layers, so the profile subtracts it per layer and adds it per stage."""
+    device = torch.device(device)
+    x = torch.ones(1, device=device, requires_grad=True)
+    g = torch.ones(1, device=device)
+    times = []
+    for r in range(repeats + 5):
+        y = x * 2.0
+        t, _ = timed(lambda: torch.autograd.grad(y, [x], g), device)
+        if r >= 5:
+            times.append(t)
+    return statistics.median(times)
+
+
+@dataclass
+class LayerPoint:
+    """One layer's measurement at one workload: lists of timed repeats, and fixed facts."""
+
+    work: Workload
+    saved: int = 0
+    forward: list[float] = field(default_factory=list)
+    backward_input: list[float] = field(default_factory=list)
+    backward_full: list[float] = field(default_factory=list)
+
+
+def measure_layer_once(layer: Layer, x_in: Any, ctx: dict[str, Any], params: list[torch.Tensor],
+                       grad_out: torch.Tensor, device: torch.device) -> tuple[float, float | None, float]:
+    """One timed forward (on its own, warm), full backward (input and parameters) and
+    input-only backward; the profiler keeps the two backwards."""
+    has_input = is_float_tensor(x_in)
+    wrt_all = ([x_in] if has_input else []) + params
+    t_fwd, out = timed(lambda: layer(x_in, ctx), device)
+    t_full, _ = timed(lambda: torch.autograd.grad(out, wrt_all, grad_out, allow_unused=True), device)
+    t_inp = None
+    if has_input:
+        _, out = timed(lambda: layer(x_in, ctx), device)
+        t_inp, _ = timed(lambda: torch.autograd.grad(out, [x_in], grad_out, allow_unused=True), device)
+    return t_fwd, t_inp, t_full
