@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 import random
 import statistics
-import time
 
 import numpy as np
 import pytest
@@ -290,17 +289,20 @@ def test_reorder_deterministic_and_accepts_numpy():
     assert a == reorder_microbatches(list(enc), 1.0, 8) == reorder_microbatches(tuple(enc), 1.0, 8)
 
 
-def test_reorder_64_microbatches_depth_8_is_fast():
-    # The benchmark's target is 10 ms [disttrain_reorder_ms]; this is a loose guard (CI noise)
-    # against an accidental re-simulation per GETINTERVAL call.
+def test_reorder_64_microbatches_depth_8_places_each_microbatch_a_bounded_number_of_times(monkeypatch):
+    # Work, not wall-clock, guards against an accidental re-simulation per GETINTERVAL call:
+    # two candidate orders built and three scored is 5 placements per microbatch, each O(p).
+    import loom.balance.disttrain as dt
+
+    placed = []
+    original = dt._OneFOneBRecurrence.place
+    monkeypatch.setattr(dt._OneFOneBRecurrence, "place", lambda self, j: (placed.append(j), original(self, j))[1])
+    monkeypatch.setattr(dt, "_simulate_reference", lambda *a: pytest.fail("reorder must not re-simulate"))
     rng = random.Random(8)
     enc = [rng.lognormvariate(0, 0.8) for _ in range(64)]
-    runs = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        reorder_microbatches(enc, 1.0, 8)
-        runs.append(time.perf_counter() - t0)
-    assert statistics.median(runs) < 0.05
+    order = reorder_microbatches(enc, 1.0, 8)
+    assert sorted(order) == list(range(64))
+    assert len(placed) <= 5 * 64
 
 
 @pytest.mark.parametrize(
