@@ -43,7 +43,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 
 from benchmarks.common import figure, format_table, machine_info, write_result
 from loom.balance.policy import POLICIES
-from loom.cost.arch import load_model_arch
+from loom.cost.model_configs import load_model_arch
 from loom.cost.hardware import Cluster
 from loom.data.synthetic import SKEWED_MIXES
 from loom.planner.baselines import megatron_plan

@@ -127,7 +127,7 @@ def _worker(rank: int, world_size: int, policy: str, cfg_dict: dict, commands: l
     """Build the group, then run one step per command from the driver on ``commands[rank]``
     (``None`` ends) and reply with its times, loss and layout statistics."""
     from loom.balance.policy import BalanceConfig, load_stats
-    from loom.cost.arch import arch_from_model
+    from loom.cost.arch_from_model import arch_from_model
     from loom.data.collate import count_tokens
     from loom.data.sampler import GlobalBatchSampler
     from loom.runtime.dispatch import Dispatcher

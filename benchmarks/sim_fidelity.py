@@ -305,7 +305,7 @@ def per_action_table(measured_timeline: list[dict], sim) -> list[list[Any]]:
 def simulator_speed(repeats: int = 3) -> tuple[float, dict[str, Any]]:
     """Seconds of one `simulate` call on a 1024-GPU plan with 64 microbatches (median of
     ``repeats`` calls, each with a fresh cost model; the schedule is built once, outside)."""
-    from loom.cost.arch import load_model_arch
+    from loom.cost.model_configs import load_model_arch
 
     arch = load_model_arch(llm="llama3-70b", encoders={"vision": "vit-h-14"}, projector="mlp",
                            freeze=["vision.encoder"])

@@ -15,7 +15,7 @@ import torch
 from loom.schedule.layout import BatchLayout, LayoutError
 from loom.balance.config import check_balance_config
 from loom.balance.policy import POLICIES, BalanceConfig, BalanceError, load_stats, make_layout, sample_costs
-from loom.cost.arch import arch_from_model
+from loom.cost.arch_from_model import arch_from_model
 from loom.data.demo import DemoConfig
 from loom.plan.plan import ModuleSpec, Plan
 from loom.schedule.generators import build_schedule

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from loom.balance.policy import BalanceConfig
-from loom.cost.arch import arch_from_model
+from loom.cost.arch_from_model import arch_from_model
 from loom.data.collate import collate
 from loom.data.demo import DemoConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig

@@ -12,19 +12,13 @@ import pytest
 
 from loom.cost import comm
 from loom.cost.analytic import AnalyticCostModel
-from loom.cost.arch import (
-    LayerArch,
-    ModelArch,
-    ModuleArch,
-    arch_from_model,
-    list_model_configs,
-    load_model_arch,
-    load_module_config,
-)
+from loom.cost.arch import LayerArch, ModelArch, ModuleArch
+from loom.cost.arch_from_model import arch_from_model
 from loom.cost.flops import model_flops
 from loom.cost.frozen import backward_needs
 from loom.cost.hardware import GPUS, Cluster, GiB, get_gpu
 from loom.cost.memory import OutOfMemoryError, check_memory, in_flight_count, worst_in_flight
+from loom.cost.model_configs import list_model_configs, load_model_arch, load_module_config
 from loom.cost.model import Workload
 from loom.plan.plan import ModuleSpec, Plan, PlanError
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.cost.arch import arch_from_model
+from loom.cost.arch_from_model import arch_from_model
 from loom.cost.model import Workload
 from loom.cost.profile_comm import Communication, fit_communication
 from loom.cost.profile_file import Profile, ProfileError, model_signature

@@ -10,7 +10,7 @@ import pytest
 
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout
 from loom.cli import main
-from loom.cost.arch import load_model_arch
+from loom.cost.model_configs import load_model_arch
 from loom.cost.hardware import Cluster
 from loom.cost.model import Workload
 from loom.cost.uniform import UniformCostModel

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from loom.cli import main
-from loom.cost.arch import load_model_arch
+from loom.cost.model_configs import load_model_arch
 from loom.data.sample import ImageMeta, SampleMeta
 from loom.cost.workload import sample_work
 from loom.planner.baselines import megatron_plan

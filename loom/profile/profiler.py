@@ -72,7 +72,7 @@ def check_settings(token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, repeats: 
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise ValueError(f"device = {device!r} is not a device ({e}); use 'cpu' or 'cuda'") from e
+        raise ValueError(f"device = {device!r}: the profiler runs on 'cpu' or 'cuda'") from e
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"device = {device!r}: the profiler runs on 'cpu' or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loom.cost.analytic import AnalyticCostModel
-from loom.cost.arch import ModelArch, load_model_arch
+from loom.cost.arch import ModelArch
+from loom.cost.model_configs import load_model_arch
 from loom.cost.hardware import Cluster, get_gpu
 from loom.cost.model import MicrobatchWork, Workload
 from loom.cost.workload import WorkloadError, sample_work

@@ -62,7 +62,7 @@ def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoD
     """Fill the plan's unset stage boundaries with the frozen-aware partition (cornstarch.md
     §3.2.2, eq. 3.5) of per-layer costs from ``run.profile``, for the mean microbatch of the
     run's first global batches (from metadata only). Modules with explicit boundaries keep them."""
-    from loom.cost.arch import arch_from_model
+    from loom.cost.arch_from_model import arch_from_model
     from loom.cost.frozen import INPUT_KINDS
     from loom.cost.model import Workload
     from loom.cost.profile_file import Profile, ProfileError

@@ -8,7 +8,9 @@ stage, and for each step takes the global batch's sample indices from the seeded
 and moves every payload to the ranks that run it; each rank runs its share of the schedule.
 Rank 0 writes ``metrics.jsonl``, ``balance.jsonl`` (per step: the policy, the microbatches'
 dataset indices per phase, max/mean load across replicas and microbatches) and, at the end,
-``trace.json`` with every rank's timeline of the last step.
+``trace.json`` with every rank's timeline of the last step. Every rank writes its output to
+``logs/rank<R>.log`` and how it ended to ``logs/rank<R>.exit.json``; rank 0 marks the run
+``completed`` in ``status`` (`loom.train.status`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -26,13 +30,14 @@ import torch
 import torch.distributed as dist
 
 from loom.balance.policy import load_stats
-from loom.cost.arch import arch_from_model
+from loom.cost.arch_from_model import arch_from_model
 from loom.data.sampler import GlobalBatchSampler
 from loom.runtime.dispatch import Dispatcher
 from loom.runtime.engine import ParallelEngine
 from loom.schedule.timeline import write_chrome_trace
 from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import TrainConfig, load_config
+from loom.train.status import LOGS, RankExit, Terminated, classify, write_pid, write_status
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -149,15 +154,50 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     dist.destroy_process_group()
 
 
+def _own_output(run_dir: Path, rank: int) -> None:
+    """Send this rank's stderr (tracebacks, warnings, native library messages) to
+    ``logs/rank<R>.log``, and its stdout too except on rank 0, whose progress lines stay on
+    the terminal; `loom train` prints one line for the whole run instead."""
+    logs = run_dir / LOGS
+    logs.mkdir(parents=True, exist_ok=True)
+    fd = os.open(logs / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 2)
+    if rank != 0:
+        os.dup2(fd, 1)
+    os.close(fd)
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated(f"stopped by {signal.Signals(signum).name}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="loom training process (launched by torchrun; see `loom train`)")
     ap.add_argument("--config", required=True, help="resolved TOML config")
     ap.add_argument("--run-dir", required=True, help="run directory for metrics and traces")
     args = ap.parse_args(argv)
-    cfg = load_config(args.config)
     run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    train(cfg, run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    _own_output(run_dir, rank)
+    write_pid(run_dir, rank)
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _raise_terminated)
+    try:
+        cfg = load_config(args.config)
+        train(cfg, run_dir)
+    except BaseException as e:  # noqa: BLE001 - every way a rank ends is recorded
+        state, reason = classify(e)
+        traceback.print_exc()
+        RankExit(rank, os.getpid(), state, reason, time.time()).write(run_dir)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # skip interpreter teardown: destructors of a broken process group can hang or abort
+        os._exit(143 if state == "terminated" else 1)
+    RankExit(rank, os.getpid(), "done", "", time.time()).write(run_dir)
+    if rank == 0:
+        write_status(run_dir, "completed")  # also for runs started by hand with torchrun
 
 
 if __name__ == "__main__":

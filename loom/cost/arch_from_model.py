@@ -1,0 +1,125 @@
+"""The `ModelArch` of a live model (`arch_from_model`): module introspection of the zoo
+encoders and of Llama-layout LLMs (the zoo's or Hugging Face's), layer for layer as
+`MultimodalModel.module_layers`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from loom.cost.arch import LLM, LayerArch, ModelArch, ModuleArch
+from loom.model.multimodal import MLPProjector, MultimodalModel
+from loom.model.zoo import AudioEncoder, VisionEncoder
+
+
+def _trainable(module: Any) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _numel(module: Any) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _projector_arch(name: str, module: Any, hidden: int, trainable: bool) -> LayerArch:
+    if isinstance(module, MLPProjector):
+        return LayerArch(name, "projector", hidden, trainable, projector="mlp", out_hidden=module.out_features)
+    if isinstance(module, nn.Linear):
+        return LayerArch(name, "projector", hidden, trainable, projector="linear", out_hidden=module.out_features)
+    raise TypeError(
+        f"{name}: projector {type(module).__name__} has no cost description; use 'linear' or 'mlp', "
+        "or describe the model with load_model_arch"
+    )
+
+
+def _decoder_block_arch(name: str, block: Any, config: Any, trainable: bool) -> LayerArch:
+    """A Llama-layout decoder block (zoo or Hugging Face): dims read off its projections."""
+    attn, mlp = block.self_attn, block.mlp
+    heads = getattr(config, "num_attention_heads", None) or config.num_heads
+    q_dim, kv_dim = attn.q_proj.out_features, attn.k_proj.out_features
+    head_dim = q_dim // heads
+    gated = hasattr(mlp, "gate_proj")
+    ffn = (mlp.gate_proj if gated else mlp.up_proj).out_features
+    norm = "rmsnorm" if "rms" in type(block.input_layernorm).__name__.lower() else "layernorm"
+    return LayerArch(
+        name, "block", attn.q_proj.in_features, trainable, heads=heads, kv_heads=kv_dim // head_dim,
+        head_dim=head_dim, ffn=ffn, gated_mlp=gated, causal=True, qkv_bias=attn.q_proj.bias is not None,
+        linear_bias=attn.o_proj.bias is not None, norm=norm,
+    )
+
+
+def _encoder_layer_arch(layer: Any, encoder: Any) -> LayerArch:
+    cfg = encoder.config
+    trainable = _trainable(layer.module)
+    h = cfg.hidden_size
+    if layer.kind == "frontend":
+        if isinstance(encoder, VisionEncoder):
+            return LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.in_channels,
+                             patch=cfg.patch_size)
+        return LayerArch(layer.name, "frontend", h, trainable, frontend="conv1d", in_channels=cfg.n_mels,
+                         kernel=3, stride=2)
+    if layer.kind == "block":
+        # zoo EncoderBlock: LayerNorms, fused qkv and MLP Linears with biases, GELU MLP
+        return LayerArch(layer.name, "block", h, trainable, heads=cfg.num_heads, kv_heads=cfg.num_heads,
+                         ffn=int(h * cfg.mlp_ratio), qkv_bias=True, linear_bias=True)
+    if layer.kind == "norm":
+        return LayerArch(layer.name, "norm", h, trainable)
+    raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost description")
+
+
+def arch_from_model(model: MultimodalModel) -> ModelArch:
+    """The `ModelArch` of a live model: zoo encoders (`VisionEncoder`, `AudioEncoder`) and a
+    Llama-layout LLM (the zoo's or a Hugging Face one), layer for layer as
+    ``model.module_layers``, each layer trainable iff any of its parameters requires grad.
+
+    Every layer's parameter count is checked against the real module, so a model this
+    function does not understand fails here rather than mis-costing silently.
+    """
+    modules: dict[str, ModuleArch] = {}
+    for name in model.module_names:
+        layers: list[LayerArch] = []
+        if name == LLM:
+            llm = model.llm
+            config = llm.config
+            for layer in model.module_layers(name):
+                trainable = _trainable(layer.module)
+                if layer.kind == "embedding":
+                    layers.append(LayerArch(layer.name, "embedding", layer.module.embedding_dim, trainable,
+                                            vocab=layer.module.num_embeddings))
+                elif layer.kind == "block":
+                    layers.append(_decoder_block_arch(layer.name, layer.module, config, trainable))
+                elif layer.kind == "norm":
+                    norm = "rmsnorm" if "rms" in type(layer.module).__name__.lower() else "layernorm"
+                    layers.append(LayerArch(layer.name, "norm", layers[-1].hidden, trainable, norm=norm))
+                elif layer.kind == "head":
+                    layers.append(LayerArch(layer.name, "head", layer.module.in_features, trainable,
+                                            vocab=layer.module.out_features))
+                else:
+                    raise TypeError(f"{layer.name}: LLM layer kind {layer.kind!r} has no cost description")
+            module = ModuleArch(name, "llm", tuple(layers))
+        else:
+            wrapper = model.encoders[name]
+            encoder = wrapper.encoder
+            if isinstance(encoder, VisionEncoder):
+                kind, extra = "vision", {"patch": encoder.config.patch_size}
+            elif isinstance(encoder, AudioEncoder):
+                kind, extra = "audio", {"sample_rate": encoder.config.sample_rate, "hop_length": encoder.config.hop_length}
+            else:
+                raise TypeError(
+                    f"encoder {name!r} ({type(encoder).__name__}) has no cost description; describe the model "
+                    "with load_model_arch"
+                )
+            for layer in model.module_layers(name):
+                if layer.kind == "projector":
+                    layers.append(_projector_arch(layer.name, layer.module, encoder.hidden_size, _trainable(layer.module)))
+                else:
+                    layers.append(_encoder_layer_arch(layer, encoder))
+            module = ModuleArch(name, kind, tuple(layers), **extra)
+        for arch_layer, layer in zip(module.layers, model.module_layers(name)):
+            if arch_layer.params != _numel(layer.module):
+                raise ValueError(
+                    f"{layer.name}: the cost description counts {arch_layer.params} parameters but the module "
+                    f"has {_numel(layer.module)}; its architecture is not one arch_from_model understands"
+                )
+        modules[name] = module
+    return ModelArch(modules)

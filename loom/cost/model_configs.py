@@ -1,0 +1,253 @@
+"""Architectures from published configurations: the TOML files in ``configs/models/`` (one per
+encoder or LLM, sources cited in each), loaded into typed tables (`ModuleConfig`) and assembled
+into a `ModelArch` with projectors and a freeze list (`load_model_arch`), so the simulator and
+the planner can cost models too large to build."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loom.cost.arch import FRONTENDS, LLM, MODULE_KINDS, PROJECTORS, LayerArch, ModelArch, ModuleArch
+
+MODEL_CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs" / "models"
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The ``[transformer]`` table: the block stack."""
+
+    hidden: int
+    layers: int
+    heads: int
+    ffn: int
+    kv_heads: int = 0  # 0: as many as heads (multi-head attention)
+    head_dim: int = 0
+    gated_mlp: bool = False
+    causal: bool = False
+    qkv_bias: bool = False
+    linear_bias: bool = False
+    norm: str = "layernorm"
+    final_norm: bool = True
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    """The ``[frontend]`` table of an encoder."""
+
+    type: str
+    in_channels: int
+    patch: int = 0
+    temporal_patch: int = 1
+    kernel: int = 3
+    stride: int = 2
+    bias: bool = True
+    positions: int = 0
+    cls_token: bool = False
+    sample_rate: int = 0
+    hop_length: int = 0
+
+
+@dataclass(frozen=True)
+class EmbeddingConfig:
+    """The ``[embedding]`` table of an LLM."""
+
+    vocab: int
+    positions: int = 0
+    tied: bool = False
+
+
+@dataclass(frozen=True)
+class ProjectorConfig:
+    """The ``[projector]`` table: an encoder's own projector (Qwen2-VL's merger)."""
+
+    kind: str
+    merge: int = 1
+
+
+@dataclass(frozen=True)
+class ModuleConfig:
+    """One ``configs/models/<name>.toml``: an encoder or an LLM from its published config."""
+
+    name: str
+    kind: str
+    transformer: TransformerConfig
+    published_params: float = 0.0
+    source: str = ""
+    frontend: FrontendConfig | None = None
+    embedding: EmbeddingConfig | None = None
+    projector: ProjectorConfig | None = None
+
+    def block(self, name: str) -> LayerArch:
+        t = self.transformer
+        return LayerArch(
+            name, "block", t.hidden, heads=t.heads, kv_heads=t.kv_heads or t.heads, head_dim=t.head_dim,
+            ffn=t.ffn, gated_mlp=t.gated_mlp, causal=t.causal, qkv_bias=t.qkv_bias, linear_bias=t.linear_bias,
+            norm=t.norm,
+        )
+
+    def layers(self) -> list[LayerArch]:
+        """The module's layers without a projector (encoders) or complete (LLMs)."""
+        t = self.transformer
+        out: list[LayerArch] = []
+        if self.kind == LLM:
+            assert self.embedding is not None
+            e = self.embedding
+            out.append(LayerArch("model.embed_tokens", "embedding", t.hidden, vocab=e.vocab, positions=e.positions))
+            out += [self.block(f"model.layers.{i}") for i in range(t.layers)]
+            out.append(LayerArch("model.norm", "norm", t.hidden, norm=t.norm))
+            out.append(LayerArch("lm_head", "head", t.hidden, vocab=e.vocab, tied=e.tied))
+            return out
+        assert self.frontend is not None
+        f = self.frontend
+        name = "patch_embed" if f.type == "patch" else "frontend"
+        out.append(LayerArch(
+            f"encoder.{name}", "frontend", t.hidden, frontend=f.type, in_channels=f.in_channels, patch=f.patch,
+            temporal_patch=f.temporal_patch, kernel=f.kernel, stride=f.stride, frontend_bias=f.bias,
+            positions=f.positions, cls_token=f.cls_token,
+        ))
+        out += [self.block(f"encoder.blocks.{i}") for i in range(t.layers)]
+        if t.final_norm:
+            out.append(LayerArch("encoder.norm", "norm", t.hidden, norm=t.norm))
+        return out
+
+    def module_arch(self, name: str | None = None, projector: str | None = None, out_hidden: int = 0) -> ModuleArch:
+        """This module as ``name``; an encoder gets a ``projector`` into ``out_hidden`` (the
+        LLM's width) unless ``projector`` is None."""
+        name = name or (LLM if self.kind == LLM else self.kind)
+        layers = self.layers()
+        if self.kind != LLM and projector is not None:
+            merge = 1
+            if projector == "merger":
+                if self.projector is None or self.projector.kind != "merger":
+                    raise ValueError(
+                        f"projector 'merger' for encoder {name!r}: {self.name}.toml has no [projector] merger "
+                        "(only architectures that merge tokens, like qwen2-vl-vision, have one)"
+                    )
+                merge = self.projector.merge
+            layers.append(LayerArch("projector", "projector", self.transformer.hidden, projector=projector,
+                                    out_hidden=out_hidden, merge=merge))
+        extra: dict[str, Any] = {}
+        if self.frontend is not None:
+            extra = {"patch": self.frontend.patch, "sample_rate": self.frontend.sample_rate,
+                     "hop_length": self.frontend.hop_length}
+        return ModuleArch(name, self.kind, tuple(layers), published_params=self.published_params, **extra)
+
+
+def _typed(cls: type, table: Any, where: str) -> Any:
+    """``cls(**table)`` with errors that name the file, the table and the key."""
+    if not isinstance(table, dict):
+        raise TypeError(f"{where} must be a table")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(table) - set(fields)
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known keys are {sorted(fields)}")
+    missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in table]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}")
+    for key, value in table.items():
+        expected = fields[key].type  # a string: this module uses postponed annotations
+        ok = {
+            "int": isinstance(value, int) and not isinstance(value, bool),
+            "bool": isinstance(value, bool),
+            "str": isinstance(value, str),
+        }.get(expected, True)
+        if not ok:
+            raise ValueError(f"{where} {key} = {value!r}: expected a {expected}")
+    return cls(**table)
+
+
+def model_config_path(name: str | Path) -> Path:
+    """``configs/models/<name>.toml``, or ``name`` itself when it is a path to a TOML file."""
+    p = Path(name)
+    if p.suffix == ".toml":
+        if not p.exists():
+            raise ValueError(f"model config {str(p)!r} does not exist")
+        return p
+    path = MODEL_CONFIG_DIR / f"{name}.toml"
+    if not path.exists():
+        raise ValueError(f"unknown model config {str(name)!r}; known configs are {list_model_configs()}")
+    return path
+
+
+def list_model_configs() -> list[str]:
+    return sorted(p.stem for p in MODEL_CONFIG_DIR.glob("*.toml"))
+
+
+def load_module_config(name: str | Path) -> ModuleConfig:
+    """Parse ``configs/models/<name>.toml`` (or a path); errors name the file and the key."""
+    path = model_config_path(name)
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    where = path.name
+    top = {"name", "kind", "published_params", "source", "transformer", "frontend", "embedding", "projector"}
+    unknown = set(data) - top
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known keys are {sorted(top)}")
+    kind = data.get("kind")
+    if kind not in MODULE_KINDS:
+        raise ValueError(f"{where}: kind = {kind!r}; choose one of {list(MODULE_KINDS)}")
+    if "transformer" not in data:
+        raise ValueError(f"{where} lacks the [transformer] table")
+    cfg = ModuleConfig(
+        name=str(data.get("name", path.stem)),
+        kind=kind,
+        transformer=_typed(TransformerConfig, data["transformer"], f"{where} [transformer]"),
+        published_params=float(data.get("published_params", 0.0)),
+        source=str(data.get("source", "")),
+        frontend=_typed(FrontendConfig, data["frontend"], f"{where} [frontend]") if "frontend" in data else None,
+        embedding=_typed(EmbeddingConfig, data["embedding"], f"{where} [embedding]") if "embedding" in data else None,
+        projector=_typed(ProjectorConfig, data["projector"], f"{where} [projector]") if "projector" in data else None,
+    )
+    if kind == LLM and cfg.embedding is None:
+        raise ValueError(f"{where}: an LLM needs an [embedding] table (vocab)")
+    if kind != LLM and cfg.frontend is None:
+        raise ValueError(f"{where}: an encoder needs a [frontend] table")
+    if cfg.frontend is not None and cfg.frontend.type not in FRONTENDS:
+        raise ValueError(f"{where} [frontend].type = {cfg.frontend.type!r}; choose one of {list(FRONTENDS)}")
+    return cfg
+
+
+def load_model_arch(
+    llm: str | Path,
+    encoders: Mapping[str, str | Path] | None = None,
+    projector: str | Mapping[str, str] | None = None,
+    freeze: Iterable[str] = (),
+) -> ModelArch:
+    """A multimodal model from published configs, e.g.
+    ``load_model_arch(llm="llama3-70b", encoders={"vision": "vit-h-14"}, projector="mlp",
+    freeze=["vision.encoder"])``.
+
+    ``projector``: one kind for every encoder, a mapping encoder name -> kind, or None for each
+    encoder's own (its ``[projector]`` table, Qwen2-VL's merger) or else ``"mlp"``.
+    """
+    llm_cfg = load_module_config(llm)
+    if llm_cfg.kind != LLM:
+        raise ValueError(f"llm = {str(llm)!r} is a {llm_cfg.kind} encoder config, not an LLM")
+    width = llm_cfg.transformer.hidden
+    modules: dict[str, ModuleArch] = {}
+    for name, config_name in (encoders or {}).items():
+        if name == LLM:
+            raise ValueError("encoders may not be named 'llm': that name is the language model's")
+        cfg = load_module_config(config_name)
+        if cfg.kind == LLM:
+            raise ValueError(f"encoders[{name!r}] = {str(config_name)!r} is an LLM config, not an encoder")
+        if isinstance(projector, Mapping):
+            kind = projector.get(name)
+        else:
+            kind = projector
+        if kind is None:
+            kind = cfg.projector.kind if cfg.projector is not None else "mlp"
+        if kind not in PROJECTORS:
+            raise ValueError(f"projector for encoder {name!r} = {kind!r}; choose one of {list(PROJECTORS)}")
+        modules[name] = cfg.module_arch(name, kind, width)
+    if isinstance(projector, Mapping):
+        extra = set(projector) - set(modules)
+        if extra:
+            raise ValueError(f"projector names encoders {sorted(extra)} that are not in encoders {list(modules)}")
+    modules[LLM] = llm_cfg.module_arch(LLM)
+    return ModelArch(modules).with_freeze(freeze)
