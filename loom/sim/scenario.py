@@ -228,9 +228,15 @@ def load_scenario(path: str | Path) -> Scenario:
         data = tomllib.loads(p.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ScenarioError(f"scenario file {str(p)!r} is not valid TOML: {e}") from e
+    return scenario_from_dict(data, p.stem)
+
+
+def scenario_from_dict(data: dict[str, Any], default_name: str) -> Scenario:
+    """A scenario from the tables of a scenario file (`load_scenario`), already parsed, e.g.
+    with ``loom simulate``'s overrides applied."""
     known = {"name", "model", "cluster", "data", "parallel", "plans"}
     if set(data) - known:
-        raise ScenarioError(f"unknown section(s) {sorted(set(data) - known)} in {p.name}; known: {sorted(known)}")
+        raise ScenarioError(f"unknown section(s) {sorted(set(data) - known)} in the scenario; known: {sorted(known)}")
     model = _section(data, "model", {"llm", "encoders", "projector", "freeze"})
     if "llm" not in model:
         raise ScenarioError("model.llm is missing: name a config in configs/models/ (e.g. 'llama3-70b')")
@@ -252,7 +258,7 @@ def load_scenario(path: str | Path) -> Scenario:
         except (PlanError, TypeError) as e:
             raise ScenarioError(f"plans.{name}: {e}") from e
     return Scenario(
-        name=data.get("name", p.stem), arch=arch, cluster=cluster, mix=mix, seed=int(dd.get("seed", 0)),
+        name=data.get("name", default_name), arch=arch, cluster=cluster, mix=mix, seed=int(dd.get("seed", 0)),
         global_batch_size=int(dd.get("global_batch_size", 1024)), llm_batching=dd.get("llm_batching", "packed"),
         degrees=ParallelDegrees(**par), plans=plans,
     )
