@@ -7,6 +7,7 @@ import itertools
 import json
 import time
 
+import numpy as np
 import pytest
 
 from loom.cost.model import Workload
@@ -312,3 +313,92 @@ def test_1024_gpu_plan_simulates():
     assert r.iteration_time >= (8 + 16 - 1) * 3.0
     assert 0.0 < r.bubble_fraction < 1.0
     assert len(r.timeline) == sum(len(a) for a in sched.actions.values())
+
+
+# ---- the batch dispatch (loom.sim.dispatch) ------------------------------------------------
+def _links(ranks_per_node: int = 2):
+    from loom.cost.comm import Link
+    from loom.sim.dispatch import Links
+
+    # round numbers: intra 1 us + 1 ns/B, inter 10 us + 10 ns/B
+    return Links(Link("intra", 1e9, 1e-6), Link("inter", 1e8, 1e-5), ranks_per_node)
+
+
+def test_dispatch_runs_before_the_schedule_on_every_unit():
+    from loom.sim.dispatch import DISPATCH, DispatchCost
+
+    plan = multimodal(vision=2, audio=1, llm=3, microbatches=6, dp_enc=2)
+    sched = build_schedule(plan)
+    cost = UniformCostModel(plan, transfer=0.3, grad_sync=0.5, optimizer=0.2)
+    base = simulate(sched, plan, cost)
+    d = DispatchCost(gather=0.25, decide=0.5, payload={"vision": 0.125, "audio": 0.0, "llm": 0.0625})
+    r = simulate(sched, plan, cost, dispatch=d)
+    assert d.total == 0.9375
+    assert r.dispatch == d.total and r.dispatch_parts is d
+    assert r.iteration_time == pytest.approx(base.iteration_time + d.total)
+    for u in base.finish:
+        assert r.finish[u] == pytest.approx(base.finish[u] + d.total)
+        assert r.busy[u] == pytest.approx(base.busy[u] + d.total)
+        assert r.idle[u] == pytest.approx(base.idle[u])  # the dispatch is work, not a bubble
+    assert len(r.timeline) == len(base.timeline) + len(base.first_rank) * len(d.parts())
+    for u, rank in r.first_rank.items():
+        evs = [e for e in r.timeline if e.rank == rank]
+        head = evs[:len(d.parts())]
+        assert [e.kind for e in head] == [DISPATCH] * 5
+        assert [e.label for e in head] == ["gather metadata", "decide layout", "all-to-all vision",
+                                           "all-to-all audio", "all-to-all llm"]
+        assert head[0].start_s == 0.0 and head[-1].end_s == pytest.approx(d.total)
+        assert evs[len(head)].start_s == pytest.approx(d.total)  # the schedule starts after it
+    assert r.summary()["dispatch_s"] == d.total and r.summary()["dispatch"]["decide_s"] == 0.5
+
+
+def test_all_to_all_prices_intra_and_inter_node_links():
+    from loom.sim.dispatch import all_to_all_seconds, max_internode_send
+
+    links = _links(ranks_per_node=2)
+    zero = [[5e6, 0, 0, 0], [0, 7e6, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert all_to_all_seconds(zero, links) == 0.0  # bytes that stay home skip the collective
+    intra = [[0, 1e6, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]  # rank 0 -> 1, one node
+    inter = [[0, 0, 1e6, 0], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]  # rank 0 -> 2, across nodes
+    assert all_to_all_seconds(intra, links) == pytest.approx(1e-6 + 1e6 / 1e9)
+    assert all_to_all_seconds(inter, links) == pytest.approx(1e-5 + 1e6 / 1e8)
+    # the two links work at once; messages on one link share it
+    both = [[0, 1e6, 1e6, 1e6], [0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert all_to_all_seconds(both, links) == pytest.approx(2 * (1e-5 + 1e6 / 1e8))
+    # a receiver's column counts too: three senders into rank 3 share its inter-node link
+    fan_in = [[0, 0, 0, 1e6], [0, 0, 0, 1e6], [0, 0, 0, 1e6], [0, 0, 0, 0]]
+    assert all_to_all_seconds(fan_in, links) == pytest.approx(2 * (1e-5 + 1e6 / 1e8))
+    assert max_internode_send(both, 2) == 2e6 and max_internode_send(intra, 2) == 0.0
+    # the same bytes, permuted so they stay inside nodes (what node-wise rearrangement does), cost less
+    assert all_to_all_seconds(intra, links) < all_to_all_seconds(inter, links)
+
+
+def test_price_dispatch_parts_and_refusals():
+    from loom.cost.comm import all_gather_time
+    from loom.data.sample import AudioMeta, ImageMeta, SampleMeta
+    from loom.sim.dispatch import (DispatchModelError, decision_seconds_model, metadata_bytes, price_dispatch)
+
+    metas = [SampleMeta(0, 10), SampleMeta(1, 12, images=(ImageMeta(32, 32),) * 2),
+             SampleMeta(2, 8, audios=(AudioMeta(16000, 16000),))]
+    assert metadata_bytes(metas) == 8 * (3 * 4 + 3 * 2)
+    links = _links(ranks_per_node=2)
+    payload = {"vision": np.array([[0, 0, 4e6, 0], [0] * 4, [0] * 4, [0] * 4], dtype=float),
+               "llm": np.full((4, 4), 100.0)}
+    d = price_dispatch(4, links, metadata_bytes=4096, decision_seconds=0.003, payload=payload)
+    assert d.gather == pytest.approx(all_gather_time(4096, 4, links.inter))  # 4 ranks span 2 nodes
+    assert d.decide == 0.003
+    assert list(d.payload) == ["vision", "llm"] and d.payload["vision"] == pytest.approx(1e-5 + 4e6 / 1e8)
+    assert d.payload_bytes == {"vision": 4e6, "llm": 1200.0} and d.internode_bytes["vision"] == 4e6
+    assert d.total == pytest.approx(d.gather + d.decide + sum(d.payload.values()))
+    one_node = price_dispatch(4, _links(ranks_per_node=4), metadata_bytes=4096, decision_seconds=0.0, payload=payload)
+    assert one_node.total < d.total
+    assert decision_seconds_model("none", 10_000) == 0.0
+    assert decision_seconds_model({"vision": "orchmllm", "llm": "none"}, 2560 * 60) == pytest.approx(0.02)
+    with pytest.raises(DispatchModelError, match="payload\\['llm'\\] is 3 x 3"):
+        price_dispatch(4, links, metadata_bytes=0, decision_seconds=0, payload={"llm": np.zeros((3, 3))})
+    with pytest.raises(DispatchModelError, match="square"):
+        price_dispatch(4, links, metadata_bytes=0, decision_seconds=0, payload={"llm": np.zeros(4)})
+    with pytest.raises(DispatchModelError, match="decision_seconds"):
+        price_dispatch(4, links, metadata_bytes=0, decision_seconds=-1, payload={})
+    with pytest.raises(DispatchModelError, match="known"):
+        decision_seconds_model("magic", 10)

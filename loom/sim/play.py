@@ -1,0 +1,199 @@
+"""The play of one iteration: a dataflow evaluation of a schedule IR under a cost model, one
+handler per action kind (the semantics are `loom.sim.simulator`'s module docstring).
+
+Every unit has a pointer into its action list; a ready stack holds the units that can advance;
+a unit blocked on a receive waits on that message's key and is woken by the send that posts it,
+a unit at a grad sync by the last replica to arrive. Each action is visited once. Because
+messages carry their arrival times and no resource is shared between units, the order in which
+units advance changes no time, so the result is exact.
+"""
+
+from __future__ import annotations
+
+from loom.cost.model import CostModel, MicrobatchWork
+from loom.plan.plan import Plan
+from loom.schedule.ir import Action, ActionKind, Schedule
+from loom.schedule.timeline import TimelineEvent
+from loom.schedule.validate import ScheduleError
+from loom.sim.work import EMPTY, PartWork
+
+FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
+SEND_ACT, SEND_GRAD = ActionKind.SEND_ACT, ActionKind.SEND_GRAD
+RECV_ACT, RECV_GRAD = ActionKind.RECV_ACT, ActionKind.RECV_GRAD
+GRAD_SYNC, OPTIMIZER_STEP = ActionKind.GRAD_SYNC, ActionKind.OPTIMIZER_STEP
+
+_NAME = {k: k.value for k in ActionKind}  # enum .value is a property call; this is a dict hit
+
+
+class DeadlockError(ScheduleError):
+    """The IR cannot finish: some unit waits forever. The message names every blocked unit and
+    the action it waits at."""
+
+
+class Play:
+    """One iteration of ``schedule`` on ``plan``'s pipeline units under ``cost``: ``works[j]``
+    is microbatch ``j``'s per-module workload, ``part_work`` prices sample subsets. Every unit
+    starts at ``start`` (after the batch dispatch). `run` fills ``clock`` (each unit's finish),
+    ``compute``, ``sync`` and ``events`` (per unit, in order)."""
+
+    def __init__(self, schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork],
+                 part_work: PartWork, *, link_contention: bool = False, step: int = 0, start: float = 0.0):
+        self.units = sorted(schedule.actions)
+        n = len(self.units)
+        self.actions = [schedule.actions[u] for u in self.units]
+        self.roles = {u: plan.role_of_unit(u) for u in self.units}
+        self.first_rank = [plan.rank_of(*self.roles[u]) for u in self.units]
+        self.cost, self.works, self.part_work = cost, works, part_work
+        self.link_contention, self.step = link_contention, step
+        self.stage_time, self.transfer_time = cost.stage_time, cost.transfer_time
+
+        # A grad sync's group: every unit holding a GRAD_SYNC of the same stage (its DP replicas).
+        self.sync_group: dict[tuple[str, int], list[int]] = {}
+        for u in self.units:
+            for a in self.actions[u]:
+                if a.kind is GRAD_SYNC:
+                    self.sync_group.setdefault((a.module, a.stage), []).append(u)
+        self.sync_size = {st: len(group) for st, group in self.sync_group.items()}
+
+        self.clock = [start] * n
+        self.pointer = [0] * n
+        self.compute = [0.0] * n
+        self.sync = [0.0] * n
+        self.link_free = [start] * n  # with link_contention: when the unit's outgoing link is next free
+        self.events: list[list[TimelineEvent]] = [[] for _ in range(n)]
+        self.messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
+        self.waiting: dict[tuple, int] = {}  # message key -> the unit blocked on it
+        self.arrived: dict[tuple[str, int], dict[int, float]] = {}  # stage -> {unit: arrival} at its grad sync
+        # Units that may advance, as a stack. The order is free: it changes no time.
+        self.ready = list(reversed(self.units))
+        self.handlers = {FORWARD: self._compute, BACKWARD: self._compute, SEND_ACT: self._send, SEND_GRAD: self._send,
+                         RECV_ACT: self._receive, RECV_GRAD: self._receive, GRAD_SYNC: self._grad_sync,
+                         OPTIMIZER_STEP: self._optimizer}
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self) -> "Play":
+        """Advance units until none can; raises `DeadlockError` if some never finish."""
+        ready = self.ready
+        while ready:
+            self._advance(ready.pop())
+        blocked = [u for u in self.units if self.pointer[u] < len(self.actions[u])]
+        if blocked:
+            raise DeadlockError(self._deadlock_message(blocked))
+        return self
+
+    def _advance(self, u: int) -> None:
+        """Run unit ``u``'s actions from its pointer until it blocks (a handler returns None)
+        or its list ends."""
+        acts, handlers = self.actions[u], self.handlers
+        i, t, end = self.pointer[u], self.clock[u], len(acts)
+        while i < end:
+            a = acts[i]
+            after = handlers[a.kind](u, a, t)
+            if after is None:
+                break
+            t = after
+            i += 1
+        self.pointer[u], self.clock[u] = i, t
+
+    def _event(self, u: int, a: Action, start: float, end: float) -> TimelineEvent:
+        return TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage, a.microbatch, start, end,
+                             self.step)
+
+    # ---- one handler per action kind: (unit, action, its start) -> its end, None if blocked ----
+    def _compute(self, u: int, a: Action, t: float) -> float:
+        """``FORWARD`` / ``BACKWARD``: the microbatch's workload of the module, or one part of a
+        split backward: its own samples' work."""
+        w = self.works[a.microbatch].get(a.module, EMPTY) if a.samples is None else self.part_work(a.module, a.samples)
+        d = self.stage_time(a.module, a.stage, _NAME[a.kind], w)
+        self.events[u].append(self._event(u, a, t, t + d))
+        self.compute[u] += d
+        return t + d
+
+    def _send(self, u: int, a: Action, t: float) -> float:
+        """A send takes no time on its sender; its message arrives after the transfer."""
+        # The tensor crossing the edge is the output of the edge's forward-direction source.
+        # Its microbatch is the sender's for an activation, the receiver's for a gradient.
+        other = a.microbatch if a.peer_microbatch is None else a.peer_microbatch
+        if a.kind is SEND_ACT:
+            om, os_, omb = a.module, a.stage, a.microbatch
+        else:
+            om, os_, omb = a.peer_module, a.peer_stage, other
+        # a routed edge carries only its part's rows
+        w = self.works[omb].get(om, EMPTY) if a.samples is None else self.part_work(om, a.samples)
+        d = self.transfer_time(u, a.peer, om, os_, w)
+        start = t
+        if self.link_contention:
+            start = max(t, self.link_free[u])
+            self.link_free[u] = start + d
+        # (direction, sender, receiver, sender's microbatch, receiver's microbatch, stages, samples)
+        key = (a.kind is SEND_GRAD, u, a.peer, a.microbatch, other, a.module, a.stage, a.peer_module, a.peer_stage,
+               a.samples)
+        self.messages.setdefault(key, []).append(start + d)
+        woken = self.waiting.pop(key, None)
+        if woken is not None:
+            self.ready.append(woken)
+        self.events[u].append(self._event(u, a, t, t))
+        return t
+
+    def _receive(self, u: int, a: Action, t: float) -> float | None:
+        """A receive blocks until its message has arrived (matched like the validator's
+        ``_message_key``)."""
+        other = a.microbatch if a.peer_microbatch is None else a.peer_microbatch
+        key = (a.kind is RECV_GRAD, a.peer, u, other, a.microbatch, a.peer_module, a.peer_stage, a.module, a.stage,
+               a.samples)
+        posted = self.messages.get(key)
+        if not posted:
+            self.waiting[key] = u
+            return None
+        arrival = posted.pop(0)
+        if not posted:
+            del self.messages[key]
+        end = arrival if arrival > t else t
+        self.events[u].append(self._event(u, a, t, end))
+        return end
+
+    def _grad_sync(self, u: int, a: Action, t: float) -> float | None:
+        """A collective over the stage's replicas: all leave at ``max(arrivals) + grad_sync_time``;
+        the last to arrive releases the others."""
+        st = (a.module, a.stage)
+        here = self.arrived.setdefault(st, {})
+        here[u] = t
+        if len(here) < self.sync_size[st]:
+            return None
+        d = self.cost.grad_sync_time(a.module, a.stage)
+        end = max(here.values()) + d
+        del self.arrived[st]
+        for q, tq in here.items():
+            aq = a if q == u else self.actions[q][self.pointer[q]]
+            self.events[q].append(self._event(q, aq, tq, end))
+            self.sync[q] += d
+            if q != u:
+                self.clock[q] = end
+                self.pointer[q] += 1
+                self.ready.append(q)
+        return end
+
+    def _optimizer(self, u: int, a: Action, t: float) -> float:
+        d = self.cost.optimizer_time(a.module, a.stage)
+        self.events[u].append(self._event(u, a, t, t + d))
+        self.compute[u] += d
+        return t + d
+
+    # ---- diagnosis ---------------------------------------------------------------------------
+    def _deadlock_message(self, blocked: list[int], limit: int = 12) -> str:
+        lines = []
+        for u in blocked[:limit]:
+            a = self.actions[u][self.pointer[u]]
+            m, s, d = self.roles[u]
+            what = f"unit {u} ({m}.{s} dp{d}) waits at {a.short()} (action {self.pointer[u]} of {len(self.actions[u])})"
+            if a.kind is GRAD_SYNC:
+                st = (a.module, a.stage)
+                here = self.arrived.get(st, {})
+                missing = [q for q in self.sync_group[st] if q not in here]
+                what += f" with {len(here)} of {len(self.sync_group[st])} replicas arrived (missing units {missing})"
+            elif a.peer is not None:
+                what += f" for a message from unit {a.peer} that is never sent"
+            lines.append(what)
+        if len(blocked) > limit:
+            lines.append(f"... and {len(blocked) - limit} more units")
+        return f"deadlock: {len(blocked)} units can never finish: " + "; ".join(lines)
