@@ -1,26 +1,26 @@
-"""The profiler and `ProfiledCostModel` (issue 3 item 2; entrain.md §3.1): the fit recovers
-known coefficients, profiles round-trip through JSON, a profile of another model is refused
-with a clear error, a real (quick) profile gives a usable frozen-aware cost model."""
+"""The profiler (`loom.profile`) and `ProfiledCostModel` (issue 3 item 2; entrain.md §3.1):
+profiles round-trip through JSON, a profile of another model is refused with a clear error, a
+real (quick) profile gives a usable frozen-aware cost model, bad settings are refused before
+anything runs. The fit itself is tested in test_profile_fit.py."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from loom.cost.arch_from_model import arch_from_model
 from loom.cost.model import Workload
-from loom.cost.profile_comm import Communication, fit_communication
+from loom.cost.profile_comm import Communication
 from loom.cost.profile_file import Profile, ProfileError, model_signature
-from loom.cost.profile_fit import FEATURES, LinearFit, evaluate, fit_cost, nnls
+from loom.cost.profile_fit import LinearFit, evaluate
 from loom.cost.profiled import ProfiledCostModel
 from loom.data.tokenizer import Tokenizer
 from loom.model.zoo import LlamaConfig, VisionConfig
 from loom.plan.plan import LLM, ModuleSpec, Plan
-from loom.profile import profile_model
+from loom.profile import check_settings, profile_model
 from loom.train.build import build_model
 from loom.train.config import ModelConfig
 
@@ -40,59 +40,6 @@ def tiny_model(llm_hidden: int = 32, freeze: list[str] | None = None, vision: bo
 def quick_profile() -> Profile:
     torch.manual_seed(0)
     return profile_model(tiny_model(), token_counts=(16, 64, 256), repeats=1, warmup=1, measure_comm=False)
-
-
-# ---- fitting ---------------------------------------------------------------------------------
-def test_fit_recovers_known_coefficients_from_synthetic_timings():
-    truth = [2e-9, 5e-10, 3e-6, 4e-5, 1e-4]  # attn_sq, tokens^2, tokens, segments, constant
-    works = []
-    for x in (16, 64, 256, 1024):
-        for items in (1, 4, 16):
-            if x // items:
-                works.append(Workload.of_lengths([x // items] * items))
-        works.append(Workload.padded([x // 4] * 4))
-    times = [evaluate(truth, w) for w in works]
-    coef = fit_cost(works, times)
-    np.testing.assert_allclose(coef, truth, rtol=1e-6, atol=1e-15)
-    # entrain's a x^2 + b x + c on single sequences: the same, through the same code
-    single = [Workload.of_lengths([x]) for x in (64, 256, 1024, 4096, 16384)]
-    abc = [3e-9, 0.0, 2e-6, 0.0, 5e-5]
-    coef = fit_cost(single, [evaluate(abc, w) for w in single])
-    for w in single:
-        assert evaluate(coef, w) == pytest.approx(evaluate(abc, w), rel=1e-9)
-
-
-def test_fit_is_non_negative_and_nnls_matches_a_brute_force_oracle():
-    rng = np.random.default_rng(0)
-    for _ in range(20):
-        a = rng.normal(size=(8, 3))
-        b = rng.normal(size=8)
-        x = nnls(a, b)
-        assert (x >= 0).all()
-        # oracle: best least-squares solution over every support set, clamped to feasible ones
-        best = np.inf
-        for mask in range(8):
-            cols = [j for j in range(3) if mask >> j & 1]
-            z = np.zeros(3)
-            if cols:
-                z[cols] = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
-            if (z >= -1e-12).all():
-                best = min(best, np.linalg.norm(a @ z - b))
-        assert np.linalg.norm(a @ x - b) == pytest.approx(best, rel=1e-9, abs=1e-12)
-    # a decreasing trend cannot be fitted with a negative slope: it becomes a constant
-    works = [Workload.of_lengths([n]) for n in (10, 20, 40)]
-    coef = fit_cost(works, [3.0, 2.0, 1.0])
-    assert min(coef) >= 0
-
-
-def test_comm_fit_interpolates_its_points_and_extrapolates_the_line():
-    fit = LinearFit.fit([(1e6, 1e-4 + 1e-3), (0, 1e-4), (4e6, 1e-4 + 4e-3)])
-    assert fit.alpha_s == pytest.approx(1e-4, rel=1e-6)
-    assert fit.seconds_per_byte == pytest.approx(1e-9, rel=1e-6)
-    assert fit.time(2e6) == pytest.approx(1e-4 + 2e-3) and fit.time(8e6) == pytest.approx(1e-4 + 8e-3)
-    step = LinearFit.fit([(0, 1e-4), (1000, 2e-3), (2000, 2e-3)])  # a step, as small messages make
-    assert step.time(0) == 1e-4 and step.time(500) == pytest.approx((1e-4 + 2e-3) / 2)
-    assert step.time(1500) == pytest.approx(2e-3)
 
 
 # ---- files and the model check ---------------------------------------------------------------
@@ -209,12 +156,6 @@ def test_frozen_aware_backward_in_the_profiled_model(quick_profile: Profile):
     assert flags.stage_time(LLM, 1, "backward", w) == pytest.approx(expected)
 
 
-def test_features_are_entrain_quadratic_for_one_sequence():
-    assert FEATURES[:3] == ("attn_sq", "tokens_sq", "tokens")
-    w = Workload.of_lengths([100])
-    assert evaluate([1, 0, 2, 0, 3], w) == 100 * 100 + 2 * 100 + 3
-
-
 def test_a_module_subset_serves_a_model_of_just_that_module(quick_profile: Profile):
     llm_only = tiny_model(vision=False)
     with pytest.raises(ProfileError):
@@ -277,3 +218,17 @@ def test_loom_profile_command_writes_a_loadable_profile(tmp_path: Path):
     assert "model.layers.0" in run.stdout and str(out) in run.stdout
     prof = Profile.load(out)
     assert list(prof.layers) == ["vision", "audio", "llm"] and prof.comm is None
+
+
+@pytest.mark.parametrize("argument, value", [
+    ("token_counts", ()), ("token_counts", (64, 2)), ("token_counts", "abc"), ("token_counts", (64.5,)),
+    ("repeats", 0), ("warmup", -1), ("threads", 0), ("co_runners", -1), ("device", "tpu"), ("device", "cuda:99"),
+])
+def test_bad_profile_settings_are_refused_naming_the_argument(argument: str, value):
+    if argument == "device" and value.startswith("cuda") and torch.cuda.device_count() > 99:
+        pytest.skip("this machine has a CUDA device 99")
+    with pytest.raises(ValueError) as info:
+        check_settings(**{argument: value})
+    assert str(info.value).startswith(f"{argument} = ")
+    with pytest.raises(ValueError, match=f"^{argument} = "):  # before any model is touched
+        profile_model(None, **{argument: value})

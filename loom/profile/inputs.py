@@ -25,7 +25,7 @@ def _grid(tokens: int) -> tuple[int, int]:
     return h, tokens // h
 
 
-def _item_shapes(target: int, sizes: Iterable[int] = (None, 64, 16)) -> list[list[int]]:
+def item_shapes(target: int, sizes: Iterable[int] = (None, 64, 16)) -> list[list[int]]:
     """Per target token count, several ways to make it from items: one item of all of it, and
     many items of 64 and of 16 tokens (so tokens, tokens^2, sum of squares and item count vary
     independently)."""
@@ -76,7 +76,7 @@ def _llm_batch(model: MultimodalModel, batch_size: int, length: int, gen: torch.
     return Batch(input_ids=ids.to(device), labels=labels.to(device), modality_inputs={}, sample_ids=[])
 
 
-def _llm_shapes(target: int) -> list[tuple[int, int]]:
+def llm_shapes(target: int) -> list[tuple[int, int]]:
     """(batch, length) pairs of about ``target`` tokens: 1, 4 and 16 sequences."""
     out = []
     for b in (1, 4, 16):
@@ -95,10 +95,10 @@ def module_workloads(model: MultimodalModel, name: str, token_counts: Sequence[i
     dummy = torch.zeros(1, 1, dtype=torch.long, device=device)
     if name == LLM:
         for x in token_counts:
-            for b, length in _llm_shapes(x):
+            for b, length in llm_shapes(x):
                 configs.append((_llm_batch(model, b, length, gen, device), Workload.padded([length] * b)))
         return configs
-    shapes = [[]] + [s for x in token_counts for s in _item_shapes(x)]
+    shapes = [[]] + [s for x in token_counts for s in item_shapes(x)]
     for items in shapes:
         inputs = _encoder_inputs(model, name, items, gen, device)
         configs.append((Batch(input_ids=dummy, labels=dummy, modality_inputs={name: inputs}, sample_ids=[]),
