@@ -43,6 +43,8 @@ import numpy as np
 from loom.cost.comm import Link, all_gather_time, inter_node_link, intra_node_link
 from loom.cost.hardware import Cluster
 from loom.data.sample import SampleMeta
+from loom.plan.plan import LLM, Plan
+from loom.schedule.layout import BatchLayout
 
 DISPATCH = "dispatch"  # the timeline kind of the dispatch's parts
 
@@ -137,6 +139,49 @@ def metadata_bytes(metas: Iterable[SampleMeta]) -> int:
     for m in metas:
         elements += METADATA_SAMPLE_FIELDS + METADATA_ITEM_FIELDS * (len(m.images) + len(m.audios))
     return elements * METADATA_ELEMENT_BYTES
+
+
+def sample_payload_bytes(metas: Sequence[SampleMeta], phases: Iterable[str],
+                         element_bytes: Mapping[str, int] | None = None) -> dict[str, list[float]]:
+    """Per phase, each sample's payload bytes as the dispatcher moves them: the pixels of its
+    images (3 x height x width) to a vision encoder, the samples of its clips to an audio
+    encoder, its text ids to the LLM; ``element_bytes`` per phase (default: float32 pixels and
+    waveforms, int64 ids, as loom's runtime sends them)."""
+    sizes = {"vision": 4, "audio": 4, LLM: 8, **(element_bytes or {})}
+    out: dict[str, list[float]] = {}
+    for phase in phases:
+        if phase == LLM:
+            out[phase] = [float(m.text_tokens * sizes[LLM]) for m in metas]
+        elif phase in ("vision", "audio"):
+            field_name = "images" if phase == "vision" else "audios"
+            per_item = (lambda it: 3 * it.height * it.width) if phase == "vision" else (lambda it: it.num_samples)
+            out[phase] = [float(sum(per_item(it) for it in getattr(m, field_name)) * sizes[phase]) for m in metas]
+        else:
+            raise DispatchModelError(f"no payload rule for phase {phase!r}; known: vision, audio, {LLM}")
+    return out
+
+
+def layout_payload_bytes(plan: Plan, layout: BatchLayout, sample_bytes: Mapping[str, Sequence[float]],
+                         world_size: int | None = None) -> dict[str, np.ndarray]:
+    """Per phase, the ``world x world`` bytes of the dispatcher's all-to-all for ``layout``:
+    sample ``s`` (position in the global batch) sits on its loader rank (contiguous shards of
+    the batch, sizes differing by at most one, as `loom.runtime.dispatch.loader_shards` cuts
+    them) and goes to every stage of the replica holding its slot in that phase (slot ``j`` of
+    a module of data-parallel degree ``dp`` runs on replica ``j % dp``)."""
+    world = plan.world_size if world_size is None else world_size
+    count = len(next(iter(sample_bytes.values()), []))
+    owner = np.empty(count, dtype=np.int64)
+    for r, part in enumerate(np.array_split(np.arange(count), world)):
+        owner[part] = r
+    out = {}
+    for phase in plan.module_names:
+        spec, sizes = plan.spec(phase), sample_bytes[phase]
+        m = np.zeros((world, world))
+        for s, j in layout.slot_of(phase).items():
+            for stage in range(spec.num_stages):
+                m[owner[s], plan.rank_of(phase, stage, j % spec.data_parallel)] += sizes[s]
+        out[phase] = m
+    return out
 
 
 def decision_seconds_model(policies: Mapping[str, str] | str, num_samples: int) -> float:
