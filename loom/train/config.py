@@ -12,13 +12,14 @@ what to do. Overrides are ``dotted.key=value`` with TOML values (``run.steps=10`
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loom.balance.policy import BalanceConfig, BalanceError
+from loom.balance.config import BalanceConfig, BalanceError, check_balance_config
 from loom.data.demo import DemoConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 from loom.plan.plan import ModuleSpec, Plan, PlanError
@@ -84,19 +85,46 @@ class TrainConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)  # per-phase policy, see loom.balance.policy
 
     def check(self) -> "TrainConfig":
-        """Value checks that do not need the model (the plan is checked against it later)."""
-        if self.run.steps < 1:
-            raise ConfigError(f"run.steps = {self.run.steps}: must be at least 1")
-        if self.run.device not in ("cpu", "cuda"):
-            raise ConfigError(f"run.device = {self.run.device!r}: choose 'cpu' or 'cuda'")
-        if self.model.projector not in ("linear", "mlp"):
-            raise ConfigError(f"model.projector = {self.model.projector!r}: choose 'linear' or 'mlp'")
-        if self.optim.lr <= 0:
-            raise ConfigError(f"optim.lr = {self.optim.lr}: must be positive")
+        """Value checks that do not need the model (the plan is checked against it later, and
+        what only a launch needs, such as a GPU, by `check_launch`). Every field is checked for
+        range and choice; types were checked while building."""
+        run, optim = self.run, self.optim
+        _require(run.name.strip() != "" and run.name not in (".", "..") and "/" not in run.name
+                 and "\\" not in run.name, "run.name", run.name,
+                 "a run needs a plain directory name", "use letters, digits, '-' or '_', e.g. run.name=demo")
+        _require(run.out_dir.strip() != "", "run.out_dir", run.out_dir, "runs need a directory",
+                 'use a directory such as run.out_dir="runs"')
+        _require(run.steps >= 1, "run.steps", run.steps, "must be at least 1", "train at least one step")
+        _require(run.seed >= 0, "run.seed", run.seed, "must not be negative", "use 0 or a positive integer")
+        _require(run.device in DEVICES, "run.device", run.device, "unknown device", "choose 'cpu' or 'cuda'")
+        _require(run.log_every >= 1, "run.log_every", run.log_every, "must be at least 1",
+                 "log every N >= 1 steps, e.g. run.log_every=10")
+        _require(self.model.projector in ("linear", "mlp"), "model.projector", self.model.projector,
+                 "unknown projector", "choose 'linear' or 'mlp'")
+        _require(all(isinstance(f, str) and f for f in self.model.freeze), "model.freeze", self.model.freeze,
+                 "every entry must be a part name", 'e.g. model.freeze=["vision.encoder"]')
+        _require(self.data.global_batch_size >= 1, "data.global_batch_size", self.data.global_batch_size,
+                 "must be at least 1", "use a positive number of samples per step")
+        _require(math.isfinite(optim.lr) and optim.lr > 0, "optim.lr", optim.lr, "must be positive",
+                 "use a learning rate such as 3e-3")
+        _require(math.isfinite(optim.weight_decay) and optim.weight_decay >= 0, "optim.weight_decay",
+                 optim.weight_decay, "must not be negative", "use 0 for none")
+        _require(optim.warmup_steps >= 0, "optim.warmup_steps", optim.warmup_steps, "must not be negative",
+                 "use 0 for no warmup")
+        _require(math.isfinite(optim.min_lr_ratio) and 0 <= optim.min_lr_ratio <= 1, "optim.min_lr_ratio",
+                 optim.min_lr_ratio, "is a fraction of the peak learning rate", "use a value from 0 to 1")
         if self.data.global_batch_size < self.plan.num_microbatches:
             raise ConfigError(
                 f"data.global_batch_size = {self.data.global_batch_size} is smaller than "
-                f"plan.num_microbatches = {self.plan.num_microbatches}: every microbatch needs a sample"
+                f"plan.num_microbatches = {self.plan.num_microbatches}: every microbatch needs a sample; "
+                f"raise the batch size or lower the microbatch count"
+            )
+        vision = self.model.vision
+        if vision is not None and self.data.demo.patch_size % vision.patch_size:
+            raise ConfigError(
+                f"model.vision.patch_size = {vision.patch_size}: the demo images' sides are multiples of "
+                f"data.demo.patch_size = {self.data.demo.patch_size}, which this patch size does not divide; "
+                f"set both to the same value"
             )
         encoders = [n for n in ("vision", "audio") if getattr(self.model, n) is not None]
         for m in self.plan.modules:
@@ -109,6 +137,65 @@ class TrainConfig:
         except BalanceError as e:
             raise ConfigError(str(e)) from e
         return self
+
+    def check_launch(self) -> "TrainConfig":
+        """What a launch needs beyond valid values, checked by `loom train` (``--dry-run``
+        included) before any process starts: the device exists here and the runtime executes
+        every plan feature. Call after ``plan.resolve``."""
+        if self.run.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ConfigError('run.device = "cuda": this machine has no usable CUDA device; '
+                                  'use run.device="cpu" or run on a GPU machine')
+            if torch.cuda.device_count() < self.plan.world_size:
+                raise ConfigError(
+                    f'run.device = "cuda": the plan needs {self.plan.world_size} GPUs (one per process) but this '
+                    f"machine has {torch.cuda.device_count()}; shrink the plan or launch on several nodes with torchrun"
+                )
+        try:  # the balancing policies' refusals (equal degrees, divisible batches, rounds)
+            check_balance_config(self.balance, self.plan, self.data.global_batch_size)
+        except BalanceError as e:
+            raise ConfigError(str(e)) from e
+        for m in self.plan.modules:
+            for name, value, default in (("tensor_parallel", m.tensor_parallel, 1),
+                                         ("context_parallel", m.context_parallel, 1),
+                                         ("zero_stage", m.zero_stage, 0), ("recompute", m.recompute, False)):
+                if value != default:
+                    raise ConfigError(
+                        f"plan.modules[{m.name!r}].{name} = {_shown(value)}: tensor_parallel, context_parallel, "
+                        f"zero_stage and recompute are modelled by the cost model and simulator but not yet "
+                        f"executed by the runtime; set it to {_shown(default)} to train (loom simulate prices it)"
+                    )
+        return self
+
+
+DEVICES = ("cpu", "cuda")
+_EXAMPLE = {int: "a whole number such as 10", float: "a number such as 0.5", str: 'quoted text such as "demo"',
+            bool: "true or false"}
+
+
+def _shown(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
+
+
+def _require(ok: bool, field_name: str, value: Any, why: str, fix: str) -> None:
+    """Raise the one-line `ConfigError` ``<field> = <value>: <why>; <fix>`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{field_name} = {_shown(value)}: {why}; {fix}")
+
+
+# Model shapes: every integer field is a size or count (at least 1), every float a positive
+# scale. Checked before the zoo configs' own __post_init__, which would divide by zero.
+def _check_shape(where: str, kwargs: dict[str, Any]) -> None:
+    for k, v in kwargs.items():
+        if isinstance(v, bool):
+            continue
+        if isinstance(v, int):
+            _require(v >= 1, f"{where}.{k}", v, "a size or count must be at least 1", "use a positive integer")
+        elif isinstance(v, float):
+            _require(math.isfinite(v) and v > 0, f"{where}.{k}", v, "must be a positive number",
+                     "use a positive value")
 
 
 # ---- loading ---------------------------------------------------------------------------------
@@ -131,22 +218,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     plan_data = data.pop("plan", None)
     cfg = _build(TrainConfig, data, "")
     if plan_data is not None:
+        if not isinstance(plan_data, dict):
+            raise ConfigError(f"plan = {plan_data!r}: must be a table; write [plan] with [[plan.modules]] entries")
         try:
             cfg.plan = Plan.from_dict(plan_data)
         except (PlanError, TypeError) as e:
             raise ConfigError(str(e)) from e
+        _check_plan_types(cfg.plan)
     return cfg.check()
 
 
+def _check_plan_types(plan: Plan) -> None:
+    """Types of every plan field, so a wrong one is named here rather than failing as a raw
+    TypeError inside `Plan.resolve` (which checks the ranges)."""
+    for k, tp in (("num_microbatches", int), ("schedule", str), ("placement", str)):
+        _convert(tp, getattr(plan, k), f"plan.{k}")
+    hints = typing.get_type_hints(ModuleSpec)
+    for m in plan.modules:
+        for f in dataclasses.fields(ModuleSpec):
+            where = f"plan.modules[{m.name!r}].{f.name}"
+            value = _convert(hints[f.name], getattr(m, f.name), where)
+            if f.name == "stage_boundaries" and value is not None:
+                for b in value:
+                    _convert(int, b, where)
+
+
 def _apply_override(data: dict[str, Any], item: str) -> None:
-    key, sep, raw = item.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {item!r}: write it as dotted.key=value, e.g. run.steps=10")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word is a string
-    parts = key.split(".")
+    parts, value = parse_override(item)
     if parts[:2] == ["plan", "modules"] and len(parts) == 4:
         mods = data.setdefault("plan", {}).setdefault("modules", [m_as_dict(m) for m in default_plan().modules])
         for m in mods:
@@ -170,7 +268,7 @@ def m_as_dict(m: ModuleSpec) -> dict[str, Any]:
 
 def _build(cls: type, data: Any, where: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'} must be a table, got {data!r}")
+        raise ConfigError(f"{where or 'config'} = {data!r}: must be a table; write [{where}] with key = value lines")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = set(data) - names
@@ -179,10 +277,30 @@ def _build(cls: type, data: Any, where: str) -> Any:
     kwargs = {}
     for k, v in data.items():
         kwargs[k] = _convert(hints[k], v, f"{where}.{k}" if where else k)
+    if cls in (VisionConfig, AudioConfig, LlamaConfig):
+        _check_shape(where, kwargs)
     try:
         return cls(**kwargs)
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, ArithmeticError) as e:
         raise ConfigError(f"[{where or 'top level'}]: {e}") from e
+
+
+def typed_value(tp: Any, v: Any, where: str) -> Any:
+    """``v`` as type ``tp`` (a dataclass, ``list[...]``, ``X | None``, a scalar type), or the
+    one-line `ConfigError` naming ``where``: the check every field of a config passes."""
+    return _convert(tp, v, where)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``dotted.key=value`` as (key parts, TOML value; a bare word is a string)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {item!r}: write it as dotted.key=value, e.g. run.steps=10")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare word is a string
+    return key.split("."), value
 
 
 def _convert(tp: Any, v: Any, where: str) -> Any:
@@ -198,16 +316,16 @@ def _convert(tp: Any, v: Any, where: str) -> Any:
         return _build(tp, v, where)
     if origin in (list, tuple):
         if not isinstance(v, list):
-            raise ConfigError(f"{where} must be a list, got {v!r}")
+            raise ConfigError(f"{where} = {v!r}: must be a list; write it as [a, b, ...]")
         return list(v) if origin is list else tuple(v)
     if origin is dict:
         if not isinstance(v, dict):
-            raise ConfigError(f"{where} must be a table, got {v!r}")
+            raise ConfigError(f"{where} = {v!r}: must be a table; write it as {{key = value, ...}}")
         return dict(v)
     if tp is float and isinstance(v, int) and not isinstance(v, bool):
         return float(v)
     if tp in (int, float, str, bool) and not (isinstance(v, tp) and not (tp is int and isinstance(v, bool))):
-        raise ConfigError(f"{where} must be of type {tp.__name__}, got {v!r}")
+        raise ConfigError(f"{where} = {v!r}: must be of type {tp.__name__}; write {_EXAMPLE[tp]}")
     return v
 
 

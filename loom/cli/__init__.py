@@ -1,0 +1,133 @@
+"""The ``loom`` command.
+
+    loom train [--config FILE] [--dry-run] [--overwrite] [dotted.key=value ...]   launch a training run
+    loom plan  [--config FILE] [--comm] [dotted.key=value ...]      print the plan and its schedule
+    loom profile [--config FILE] [--out PATH] [--tokens N,N,...] [dotted.key=value ...]
+                                                                    time every layer on this machine
+    loom simulate [--config SCENARIO] [--compare] [--json] [--policy NAME,...] [dotted.key=value ...]
+                                                                    simulate plans at cluster scale
+    loom bench [--list | --all | NAME ...]                          run benchmarks, regenerate results
+
+``loom train`` checks the configuration, the plan against the model and everything else that
+depends only on the config *before* starting any process, claims ``runs/<name>/`` (a reused
+name is refused unless ``--overwrite``), writes ``runs/<name>/config.toml``, then runs, on this
+machine,
+
+    python -m torch.distributed.run --standalone --nproc-per-node <plan world size> \\
+        -m loom.train.main --config runs/<name>/config.toml --run-dir runs/<name>
+
+under a supervisor (`loom.train.launch`): Ctrl-C or SIGTERM stops every worker within seconds,
+a failing rank ends the run with one line naming it, and ``runs/<name>/status`` says how the
+run ended (`loom.train.status`); per-rank logs are in ``runs/<name>/logs/``. With
+``--dry-run`` it stops after the checks, writes ``config.toml`` into a free run directory and
+prints that command. On several nodes, copy the config and run the same module with
+torchrun's rendezvous on every node, e.g.
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m loom.train.main --config runs/<name>/config.toml --run-dir runs/<name>
+
+(with ``run.device="cuda"``; the plan's world size must equal nnodes x nproc-per-node).
+
+Every error from bad input is one line, ``loom: error: <field or flag> = <value>: <why>; <fix>``,
+with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loom.balance.config import BalanceError
+from loom.cli.bench import cmd_bench
+from loom.cli.common import DEFAULT_CONFIG, CliError
+from loom.cli.plan import cmd_plan
+from loom.cli.profile import cmd_profile
+from loom.cli.simulate import DEFAULT_SCENARIO, cmd_simulate
+from loom.cli.train import cmd_train
+from loom.plan.plan import PlanError
+from loom.sim.scenario import ScenarioError
+from loom.train.config import ConfigError
+
+__all__ = ["main"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``loom: error: ...; see loom CMD --help``)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        print(f"loom: error: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def _train_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help=f"training config TOML (default: configs/{DEFAULT_CONFIG.name})")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="loom", description="train multimodal LLMs across processes")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("train", help="launch a training run")
+    _train_config_args(p)
+    p.add_argument("--dry-run", action="store_true",
+                   help="run every check, write runs/<name>/config.toml into a free run directory, print the "
+                        "torchrun command, start nothing")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete runs/<name>/ first if it holds an earlier run (else a reused name is refused)")
+    p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("plan", help="print the resolved plan and schedule")
+    _train_config_args(p)
+    p.add_argument("--comm", action="store_true", help="also show sends and receives in the schedule")
+    p.set_defaults(fn=cmd_plan)
+
+    p = sub.add_parser("profile", help="time every layer on this machine and write a profile")
+    _train_config_args(p)
+    p.add_argument("--out", default=None, help="profile JSON (default: <run.out_dir>/<run.name>/profile.json)")
+    p.add_argument("--tokens", default="64,128,256,512,1024", help="token counts to measure, comma-separated")
+    p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (1: as a local rank)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--no-comm", action="store_true", help="skip the 2-process communication measurements")
+    p.add_argument("--co-runners", type=int, default=0,
+                   help="processes kept computing while timing (the other ranks sharing this machine)")
+    p.set_defaults(fn=cmd_profile)
+
+    p = sub.add_parser("simulate", help="simulate plans of a scenario at cluster scale")
+    p.add_argument("--config", default=None,
+                   help=f"scenario TOML (default: configs/sim/{DEFAULT_SCENARIO.name}; see configs/sim/)")
+    p.add_argument("overrides", nargs="*",
+                   help="dotted.key=value overrides of the scenario's tables, e.g. cluster.num_gpus=512 "
+                        "parallel.tensor_parallel=4")
+    p.add_argument("--compare", action="store_true",
+                   help="also build and simulate the Megatron-style and the frozen-aware plans")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--out", default="runs/sim", help="where timelines and plans go")
+    p.add_argument("--no-png", action="store_true", help="skip the Gantt charts")
+    p.add_argument("--allow-oom", action="store_true", help="report plans that exceed GPU memory instead of failing")
+    p.add_argument("--policy", action="append", default=None, metavar="NAME[,NAME...]",
+                   help="simulate each plan under these balancing policies (none, orchmllm, disttrain, "
+                        "entrain; repeatable or comma-separated), against the unbalanced 'none'")
+    p.add_argument("--order", default="given",
+                   help="microbatch order for the per-phase policies: given or disttrain (Algorithm 3)")
+    p.add_argument("--eager-forward", type=int, default=0, metavar="N",
+                   help="with --policy entrain: encoders forward N more microbatches before their first "
+                        "backward (Entrain's eager forward)")
+    p.set_defaults(fn=cmd_simulate)
+
+    p = sub.add_parser("bench", help="run benchmarks/ and regenerate benchmarks/results/")
+    p.add_argument("names", nargs="*", metavar="NAME", help="benchmarks to run (none: list them)")
+    p.add_argument("--list", action="store_true", help="list the benchmarks")
+    p.add_argument("--all", action="store_true", help="run every benchmark")
+    p.set_defaults(fn=cmd_bench)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, PlanError, BalanceError, ScenarioError, CliError) as e:
+        print("loom: error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
+        return 2

@@ -1,0 +1,67 @@
+"""``loom profile``: time every layer of the config's model on this machine (`loom.profile`)
+and write the profile JSON. Every flag is checked, and the output made sure to be writable,
+before anything is built or measured."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from loom.cli.common import CliError, default_config
+from loom.train.config import load_config
+
+# check_settings names profile_model's arguments; the command names its flags
+_FLAGS = {"token_counts": "--tokens", "repeats": "--repeats", "device": "--device", "threads": "--threads",
+          "co_runners": "--co-runners"}
+
+
+def parse_tokens(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise CliError(f"--tokens {text!r}: not a list of whole numbers; write token counts separated by "
+                       f"commas, e.g. --tokens 64,256,1024") from None
+    return counts
+
+
+def check_out(out: Path) -> None:
+    """Refuse an output path that cannot be written, before any work."""
+    if out.is_dir():
+        raise CliError(f"--out {str(out)!r} is a directory; give a file path such as {out / 'profile.json'}")
+    parent = out.parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise CliError(f"--out {str(out)!r}: cannot create its directory ({e.strerror}); choose a writable path") from None
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise CliError(f"--out {str(out)!r}: not writable; choose a writable path")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from loom.profile import check_settings, profile_model
+    from loom.train.build import build_data, build_model
+
+    token_counts = parse_tokens(args.tokens)
+    try:
+        check_settings(token_counts=token_counts, repeats=args.repeats, device=args.device, threads=args.threads,
+                       co_runners=args.co_runners)
+    except ValueError as e:
+        text = str(e)
+        for name, flag in _FLAGS.items():
+            if text.startswith(f"{name} = "):
+                text = flag + " " + text[len(name) + 3:]
+        raise CliError(text) from None
+    cfg = load_config(default_config(args), args.overrides)
+    out = Path(args.out) if args.out else Path(cfg.run.out_dir) / cfg.run.name / "profile.json"
+    check_out(out)
+    tokenizer, _ = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+    print(f"loom: profiling {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters on {args.device} "
+          f"with {args.threads} thread(s), token counts {list(token_counts)}, {args.repeats} repeats", flush=True)
+    profile = profile_model(model, token_counts=token_counts, repeats=args.repeats, device=args.device,
+                            threads=args.threads, measure_comm=not args.no_comm, co_runners=args.co_runners)
+    profile.save(out)
+    print(profile.table())
+    print(f"profiled in {profile.settings['seconds']:.1f} s; wrote {out} (model signature {profile.signature_hash})")
+    return 0

@@ -1,0 +1,267 @@
+"""``loom simulate``: one simulated iteration of each plan of a scenario (`loom.sim.scenario`),
+optionally under balancing policies, as a table or JSON, with timelines and Gantt charts.
+
+Overrides (``dotted.key=value``) apply to the scenario file's tables (``cluster.num_gpus=512``,
+``parallel.tensor_parallel=4``, ``data.mix="audio"``) and are checked like the file's own
+values: an unknown field or a wrong type is refused with one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+from pathlib import Path
+from typing import Any
+
+from loom.cli.common import REPO_ROOT, CliError
+from loom.train.config import ConfigError, parse_override, typed_value
+
+DEFAULT_SCENARIO = REPO_ROOT / "configs" / "sim" / "llama3-70b-vith-1024xh100.toml"
+
+
+# ---- the scenario: file, overrides, types ----------------------------------------------------
+def _schema() -> dict[str, Any]:
+    from loom.sim.scenario import ParallelDegrees
+
+    return {
+        "name": str,
+        "model": {"llm": str, "encoders": dict[str, str], "projector": str, "freeze": list[str]},
+        "cluster": {"gpu": str, "num_gpus": int, "gpus_per_node": int},
+        "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str},
+        "parallel": typing.get_type_hints(ParallelDegrees),
+        "plans": dict,
+    }
+
+
+# fields that may be 0 (the rest of the whole numbers are sizes and counts, at least 1)
+_ZERO_OK = {"data.seed", "parallel.zero_stage"}
+_CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3)}
+
+
+def check_scenario_tables(data: dict[str, Any]) -> None:
+    """Types, ranges and choices of a scenario's scalar fields (unknown ones are refused by
+    `scenario_from_dict`, plans by `Plan.resolve`)."""
+    schema = _schema()
+    for section, value in data.items():
+        spec = schema.get(section)
+        if spec is None or not isinstance(spec, dict):
+            if spec is not None:
+                typed_value(spec, value, section)
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(f"{section} = {value!r}: must be a table; write [{section}] with key = value lines")
+        for key, v in value.items():
+            where = f"{section}.{key}"
+            if key not in spec:
+                continue
+            v = typed_value(spec[key], v, where)
+            if isinstance(v, int) and not isinstance(v, bool) and v < (0 if where in _ZERO_OK else 1):
+                raise ConfigError(f"{where} = {v}: must be at least {0 if where in _ZERO_OK else 1}; "
+                                  f"use a {'non-negative' if where in _ZERO_OK else 'positive'} whole number")
+            if where in _CHOICES and v not in _CHOICES[where]:
+                raise ConfigError(f"{where} = {v!r}: unknown value; choose one of {list(_CHOICES[where])}")
+
+
+def load_scenario_with(path: Path, overrides: list[str]):
+    """The scenario of ``path`` with ``overrides`` applied, every value checked."""
+    import tomllib
+
+    from loom.sim.scenario import ScenarioError, scenario_from_dict
+
+    if not path.is_file():
+        raise ScenarioError(f"scenario file {str(path)!r} does not exist; see configs/sim/ for examples")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"scenario file {str(path)!r} is not valid TOML: {e}") from e
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = data
+        for i, p in enumerate(parts[:-1]):
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a table")
+        node[parts[-1]] = value
+    check_scenario_tables(data)
+    try:
+        return scenario_from_dict(data, path.stem)
+    except TypeError as e:  # a value of the right type in the wrong place (e.g. a plan field)
+        raise ConfigError(f"scenario {path.name}: {e}; check the overrides and the file against configs/sim/") from e
+
+
+# ---- flags ------------------------------------------------------------------------------------
+def policies_of(args: argparse.Namespace) -> list[str] | None:
+    """``--policy`` values (repeatable, comma lists) in order, without repeats; ``None`` if not
+    given. Raises `CliError` naming ``--policy`` / ``--order`` / ``--eager-forward``."""
+    from loom.balance.policy import ORDERS, POLICIES
+
+    if args.order not in ORDERS:
+        raise CliError(f"--order {args.order!r} is unknown; choose one of {', '.join(ORDERS)}")
+    if args.eager_forward < 0:
+        raise CliError(f"--eager-forward {args.eager_forward}: use 0 or more microbatches")
+    if not args.policy:
+        return None
+    names: list[str] = []
+    for name in (n.strip() for value in args.policy for n in value.split(",")):
+        if name and name not in POLICIES:
+            raise CliError(f"--policy {name!r} is unknown; choose from {', '.join(POLICIES)} "
+                           f"(repeat --policy or separate names with commas)")
+        if name and name not in names:
+            names.append(name)
+    if not names:
+        raise CliError(f"--policy is empty; choose from {', '.join(POLICIES)}")
+    return names
+
+
+# ---- simulating -------------------------------------------------------------------------------
+def plans_of(scenario, compare: bool) -> dict[str, Any]:
+    """The scenario's plans; with ``compare`` (or when it names none) the built ones too."""
+    from loom.planner.baselines import frozen_aware_plan, megatron_plan
+
+    plans: dict[str, Any] = {}
+    if compare:
+        plans["megatron-style"] = megatron_plan(scenario)
+        plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
+    plans.update(scenario.plans)
+    if not plans:
+        plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
+    return plans
+
+
+def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager: int) -> list[tuple]:
+    """``(policy label or None, file stem suffix, SimResult, BalancedRun or None)`` per run of
+    ``plan``; under policies the first is the ``none`` baseline in the given order."""
+    from loom.balance.policy import JOINT, BalanceConfig
+
+    if policies is None:
+        return [(None, "", scenario.run(plan, scenario.microbatch_work(metas, plan.num_microbatches)), None)]
+    base = scenario.run_balanced(plan, BalanceConfig("none", order="given"), metas=metas)
+    runs = [("none", ".none", base.result, base)]
+    for name in policies:
+        own_order = "given" if name in JOINT else order  # DistTrain and Entrain bring their own order
+        if name == "none" and own_order == "given":
+            continue  # the baseline
+        label, stem = (name, name) if own_order == "given" else (f"{name} ({own_order} order)",
+                                                                  f"{name}.{own_order}-order")
+        config = BalanceConfig(name, order=own_order, eager_forward=eager if name == "entrain" else 0)
+        run = scenario.run_balanced(plan, config, metas=metas)
+        runs.append((label, f".{stem}", run.result, run))
+    return runs
+
+
+def check_fits(scenario, name: str, label: str | None, result) -> None:
+    from loom.sim.scenario import ScenarioError
+
+    worst = max(result.peak_memory, key=result.peak_memory.get)
+    peak, capacity = result.peak_memory[worst], scenario.memory_capacity()
+    if peak > capacity:
+        m, st, d = result.roles[worst]
+        what = f"plan {name!r}" + (f" under policy {label!r}" if label else "")
+        raise ScenarioError(
+            f"{what} does not fit: rank {result.first_rank[worst]} ({m} stage {st}, replica {d}) needs "
+            f"{peak / 2**30:.1f} GiB but a {scenario.cluster.spec.name} has {capacity / 2**30:.1f} GiB, over by "
+            f"{(peak - capacity) / 2**30:.1f} GiB: add stages, raise tensor_parallel or zero_stage, or turn on "
+            f"recompute (or pass --allow-oom)")
+
+
+def _change(value: float, reference: float) -> float | None:
+    return value / reference - 1.0 if reference else None
+
+
+def row_of(scenario, name: str, plan, label, result, balanced, baseline, files: dict[str, str | None]) -> dict:
+    """One output row: the simulator's summary, memory, files and, under a policy, its change
+    against the ``none`` baseline."""
+    peak = max(result.peak_memory.values())
+    row = {
+        "plan": name,
+        "layout": ", ".join(f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
+                            for m in plan.modules),
+        **result.summary(),
+        "peak_memory_gib": peak / 2**30,
+        "fits_memory": peak <= scenario.memory_capacity(),
+        **files,
+    }
+    if balanced is not None:
+        ref, mine = baseline.loads.summary(), balanced.loads.summary()
+        row.update(balanced.summary())
+        row["policy_label"] = label
+        row["vs_none"] = {
+            "iteration_time": _change(result.iteration_time, baseline.result.iteration_time),
+            "bubble_fraction": result.bubble_fraction - baseline.result.bubble_fraction,
+            "load_max_over_mean": {axis: {p: _change(v, ref[axis][p]) for p, v in mine[axis].items()}
+                                   for axis in mine},
+        }
+    return row
+
+
+def simulate_plan(scenario, name: str, plan, policies, args, metas, out_dir: Path) -> list[dict]:
+    plan.resolve(scenario.arch.layer_counts())
+    plan.to_json(out_dir / f"{name}.plan.json")
+    runs = runs_of(scenario, plan, policies, args.order, metas, args.eager_forward)
+    rows = []
+    for label, suffix, result, balanced in runs:
+        if not args.compare and not args.allow_oom:
+            check_fits(scenario, name, label, result)
+        trace = out_dir / f"{name}{suffix}.trace.json"
+        result.to_chrome_trace(trace)
+        title = f"{scenario.name}: {name}" + (f", policy {label}" if label else "") + " (simulated)"
+        png = None if args.no_png else result.plot_gantt(out_dir / f"{name}{suffix}.png", title=title)
+        files = {"trace": str(trace), "gantt": str(png) if png else None}
+        rows.append(row_of(scenario, name, plan, label, result, balanced, runs[0][3], files))
+    return rows
+
+
+# ---- output ---------------------------------------------------------------------------------------
+def print_table(scenario, rows: list[dict], policies: list[str] | None, out_dir: Path) -> None:
+    print(f"{scenario.name}: {scenario.cluster.num_gpus} x {scenario.cluster.spec.name}, data mix "
+          f"{scenario.mix!r}, global batch {scenario.global_batch_size} (simulated)")
+
+    def peak(r: dict) -> str:
+        return f"{r['peak_memory_gib']:.1f}" + ("" if r["fits_memory"] else " OOM")
+
+    def common(r: dict) -> tuple[str, ...]:
+        return f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%", peak(r)
+
+    if policies is None:
+        header = ("plan", "layout (stages x DP x TP x CP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB")
+        table = [header] + [(r["plan"], r["layout"], f"{r['iteration_time_s']:.3f}", f"{r['samples_per_s']:.1f}",
+                             *common(r)) for r in rows]
+    else:
+        phases = list(rows[0]["load_max_over_mean"]["dp"])
+        header = (("plan", "policy", "iter s", "vs none", "MFU", "bubble", "peak GiB")
+                  + tuple(f"{p} DP" for p in phases) + tuple(f"{p} mb" for p in phases))
+        table = [header] + [(
+            r["plan"], r["policy_label"], f"{r['iteration_time_s']:.3f}",
+            "-" if r["vs_none"]["iteration_time"] is None else f"{100 * r['vs_none']['iteration_time']:+.1f}%",
+            *common(r),
+            *(f"{r['load_max_over_mean'][axis][p]:.3f}" for axis in ("dp", "microbatch") for p in phases),
+        ) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for i, row in enumerate(table):
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    if policies is not None:
+        print("DP / mb: max / mean of each phase's simulated compute across data-parallel replicas / microbatches "
+              "(1 = balanced); vs none: iteration time against the unbalanced layout")
+    print(f"timelines (Chrome trace, open in https://ui.perfetto.dev) and Gantt charts in {out_dir}/")
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    """Simulate one iteration of each plan of a scenario and print a comparison table; with
+    ``--policy``, each plan under each balancing policy, against the unbalanced ``none``."""
+    policies = policies_of(args)
+    scenario = load_scenario_with(Path(args.config) if args.config else DEFAULT_SCENARIO, args.overrides)
+    plans = plans_of(scenario, args.compare)
+    metas = scenario.metas()
+    out_dir = Path(args.out) / scenario.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = [row for name, plan in plans.items()
+            for row in simulate_plan(scenario, name, plan, policies, args, metas, out_dir)]
+    if args.json:
+        extra = {} if policies is None else {"policies": policies, "order": args.order}
+        print(json.dumps({"scenario": scenario.name, "simulated": True, "plans": rows, **extra}, indent=2))
+    else:
+        print_table(scenario, rows, policies, out_dir)
+    return 0

@@ -1,0 +1,91 @@
+"""``loom train``: check everything that depends only on the config, claim the run directory,
+then run ``torchrun`` under `loom.train.launch.Supervisor`.
+
+A run directory belongs to one run. It is free when it does not exist, is empty, or holds only
+the ``config.toml`` of a ``--dry-run``; otherwise the run is refused unless ``--overwrite``
+(which deletes the directory first; never while its run is still going). loom writes no
+checkpoints yet, so a run cannot be continued.
+
+``--dry-run`` runs every check, prints the command and writes ``config.toml`` into a free run
+directory (for launching by hand, e.g. on several nodes); it never writes into, or clears, a
+directory that holds a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from loom.cli.common import CliError, load_train_config
+from loom.train.config import TrainConfig, config_to_toml
+from loom.train.launch import Supervisor, alive
+from loom.train.status import LOGS, read_pids, read_status
+
+
+def check_before_launch(cfg: TrainConfig) -> None:
+    """Refusals that depend only on the config and would otherwise fail inside every rank."""
+    cfg.check_launch()
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds (part of) a run, not just a dry run's ``config.toml``."""
+    return run_dir.is_dir() and any(p.name != "config.toml" for p in run_dir.iterdir())
+
+
+def claim_run_dir(cfg: TrainConfig, overwrite: bool, dry_run: bool) -> Path:
+    """The run directory, refused if it holds a run and ``overwrite`` is not given; cleared
+    (unless a dry run) if it is."""
+    run_dir = Path(cfg.run.out_dir) / cfg.run.name
+    if run_dir.exists() and not run_dir.is_dir():
+        raise CliError(f"run.name = {cfg.run.name!r}: {run_dir} is a file, not a run directory; "
+                       f"choose another run.name or run.out_dir")
+    if not holds_run(run_dir):
+        return run_dir
+    status = read_status(run_dir) or "no status"
+    if not overwrite:
+        raise CliError(
+            f"run.name = {cfg.run.name!r}: {run_dir} already holds a run (status: {status}); choose another "
+            f"run.name or pass --overwrite to delete it first (a run cannot be continued: loom writes no "
+            f"checkpoints yet)")
+    live = [pid for pid in read_pids(run_dir).values() if alive(pid)]
+    if live:
+        raise CliError(f"run.name = {cfg.run.name!r}: the run in {run_dir} is still going (process(es) "
+                       f"{live}); stop it first or choose another run.name")
+    if not dry_run:
+        shutil.rmtree(run_dir)
+    return run_dir
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_train_config(args)
+    check_before_launch(cfg)
+    run_dir = claim_run_dir(cfg, args.overwrite, args.dry_run)
+    config_path = run_dir / "config.toml"
+    world = cfg.plan.world_size
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        "-m", "loom.train.main", "--config", str(config_path), "--run-dir", str(run_dir),
+    ]
+    print(f"loom: {world} processes, plan " + ", ".join(
+        f"{m.name} {m.num_stages} stage(s) x dp {m.data_parallel}" for m in cfg.plan.modules)
+        + f", {cfg.plan.num_microbatches} microbatches, {cfg.plan.schedule}; run dir {run_dir}", flush=True)
+    if args.dry_run:
+        if holds_run(run_dir):
+            print(f"would delete {run_dir} (--overwrite), write {config_path} and run: " + " ".join(cmd))
+            return 0
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(config_to_toml(cfg))
+        print(f"wrote {config_path}; would run: " + " ".join(cmd))
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(config_to_toml(cfg))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    roles = {r: "{} stage {} replica {}".format(*cfg.plan.role_of(r)) for r in range(world)}
+    outcome = Supervisor(cmd, run_dir, world, env, roles).run()
+    print(outcome.message or f"loom: completed; run dir {run_dir} (logs in {run_dir / LOGS})",
+          file=sys.stderr if outcome.returncode else sys.stdout, flush=True)
+    return outcome.returncode

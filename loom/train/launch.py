@@ -1,0 +1,217 @@
+"""`loom train`'s supervisor: run ``torchrun`` and its workers, stop them all on Ctrl-C,
+SIGTERM or the first failing rank, and leave the run directory's ``status``
+(`loom.train.status`).
+
+torchrun starts each worker in a session of its own, so a signal to ``loom train`` (or to its
+terminal's process group) reaches neither. The supervisor therefore starts torchrun in a new
+session too and signals every process of the run itself: torchrun's process group and each
+worker (found from the pid files the workers write and from torchrun's children in
+``/proc``), SIGTERM first and SIGKILL after ``grace_s``. Worker output goes to
+``logs/rank<R>.log``; torchrun's own to ``logs/torchrun.log``; the terminal gets rank 0's
+progress lines and one line at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loom.train.status import LOGS, read_exits, read_pids, steps_done, write_status
+
+POLL_S = 0.05
+
+
+@dataclass
+class Outcome:
+    status: str  # the status line written to the run directory
+    message: str  # the one line printed at the end ("" when completed)
+    returncode: int
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, dead but not yet reaped, counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc: trust kill(0)
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def children(ppid: int) -> list[int]:
+    """Processes whose parent is ``ppid`` (from ``/proc``; empty where there is none)."""
+    out = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return out
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == ppid:
+            out.append(int(entry))
+    return out
+
+
+def _signal(pid: int, sig: int, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Supervisor:
+    """Runs one ``loom train`` launch; see the module docstring."""
+
+    def __init__(self, cmd: list[str], run_dir: Path, world_size: int, env: dict[str, str],
+                 roles: dict[int, str] | None = None, grace_s: float = 3.0):
+        self.cmd, self.run_dir, self.world_size, self.env = cmd, run_dir, world_size, env
+        self.roles = roles or {}
+        self.grace_s = grace_s
+        self.signum: int | None = None
+        self.workers: dict[int, int] = {}  # pid -> rank (-1 until its pid file names it)
+        self.deaths: dict[int, float] = {}  # rank -> when it was first seen dead
+        self.proc: subprocess.Popen | None = None
+
+    # ---- signals ------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is not None and self.proc is not None:
+            self._kill_all(signal.SIGKILL)  # a second Ctrl-C: stop waiting
+        self.signum = signum
+
+    def run(self) -> Outcome:
+        logs = self.run_dir / LOGS
+        logs.mkdir(parents=True, exist_ok=True)
+        write_status(self.run_dir, "running")
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            with open(logs / "torchrun.log", "ab") as log:
+                self.proc = subprocess.Popen(self.cmd, env=self.env, stderr=log, stdin=subprocess.DEVNULL,
+                                             start_new_session=True)
+                outcome = self._watch()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+        write_status(self.run_dir, outcome.status)
+        return outcome
+
+    # ---- watching -------------------------------------------------------------------------
+    def _refresh_workers(self) -> None:
+        assert self.proc is not None
+        for pid in children(self.proc.pid):
+            self.workers.setdefault(pid, -1)
+        for rank, pid in read_pids(self.run_dir).items():
+            self.workers[pid] = rank
+
+    def _failure_seen(self) -> bool:
+        exits = read_exits(self.run_dir)
+        if any(e.state != "done" for e in exits.values()):
+            return True
+        for pid, rank in self.workers.items():
+            if rank >= 0 and rank not in exits and not alive(pid):
+                self.deaths.setdefault(rank, time.time())
+        return any(r not in exits for r in self.deaths)
+
+    def _watch(self) -> Outcome:
+        assert self.proc is not None
+        stop_reason = None
+        while self.proc.poll() is None:
+            self._refresh_workers()
+            if self.signum is not None:
+                stop_reason = "signal"
+                break
+            if self._failure_seen():
+                stop_reason = "failure"
+                break
+            time.sleep(POLL_S)
+        if stop_reason is not None:
+            self._teardown()
+        else:
+            self._refresh_workers()
+            self._reap_workers()
+        return self._outcome(self.proc.returncode)
+
+    def _kill_all(self, sig: int) -> None:
+        assert self.proc is not None
+        _signal(self.proc.pid, sig, group=True)
+        for pid in list(self.workers):
+            # torchrun's workers lead sessions (and process groups) of their own
+            try:
+                leader = os.getpgid(pid) == pid
+            except ProcessLookupError:
+                continue
+            _signal(pid, sig, group=leader)
+
+    def _teardown(self) -> None:
+        """SIGTERM to every process of the run, SIGKILL to what is left after ``grace_s``."""
+        assert self.proc is not None
+        self._kill_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline:
+            self._refresh_workers()
+            if self.proc.poll() is not None and not any(alive(p) for p in self.workers):
+                break
+            time.sleep(POLL_S)
+        self._refresh_workers()
+        self._kill_all(signal.SIGKILL)
+        self.proc.wait()
+        self._reap_workers()
+
+    def _reap_workers(self, timeout: float = 5.0) -> None:
+        """Wait (briefly) until no worker outlives torchrun; SIGKILL any that does."""
+        deadline = time.monotonic() + timeout
+        while any(alive(p) for p in self.workers) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        for pid in self.workers:
+            if alive(pid):
+                _signal(pid, signal.SIGKILL, group=False)
+
+    # ---- the verdict --------------------------------------------------------------------------
+    def _outcome(self, returncode: int) -> Outcome:
+        where = f"run dir {self.run_dir}"
+        if self.signum is not None:
+            status = f"interrupted at step {steps_done(self.run_dir)}"
+            name = signal.Signals(self.signum).name
+            return Outcome(status, f"loom: {status} ({name}); {where} (status: {status})", 128 + self.signum)
+        blame = self._blame()
+        if blame is None and returncode == 0:
+            return Outcome("completed", "", 0)
+        if blame is None:
+            status = f"failed: torchrun exited with status {returncode}"
+            return Outcome(status, f"loom: {status}; see {self.run_dir / LOGS / 'torchrun.log'}", 1)
+        rank, reason = blame
+        role = f" ({self.roles[rank]})" if rank in self.roles else ""
+        status = f"failed on rank {rank}: {reason}"
+        return Outcome(status, f"loom: failed on rank {rank}{role}: {reason}; full log "
+                               f"{self.run_dir / LOGS / f'rank{rank}.log'}", 1)
+
+    def _blame(self) -> tuple[int, str] | None:
+        """The rank that failed first, and why: a Python error or a death without any record
+        (a signal such as SIGKILL, or the out-of-memory killer), earliest first; else the
+        earliest communication failure; else a rank stopped by a signal from outside."""
+        exits = read_exits(self.run_dir)
+        causes: list[tuple[float, int, str]] = [(e.time, e.rank, e.reason) for e in exits.values() if e.state == "error"]
+        causes += [(t, r, "killed by a signal without a Python error (SIGKILL or the out-of-memory killer)")
+                   for r, t in self.deaths.items() if r not in exits]
+        for state in ("comm", "terminated"):
+            if causes:
+                break
+            causes = [(e.time, e.rank, e.reason) for e in exits.values() if e.state == state]
+        return min(causes)[1:] if causes else None
+
