@@ -84,7 +84,8 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     counters = token_counters(model)
     batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters)
                for j in engine.microbatches_to_load()}
-    result = engine.step(batches, targets)
+    # the unbalanced layout, as the Dispatcher gives it under policy "none"
+    result = engine.step(batches, targets, layout=engine.identity_layout(GLOBAL_BATCH))
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters())

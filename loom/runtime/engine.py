@@ -12,7 +12,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from loom.schedule.layout import BatchLayout
+from loom.schedule.layout import BatchLayout, identity_layout
+from loom.data.collate import split_microbatches
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import Plan, PlanError
@@ -83,17 +84,34 @@ class ParallelEngine:
             self._schedules[key] = schedule
         return self._schedules[key]
 
+    def identity_layout(self, batch_size: int) -> BatchLayout:
+        """The unbalanced layout of a global batch of ``batch_size`` samples: the plan's
+        microbatches of consecutive positions, the same slots in every phase (what the
+        `Dispatcher` returns under policy ``none``)."""
+        if batch_size < self.plan.num_microbatches:
+            raise ValueError(f"a global batch of {batch_size} samples cannot fill plan.num_microbatches = "
+                             f"{self.plan.num_microbatches}; use at least that many samples")
+        return identity_layout(split_microbatches(list(range(batch_size)), self.plan.num_microbatches),
+                               self.plan.module_names)
+
     def step(
         self,
         microbatches: dict[int, Batch],
         num_targets: int,
         step: int = 0,
         exact_timing: bool = True,
-        layout: BatchLayout | None = None,
+        *,
+        layout: BatchLayout,
         rows: RowMap | None = None,
     ) -> StepResult:
-        """One iteration. With a ``layout`` (from the `Dispatcher`), ``microbatches`` are its
-        slots and ``rows`` its `RowMap`."""
-        if layout is None:
-            return self.executor.run(microbatches, num_targets, step, exact_timing)
-        return self.executor.run(microbatches, num_targets, step, exact_timing, self.schedule_for(layout), rows)
+        """One iteration under ``layout`` (from the `Dispatcher`, or `identity_layout`):
+        ``microbatches`` are this rank's slots of it, ``rows`` its `RowMap` (needed when the
+        layout routes encoder rows by sample)."""
+        return self.executor.run(self.schedule_for(layout), microbatches, num_targets, rows, step, exact_timing)
+
+    def close(self) -> None:
+        """End the runtime's communication before ``destroy_process_group``: wait for every send
+        still in flight, then a barrier, so no rank tears its group down while a peer's message
+        to it (or its own) is pending. Call it on every rank; the training loop does."""
+        self.executor.close()
+        dist.barrier()

@@ -3,6 +3,14 @@
 It is the runtime half of DESIGN.md's "schedule IR": the same actions the validator checks (and
 the simulator plays) are executed here one by one, and each is recorded in a timeline.
 
+Every iteration runs one schedule built for its `BatchLayout` (the identity layout when no
+balancing policy is set) and, where encoder rows are routed by sample, that layout's `RowMap`.
+Per microbatch, everything the iteration holds (the batch, received activations, the output
+kept for backward, the incoming gradient, split-backward parts) lives in one `MicrobatchState`;
+each action kind has one handler. What depends only on the schedule (tags, handlers, timeline
+labels, how many backward parts and sends each microbatch has) is computed once per schedule
+(`ActionPlan`), so the per-action cost is a handler call and the communication itself.
+
 Semantics that make a parallel run equal the single-process reference:
 - the LLM's last stage scales each microbatch's summed token loss by the *global* number of
   target tokens, so the sum over microbatches and replicas is the reference mean loss;
@@ -16,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -29,11 +37,15 @@ from loom.plan.plan import LLM, Plan
 from loom.runtime.comm import P2PCommunicator
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, move_batch
-from loom.schedule.timeline import TimelineEvent
 from loom.schedule.generators import backward_flow
 from loom.schedule.ir import Action, ActionKind, Schedule
+from loom.schedule.timeline import TimelineEvent
 
 StageId = tuple[str, int]
+Edge = tuple[StageId, StageId]
+# an edge whose activation shape is the microbatch's ``input_ids`` shape plus fixed trailing
+# dims (the LLM's hidden states), learned from the first message on it: (dtype, trailing dims)
+_ActShape = tuple[torch.dtype, tuple[int, ...]]
 
 
 @dataclass
@@ -42,8 +54,55 @@ class StepResult:
     timeline: list[TimelineEvent] = field(default_factory=list)
 
 
+@dataclass
+class MicrobatchState:
+    """What one microbatch holds on this rank during an iteration."""
+
+    batch: Batch | None = None  # on the device, from the first forward until the last backward
+    context: dict[str, Any] | None = None  # the module context (none for a split microbatch)
+    # received activations by (source module, source microbatch); after the backward only those
+    # whose gradient has still to be sent back
+    inputs: dict[tuple[str, int], torch.Tensor] = field(default_factory=dict)
+    output: torch.Tensor | None = None  # the forward output (the loss at the LLM's last stage)
+    parts: list[torch.Tensor] | None = None  # per-part outputs of a split forward
+    out_grad: torch.Tensor | None = None  # gradient w.r.t. ``output`` from the next stage
+    backward_left: int = 0  # backward actions (parts) still to run
+
+
+@dataclass
+class ActionPlan:
+    """What one schedule's action list needs at run time, computed once per schedule."""
+
+    actions: list[Action]
+    handlers: list[Callable[..., None]]
+    tags: list[int]
+    labels: list[str]
+    backward_parts: dict[int, int]  # microbatch -> its backward actions (split parts)
+    last_send: dict[int, int]  # microbatch -> index of its last SEND_ACT
+    split: dict[int, list[tuple[int, ...]]]  # microbatch -> split-backward parts (encoder first stages)
+    routed: bool  # some action names samples: the iteration needs a RowMap
+
+
+class _Iteration:
+    """The state of the iteration being run (handlers read and update it)."""
+
+    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total")
+
+    def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
+                 loss_total: torch.Tensor):
+        self.plan, self.microbatches, self.num_targets, self.rows = plan, microbatches, num_targets, rows
+        self.states: dict[int, MicrobatchState] = {}
+        self.loss_total = loss_total
+
+    def state(self, j: int) -> MicrobatchState:
+        st = self.states.get(j)
+        if st is None:
+            st = self.states[j] = MicrobatchState(backward_left=self.plan.backward_parts.get(j, 0))
+        return st
+
+
 class PipelineExecutor:
-    """Runs ``schedule.actions[rank]`` for one iteration at a time."""
+    """Runs this rank's actions of a schedule for one iteration at a time."""
 
     def __init__(
         self,
@@ -59,164 +118,267 @@ class PipelineExecutor:
     ):
         self.model, self.plan, self.schedule, self.stage = model, plan, schedule, stage
         self.rank, self.device, self.optimizer = rank, device, optimizer
-        self.actions = schedule.actions[rank]
-        self.dp_group = dp_groups.get((stage.module, stage.stage))
+        self.me: StageId = (stage.module, stage.stage)
+        self.dp_group = dp_groups.get(self.me)
         self.needs_backward, self.grad_edges = backward_flow(plan, trainable)
         self.edge_ids = _edge_ids(plan)
         self.comm = P2PCommunicator(device)
+        self._handlers: dict[ActionKind, Callable[..., None]] = {
+            ActionKind.RECV_ACT: self._recv_act,
+            ActionKind.FORWARD: self._forward,
+            ActionKind.SEND_ACT: self._send_act,
+            ActionKind.RECV_GRAD: self._recv_grad,
+            ActionKind.BACKWARD: self._backward,
+            ActionKind.SEND_GRAD: self._send_grad,
+            ActionKind.GRAD_SYNC: self._grad_sync,
+            ActionKind.OPTIMIZER_STEP: self._optimizer_step,
+        }
+        self._plans: dict[int, tuple[Schedule, ActionPlan]] = {}
+        # activation shapes of LLM-to-LLM edges, learned from their first message (see _ActShape);
+        # None: that edge's shapes do not follow the rule, its messages keep their header
+        self._act_shapes: dict[Edge, _ActShape | None] = {}
+        self._grad_mode = self.needs_backward[self.me]
 
     # ---- one iteration -------------------------------------------------------------------
     def run(
         self,
+        schedule: Schedule,
         microbatches: dict[int, Batch],
         num_targets: int,
+        rows: RowMap | None = None,
         step: int = 0,
         exact_timing: bool = True,
-        schedule: Schedule | None = None,
-        rows: "RowMap | None" = None,
     ) -> StepResult:
-        """Run the iteration. ``microbatches`` holds (at least) the microbatches this rank
-        works on, by global index; ``num_targets`` is the global batch's target-token count.
-
-        A balanced iteration passes its own ``schedule`` (built for its `BatchLayout`) and the
-        layout's `RowMap`, which says which rows of an encoder's output belong to which sample,
-        so routed messages carry exactly their samples' rows.
+        """Run this rank's actions of ``schedule`` (built for the iteration's `BatchLayout`).
+        ``microbatches`` holds (at least) the microbatches this rank works on, by slot;
+        ``num_targets`` is the global batch's target-token count; ``rows`` is the layout's
+        `RowMap`, which says which rows of an encoder's output belong to which sample, so
+        routed messages carry exactly their samples' rows (needed when the schedule routes).
 
         On a GPU, ``exact_timing`` synchronises after every compute action so the timeline
         shows when kernels ran, not when they were queued; turn it off for steps whose
         timeline is not kept, so the host can run ahead."""
-        me: StageId = (self.stage.module, self.stage.stage)
-        actions = self.actions if schedule is None else schedule.actions[self.rank]
-        num_mb = (self.schedule if schedule is None else schedule).num_microbatches
-        backward_parts = _count(actions, ActionKind.BACKWARD)
-        # a routed forward output leaves in several messages: it is kept until the last one
-        last_send = {a.microbatch: i for i, a in enumerate(actions) if a.kind is ActionKind.SEND_ACT}
+        plan = self.action_plan(schedule)
+        if plan.routed and rows is None:
+            raise ValueError(f"rank {self.rank}: this schedule routes encoder rows by sample; pass the layout's RowMap "
+                             f"as rows= (Dispatched.rows)")
+        # the loss is summed on the device: no host sync per microbatch
+        it = _Iteration(plan, microbatches, num_targets, rows,
+                        torch.zeros((), dtype=torch.float64, device=self.device))
+        sync = exact_timing and self.device.type == "cuda"
+        compute = (ActionKind.FORWARD, ActionKind.BACKWARD)
+        times: list[float] = []
+        clock = time.time
+        for i, (handler, a, tag) in enumerate(zip(plan.handlers, plan.actions, plan.tags)):
+            start = clock()
+            handler(it, i, a, tag)
+            if sync and a.kind in compute:
+                torch.cuda.synchronize(self.device)
+            times.append(start)
+            times.append(clock())
+        self.comm.wait_sends()
+        events = [TimelineEvent(self.rank, a.kind.value, label, a.module, a.stage, a.microbatch,
+                                times[2 * i], times[2 * i + 1], step)
+                  for i, (a, label) in enumerate(zip(plan.actions, plan.labels))]
+        return StepResult(float(it.loss_total), events)
+
+    def close(self) -> None:
+        """Wait for every send still in flight, so the process group can be destroyed safely
+        (gloo aborts a process whose group is destroyed under a pending send)."""
+        self.comm.wait_sends()
+
+    def action_plan(self, schedule: Schedule) -> ActionPlan:
+        """This rank's actions of ``schedule`` with their handlers, tags and labels (cached
+        per schedule object; the engine keeps one schedule per layout)."""
+        got = self._plans.get(id(schedule))
+        if got is not None and got[0] is schedule:
+            return got[1]
+        actions = schedule.actions[self.rank]
+        n = schedule.num_microbatches
+        backward_parts: dict[int, int] = {}
+        last_send: dict[int, int] = {}
+        split: dict[int, list[tuple[int, ...]]] = {}
+        tags = []
+        me = self.me
+        for i, a in enumerate(actions):
+            if a.kind not in self._handlers:  # pragma: no cover - the validator rejects unknown kinds
+                raise ValueError(f"rank {self.rank}: cannot execute {a.short()}")
+            peer = (a.peer_module, a.peer_stage)
+            j, k = a.microbatch, a.other_microbatch
+            tag = 0
+            if a.kind is ActionKind.RECV_ACT:
+                tag = self._tag(peer, me, k, j, n, grad=False)
+            elif a.kind is ActionKind.SEND_ACT:
+                tag = self._tag(me, peer, j, k, n, grad=False)
+                last_send[j] = i
+            elif a.kind is ActionKind.RECV_GRAD:
+                tag = self._tag(me, peer, j, k, n, grad=True)
+            elif a.kind is ActionKind.SEND_GRAD:
+                tag = self._tag(peer, me, k, j, n, grad=True)
+            elif a.kind is ActionKind.BACKWARD:
+                backward_parts[j] = backward_parts.get(j, 0) + 1
+                if a.samples is not None:
+                    split.setdefault(j, []).append(a.samples)
+            tags.append(tag)
         # Split backwards at an encoder's first stage run their forward per part too (entrain.md
         # §7.12's first option), so each part's backward covers only its own samples.
-        split = _parts(actions) if self.stage.is_first and self.stage.module != LLM else {}
-        part_outputs: dict[int, list[torch.Tensor]] = {}
-        # mb -> {(source module, source microbatch): received activation}
-        inputs: dict[int, dict[tuple[str, int], torch.Tensor]] = {}
-        saved: dict[int, tuple[dict[tuple[str, int], torch.Tensor], torch.Tensor | None]] = {}
-        out_grads: dict[int, torch.Tensor] = {}
-        contexts: dict[int, dict[str, Any]] = {}
-        batches: dict[int, Batch] = {}
-        loss_total = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on device: no sync per microbatch
-        events: list[TimelineEvent] = []
-        sync = exact_timing and self.device.type == "cuda"
+        if not (self.stage.is_first and self.stage.module != LLM):
+            split = {}
+        plan = ActionPlan(actions, [self._handlers[a.kind] for a in actions], tags, [a.short() for a in actions],
+                          backward_parts, last_send, split, any(a.samples is not None for a in actions))
+        if len(self._plans) >= 64:
+            self._plans.clear()
+        self._plans[id(schedule)] = (schedule, plan)
+        return plan
 
-        for i, a in enumerate(actions):
-            start = time.time()
-            j = a.microbatch
-            if a.kind is ActionKind.RECV_ACT:
-                x = self.comm.recv(a.peer, self._tag((a.peer_module, a.peer_stage), me, a.other_microbatch, j, num_mb, grad=False))
-                if ((a.peer_module, a.peer_stage), me) in self.grad_edges:
-                    x.requires_grad_(True)
-                inputs.setdefault(j, {})[(a.peer_module, a.other_microbatch)] = x
-            elif a.kind is ActionKind.FORWARD:
-                if j not in batches:
-                    batches[j] = move_batch(self._microbatch(microbatches, j), self.device)
-                    if j not in split:  # a split microbatch builds one context per part
-                        contexts[j] = self.model.module_context(self.stage.module, batches[j])
-                received = inputs.pop(j, {})
-                with torch.set_grad_enabled(self.needs_backward[me]):
-                    if j in split:
-                        part_outputs[j] = self._forward_parts(batches[j], j, split[j], rows)
-                        out = torch.cat(part_outputs[j])
-                    else:
-                        out = run_layers(self.stage.layers, self._stage_input(received, j, rows), contexts[j])
-                    if self.stage.computes_loss:
-                        out = loss_sum(out, batches[j].labels) / num_targets
-                        loss_total += out.detach()
-                saved[j] = (received, out)
-            elif a.kind is ActionKind.SEND_ACT:
-                out = saved[j][1]
-                if a.samples is not None:  # a routed edge: only the rows of the named samples
-                    out = out.detach().index_select(0, rows.index(self.stage.module, j, a.samples, out.device))
-                self.comm.send(out, a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, a.other_microbatch, num_mb, grad=False))
-                if not self.needs_backward[me] and i == last_send[j]:
-                    saved.pop(j)  # nothing will flow back: drop the activation now
-            elif a.kind is ActionKind.RECV_GRAD:
-                g = self.comm.recv(a.peer, self._tag(me, (a.peer_module, a.peer_stage), j, a.other_microbatch, num_mb, grad=True))
-                if a.samples is None:
-                    out_grads[j] = g
-                else:  # rows of some samples: scatter into this microbatch's pending gradient
-                    out = saved[j][1]
-                    if j not in out_grads:
-                        out_grads[j] = torch.zeros_like(out)
-                    out_grads[j].index_copy_(0, rows.index(self.stage.module, j, a.samples, out.device), g)
-            elif a.kind is ActionKind.BACKWARD:
-                received, out = saved[j]
-                grad = None if self.stage.computes_loss else out_grads.pop(j)
-                backward_parts[j] -= 1
-                last_part = backward_parts[j] == 0
-                # An output can be independent of everything trainable for one microbatch (a
-                # frozen LLM stage whose microbatch has no image tokens to merge): then there is
-                # nothing to propagate and the input gradient sent back is zero.
-                if j in part_outputs:  # a split backward over per-part forwards: this part's rows only
-                    part = split[j].index(a.samples)
-                    first_row = sum(t.shape[0] for t in part_outputs[j][:part])
-                    piece = part_outputs[j][part]
-                    if piece.requires_grad:
-                        torch.autograd.backward(piece, grad[first_row:first_row + piece.shape[0]])
-                    part_outputs[j][part] = piece.detach()
-                    if last_part:
-                        del part_outputs[j]
-                elif out.requires_grad:
-                    # A split backward on a later encoder stage (entrain.md §3.6) runs the stage's
-                    # graph once per part with that part's rows of the gradient (zeros elsewhere);
-                    # by linearity the parts sum to the whole; the graph is kept until the last.
-                    torch.autograd.backward(out, grad, retain_graph=not last_part)
-                if last_part:
-                    # keep only the inputs whose gradients still have to be sent back
-                    pending = {k: t for k, t in received.items() if t.requires_grad}
-                    if pending:
-                        saved[j] = (pending, None)
-                    else:
-                        saved.pop(j)
-                    contexts.pop(j, None)
-                    batches.pop(j, None)
-            elif a.kind is ActionKind.SEND_GRAD:
-                received, _ = saved[j]
-                key = (a.peer_module, a.other_microbatch)
-                x = received[key]
-                g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
-                self.comm.send(g, a.peer, self._tag((a.peer_module, a.peer_stage), me, a.other_microbatch, j, num_mb, grad=True))
-                del received[key]
-                if not received:
-                    saved.pop(j)
-            elif a.kind is ActionKind.GRAD_SYNC:
-                self._sync_gradients()
-            elif a.kind is ActionKind.OPTIMIZER_STEP:
-                if self.optimizer is not None:
-                    self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
-            else:  # pragma: no cover - the validator rejects unknown kinds
-                raise ValueError(f"rank {self.rank}: cannot execute {a.short()}")
-            if sync and a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD):
-                torch.cuda.synchronize(self.device)
-            events.append(_event(self.rank, a, start, time.time(), step))
-            if a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
-                self.comm.release_completed()
+    # ---- one handler per action kind -----------------------------------------------------
+    def _recv_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        src = (a.peer_module, a.peer_stage)
+        edge = (src, self.me)
+        ids = self._ids_shape(it, a.microbatch) if self.me[0] == LLM and src[0] == LLM else None
+        known = self._act_shapes.get(edge) if ids is not None else None
+        if known is not None:
+            x = self.comm.recv_shaped((*ids, *known[1]), known[0], a.peer, tag)
+        else:
+            x = self.comm.recv(a.peer, tag)
+            if ids is not None and edge not in self._act_shapes:
+                self._act_shapes[edge] = _learn(x, ids)
+        if edge in self.grad_edges:
+            x.requires_grad_(True)
+        it.state(a.microbatch).inputs[(a.peer_module, a.other_microbatch)] = x
 
-        self.comm.wait_sends()
-        return StepResult(float(loss_total), events)
+    def _forward(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        j = a.microbatch
+        st = it.state(j)
+        split = it.plan.split.get(j)
+        if st.batch is None:
+            st.batch = move_batch(self._microbatch(it.microbatches, j), self.device)
+            if split is None:  # a split microbatch builds one context per part
+                st.context = self.model.module_context(self.stage.module, st.batch)
+        if self._grad_mode:
+            out = self._run_forward(it, j, st, split)
+        else:
+            with torch.no_grad():
+                out = self._run_forward(it, j, st, split)
+        st.output = out
+
+    def _run_forward(self, it: _Iteration, j: int, st: MicrobatchState, split) -> torch.Tensor:
+        if split is not None:
+            st.parts = self._forward_parts(st.batch, j, split, it.rows)
+            out = torch.cat(st.parts)
+        else:
+            out = run_layers(self.stage.layers, self._stage_input(st.inputs, j, it.rows), st.context)
+        if self.stage.computes_loss:
+            out = loss_sum(out, st.batch.labels) / it.num_targets
+            it.loss_total += out.detach()
+        return out
+
+    def _send_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        j = a.microbatch
+        st = it.states[j]
+        out = st.output
+        if a.samples is not None:  # a routed edge: only the rows of the named samples
+            out = out.detach().index_select(0, it.rows.index(self.stage.module, j, a.samples, out.device))
+        header = True
+        if self.me[0] == LLM and a.peer_module == LLM:
+            edge = (self.me, (a.peer_module, a.peer_stage))
+            ids = tuple(st.batch.input_ids.shape)
+            if edge not in self._act_shapes:
+                self._act_shapes[edge] = _learn(out, ids)  # the receiver learns the same from this message
+            else:
+                known = self._act_shapes[edge]
+                if known is not None:
+                    _check_shape(out, ids, known, edge)
+                    header = False
+        self.comm.send(out, a.peer, tag, header=header)
+        self.comm.release_completed()
+        if not self._grad_mode and i == it.plan.last_send[j]:
+            del it.states[j]  # nothing will flow back: drop the microbatch now
+
+    def _recv_grad(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        # the gradient has the shape of what this rank sent: no header needed
+        j = a.microbatch
+        st = it.states[j]
+        out = st.output
+        if a.samples is None:
+            st.out_grad = self.comm.recv_shaped(out.shape, out.dtype, a.peer, tag)
+        else:  # rows of some samples: scatter into this microbatch's pending gradient
+            index = it.rows.index(self.stage.module, j, a.samples, out.device)
+            g = self.comm.recv_shaped((index.numel(), *out.shape[1:]), out.dtype, a.peer, tag)
+            if st.out_grad is None:
+                st.out_grad = torch.zeros_like(out)
+            st.out_grad.index_copy_(0, index, g)
+
+    def _backward(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        j = a.microbatch
+        st = it.states[j]
+        out = st.output
+        grad = None if self.stage.computes_loss else st.out_grad
+        st.backward_left -= 1
+        last_part = st.backward_left == 0
+        # An output can be independent of everything trainable for one microbatch (a frozen LLM
+        # stage whose microbatch has no image tokens to merge): then there is nothing to
+        # propagate and the input gradient sent back is zero.
+        if st.parts is not None:  # a split backward over per-part forwards: this part's rows only
+            part = it.plan.split[j].index(a.samples)
+            first_row = sum(t.shape[0] for t in st.parts[:part])
+            piece = st.parts[part]
+            if piece.requires_grad:
+                torch.autograd.backward(piece, grad[first_row:first_row + piece.shape[0]])
+            st.parts[part] = piece.detach()
+        elif out.requires_grad:
+            # A split backward on a later encoder stage (entrain.md §3.6) runs the stage's graph
+            # once per part with that part's rows of the gradient (zeros elsewhere); by
+            # linearity the parts sum to the whole; the graph is kept until the last.
+            torch.autograd.backward(out, grad, retain_graph=not last_part)
+        if last_part:
+            # keep only the inputs whose gradients still have to be sent back
+            st.inputs = {k: t for k, t in st.inputs.items() if t.requires_grad}
+            if st.inputs:
+                st.batch = st.context = st.output = st.parts = st.out_grad = None
+            else:
+                del it.states[j]
+
+    def _send_grad(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        j = a.microbatch
+        st = it.states[j]
+        key = (a.peer_module, a.other_microbatch)
+        x = st.inputs.pop(key)
+        g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
+        self.comm.send(g, a.peer, tag, header=False)  # the peer sent x: it knows the shape
+        self.comm.release_completed()
+        if not st.inputs and st.backward_left == 0:
+            del it.states[j]
+
+    def _grad_sync(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        self._sync_gradients()
+
+    def _optimizer_step(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
 
     # ---- helpers -------------------------------------------------------------------------
-    def _stage_input(self, received: dict[tuple[str, int], torch.Tensor], j: int, rows: "RowMap | None") -> Any:
+    def _ids_shape(self, it: _Iteration, j: int) -> tuple[int, ...]:
+        st = it.states.get(j)
+        batch = st.batch if st is not None and st.batch is not None else self._microbatch(it.microbatches, j)
+        return tuple(batch.input_ids.shape)
+
+    def _stage_input(self, received: dict[tuple[str, int], torch.Tensor], j: int, rows: RowMap | None) -> Any:
         if self.stage.is_first and self.stage.module != LLM:
             return None  # encoder first stages read the microbatch from their context
         if self.stage.is_first:  # the LLM's first stage merges every encoder's tokens
             parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
             for (module, source), x in received.items():
                 parts.setdefault(module, []).append((source, x))
-            if rows is None:
-                return {m: x for m, ((_, x),) in parts.items()}
+            if rows is None or all(len(p) == 1 and p[0][0] == j for p in parts.values()):
+                # each encoder's microbatch j feeds LLM microbatch j whole: its rows are in order
+                return {m: p[0][1] for m, p in parts.items()}
             return {m: rows.assemble(m, j, sorted(p, key=lambda t: t[0])) for m, p in parts.items()}
         (x,) = received.values()
         return x
 
-    def _forward_parts(self, batch: Batch, j: int, parts: list[tuple[int, ...]], rows: "RowMap") -> list[torch.Tensor]:
+    def _forward_parts(self, batch: Batch, j: int, parts: list[tuple[int, ...]], rows: RowMap) -> list[torch.Tensor]:
         """Forward of an encoder microbatch one part at a time (each part's samples in the
         microbatch's order); the rows of the concatenated output follow the parts, which
         ``rows`` is told so routed messages still pick the right rows."""
@@ -262,32 +424,28 @@ class PipelineExecutor:
             p.grad = g
 
 
-def _edge_ids(plan: Plan) -> dict[tuple[StageId, StageId], int]:
-    edges: list[tuple[StageId, StageId]] = []
+def _learn(x: torch.Tensor, ids: tuple[int, ...]) -> _ActShape | None:
+    """The shape rule of an LLM-to-LLM edge from its first message: the microbatch's
+    ``input_ids`` shape, then fixed trailing dims; None when ``x`` does not start with it."""
+    if tuple(x.shape[:len(ids)]) != ids or x.dim() <= len(ids):
+        return None
+    return x.dtype, tuple(x.shape[len(ids):])
+
+
+def _check_shape(out: torch.Tensor, ids: tuple[int, ...], known: _ActShape, edge: Edge) -> None:
+    if out.dtype != known[0] or tuple(out.shape) != (*ids, *known[1]):
+        raise RuntimeError(
+            f"stage {edge[0]} sends a {out.dtype} activation of shape {tuple(out.shape)} to {edge[1]}, but the "
+            f"first message on that edge set the rule input_ids shape + {known[1]} ({known[0]}): the receiver "
+            f"allocates by that rule, so the LLM's inter-stage activations must keep it"
+        )
+
+
+def _edge_ids(plan: Plan) -> dict[Edge, int]:
+    edges: list[Edge] = []
     for m in plan.modules:
         for s in range(m.num_stages - 1):
             edges.append(((m.name, s), (m.name, s + 1)))
         if m.name != LLM:
             edges.append(((m.name, m.num_stages - 1), (LLM, 0)))
     return {e: i for i, e in enumerate(edges)}
-
-
-def _count(actions: list[Action], kind: ActionKind) -> dict[int, int]:
-    counts: dict[int, int] = {}
-    for a in actions:
-        if a.kind is kind:
-            counts[a.microbatch] = counts.get(a.microbatch, 0) + 1
-    return counts
-
-
-def _parts(actions: list[Action]) -> dict[int, list[tuple[int, ...]]]:
-    """Microbatch -> the sample tuples of its split-backward parts, in schedule order."""
-    parts: dict[int, list[tuple[int, ...]]] = {}
-    for a in actions:
-        if a.kind is ActionKind.BACKWARD and a.samples is not None:
-            parts.setdefault(a.microbatch, []).append(a.samples)
-    return parts
-
-
-def _event(rank: int, a: Action, start: float, end: float, step: int) -> TimelineEvent:
-    return TimelineEvent(rank, a.kind.value, a.short(), a.module, a.stage, a.microbatch, start, end, step)
