@@ -150,6 +150,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
             e.end_s -= t_min
         roles = {r: "{}.stage{} dp{}".format(*cfg.plan.role_of(r)) for r in range(dist.get_world_size())}
         write_chrome_trace(events, run_dir / "trace.json", roles)
+    engine.close()  # no send in flight when the group goes (issue 8, point 16)
     dist.barrier()
     dist.destroy_process_group()
 
