@@ -1,7 +1,7 @@
 """Balance quality: how much each balancing policy evens out the work and shortens the iteration,
 on skewed data mixes at cluster scale (SIMULATED), with a hook for a real 2-rank run.
 
-    python -m benchmarks.balance_quality [--steps 3] [--mixes caption,interleaved] [--no-real]
+    python -m benchmarks.balance_quality [--steps 3] [--mixes caption,interleaved] [--no-real] [--real-repeats 5]
 
 What runs (`simulated_quality`): for each skewed mix of `loom.data.synthetic.SKEWED_MIXES`
 (caption-like, multi-image, audio-heavy, interleaved documents) a scenario (`loom.sim.scenario`)
@@ -22,11 +22,13 @@ model. Per LLM batching ``<b>``, mix, policy and phase (each encoder and the LLM
   (the unbalanced, equal-count layout); ``<b>.<mix>.none.iteration_time_s`` the baseline, in s;
 - ``<b>.<policy>.iteration_time_vs_none_mean``: the geometric mean of the ratio over the mixes.
 
-Every figure above is simulated. ``real_step_time_ratio`` is the hook for the measured side: if
-``benchmarks/balance_real.py`` exists, `main` calls its ``real_run()`` (a real 2-rank CPU run,
-balanced step time over unbalanced) and merges the dict it returns into the figures; otherwise
-the figure is written with value ``null`` and a note. Writes
-``benchmarks/results/balance_quality.json``.
+Every figure above is simulated (its unit says so; better: lower). The measured side is
+``benchmarks/balance_real.py``: `main` calls its ``real_run()`` (a real 2-rank CPU run, every
+policy against ``none``, padded and packed LLM rows, alternating repeats; ``--real-repeats``,
+``--real-steps-per-repeat``, ``--real-warmup``) and merges its figures
+(``real_step_time_ratio``, ``real_step_time_ratio_packed``: none over the best policy, better:
+higher, with their spread over the repeats). ``--no-real`` leaves ``real_step_time_ratio`` null
+with a note. Writes ``benchmarks/results/balance_quality.json``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import figure, format_table, machine_info, write_result
+from benchmarks.common import figure, format_table, machine_info, start_run, write_result
 from loom.balance.policy import POLICIES
 from loom.cost.model_configs import load_model_arch
 from loom.cost.hardware import Cluster
@@ -148,8 +150,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                        table))
 
 
-def run_real() -> dict[str, Any] | None:
-    """``benchmarks.balance_real.real_run()`` if that module exists, else ``None``."""
+def run_real(**options: Any) -> dict[str, Any] | None:
+    """``benchmarks.balance_real.real_run(**options)`` if that module exists, else ``None``."""
     try:
         from benchmarks.balance_real import real_run
     except ImportError as e:
@@ -157,7 +159,7 @@ def run_real() -> dict[str, Any] | None:
             raise  # the module exists but something it imports is missing: a real error
         print("real run missing: benchmarks/balance_real.py does not exist, so real_step_time_ratio is left null")
         return None
-    return real_run()
+    return real_run(**options)
 
 
 def merge_real(figures: dict[str, dict[str, Any]], real: dict[str, Any] | None, config: dict[str, Any],
@@ -185,7 +187,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mixes", default=",".join(SKEWED_MIXES), help="comma-separated data mixes")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-real", action="store_true", help="skip benchmarks/balance_real.py even if it exists")
+    ap.add_argument("--real-repeats", type=int, default=5, help="balance_real: timed repeats per LLM batching")
+    ap.add_argument("--real-steps-per-repeat", type=int, default=3, help="balance_real: timed steps per repeat")
+    ap.add_argument("--real-warmup", type=int, default=2, help="balance_real: untimed steps before the repeats")
+    ap.add_argument("--out", type=Path, default=None, help="results directory; None: benchmarks/results")
     args = ap.parse_args(argv)
+    start_run()
     t0 = time.perf_counter()
     out = simulated_quality(tuple(m for m in args.mixes.split(",") if m), POLICIES, args.steps, args.seed)
     seconds = time.perf_counter() - t0
@@ -195,12 +202,16 @@ def main(argv: list[str] | None = None) -> None:
     for batching in LLM_BATCHING:
         print(f"{batching}: iteration time / none, geometric mean over the mixes: " + ", ".join(
             f"{p} {out['figures'][f'{batching}.{p}.iteration_time_vs_none_mean']['value']:.3f}" for p in POLICIES))
-    real = None if args.no_real else run_real()
+    real = None if args.no_real else run_real(repeats=args.real_repeats, steps_per_repeat=args.real_steps_per_repeat,
+                                              warmup=args.real_warmup)
     merge_real(out["figures"], real, out["config"],
                "--no-real was given" if args.no_real else "benchmarks/balance_real.py is missing")
     if real is not None:
-        print(f"real_step_time_ratio = {out['figures'].get('real_step_time_ratio', {}).get('value')}")
-    path = write_result("balance_quality", out["figures"], out["config"], machine_info())
+        for key in ("real_step_time_ratio", "real_step_time_ratio_packed"):
+            if key in out["figures"]:
+                f = out["figures"][key]
+                print(f"{key} = {f['value']} ({f['spread_is']} {f['spread']})")
+    path = write_result("balance_quality", out["figures"], out["config"], machine_info(), args.out)
     print(f"wrote {path}")
 
 
