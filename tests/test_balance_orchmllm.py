@@ -1,26 +1,15 @@
-"""OrchMLLM post-balancing (loom.balance.orchmllm) against exact oracles: brute force on small
+"""OrchMLLM post-balancing (loom.balance.lpt, padded, nodewise) against exact oracles: brute force on small
 instances, the LPT bound, the heap reference, and brute force over node-wise permutations."""
 
 import numpy as np
 import pytest
 
-from loom.balance.orchmllm import (
-    Assignment,
-    InfeasibleBalanceError,
-    _lpt_fast,
-    _lpt_fast_integer,
-    _lpt_reference,
-    brute_force_balance,
-    lpt_balance,
-    nodewise_brute_force,
-    nodewise_rearrangement,
-    packed_loads,
-    padded_attention_balance,
-    padded_attention_loads,
-    padded_balance,
-    padded_loads,
-    quadratic_lpt_balance,
-)
+from loom.balance.assignment import Assignment, InfeasibleBalanceError, packed_loads, padded_loads
+from loom.balance.lpt import _lpt_fast, _lpt_fast_integer, lpt_balance, quantised_lpt
+from loom.balance.lpt import _lpt_heap as _lpt_reference
+from loom.balance.nodewise import nodewise_rearrangement
+from loom.balance.padded import padded_balance, padded_balance_fast
+from oracles import brute_force_balance, nodewise_brute_force
 
 
 def assert_partition(a: Assignment, n: int, d: int) -> None:
@@ -121,25 +110,6 @@ def test_padded_large_is_partition_and_beats_random():
     assert a.max_load >= max(lengths.max(), np.ceil(lengths.sum() / d))
 
 
-def test_quadratic_lpt_balances_eq2_cost():
-    lengths = [100, 90, 10, 10, 10, 10, 10, 10]
-    a = quadratic_lpt_balance(lengths, 2, alpha=1.0, beta=0.01)
-    assert_partition(a, 8, 2)
-    per_sample = np.asarray(lengths) + 0.01 * np.asarray(lengths) ** 2
-    assert np.allclose(a.loads, packed_loads(per_sample, a.rank_of_sample, 2))
-    opt = brute_force_balance(8, 2, lambda r: packed_loads(per_sample, r, 2)).max_load
-    assert a.max_load <= (4 / 3 - 1 / 6) * opt + 1e-9
-
-
-def test_padded_attention_is_partition_and_loads_are_objective():
-    for lengths, d in small_instances(4, 20):
-        a = padded_attention_balance(lengths, d, lam=0.05)
-        assert_partition(a, lengths.size, d)
-        assert np.allclose(a.loads, padded_attention_loads(lengths, a.rank_of_sample, d, 0.05))
-        opt = brute_force_balance(lengths.size, d, lambda r: padded_attention_loads(lengths, r, d, 0.05))
-        assert a.max_load >= opt.max_load - 1e-9
-
-
 def test_validation_errors():
     with pytest.raises(ValueError, match="num_ranks"):
         lpt_balance([1, 2], 0)
@@ -212,7 +182,7 @@ def test_nodewise_validation():
 def test_integer_lpt_paths_equal_heap_reference():
     # The integer core's branches: uint16 radix order (max < 2^16) or packed int64 keys
     # (max >= 2^16); int32 or int64 rank keys (by the load bound); int16 or int32 scatter.
-    from loom.balance.orchmllm import _lpt_integer_core
+    from loom.balance.lpt import _lpt_integer_core
 
     rng = np.random.default_rng(11)
     cases = [
@@ -270,7 +240,7 @@ def test_lpt_scratch_is_per_thread():
 
 
 def test_nodewise_bounds_are_valid_and_tighter():
-    from loom.balance.orchmllm import (
+    from loom.balance.nodewise import (
         _nodewise_lower_bound,
         _nodewise_node_bound,
         _traffic_matrix,
@@ -299,7 +269,7 @@ def test_nodewise_milp_limit_leaves_room_for_overhead(monkeypatch):
     # less a reserve for HiGHS's setup and overrun: never the whole budget.
     import time
 
-    import loom.balance.orchmllm as orch
+    import loom.balance.nodewise as orch
 
     rng = np.random.default_rng(15)
     balanced, _, volumes = _nodewise_instance(rng, 32, 8, 8)
@@ -336,3 +306,44 @@ def test_padded_balance_real_valued_costs_equal_brute_force():
         got = padded_balance(lengths, d, alpha=a, beta=b).max_load
         best = min(padded_loads(lengths, np.array(p), d, a, b).max() for p in itertools.product(range(d), repeat=n))
         assert got <= best * (1 + 1e-9), (lengths, d, a, b, got, best)
+
+
+def test_quantised_lpt_within_its_stated_bound_of_brute_force():
+    # coarse levels make the rounding matter; the bound of `quantised_lpt`'s docstring holds
+    rng = np.random.default_rng(21)
+    for levels in (4, 16, 2**16 - 1):
+        for costs, d in small_instances(22, 25):
+            costs = costs * rng.uniform(0.5, 1.5, costs.size)
+            a = quantised_lpt(costs, d, levels=levels)
+            assert_partition(a, costs.size, d)
+            assert np.allclose(a.loads, packed_loads(costs, a.rank_of_sample, d))
+            opt = brute_force_balance(costs.size, d, lambda r: packed_loads(costs, r, d))
+            u = costs.max() / levels
+            k = max(np.bincount(a.rank_of_sample, minlength=d).max(), np.bincount(opt.rank_of_sample, minlength=d).max())
+            assert a.max_load <= (4 / 3 - 1 / (3 * d)) * (opt.max_load + k * u / 2) + k * u / 2 + 1e-9
+
+
+def test_quantised_lpt_at_scale_is_within_graham_of_the_lower_bound():
+    rng = np.random.default_rng(23)
+    costs = rng.lognormal(0.0, 1.0, 2560 * 60)
+    a = quantised_lpt(costs, 2560)
+    assert_partition(a, costs.size, 2560)
+    lower = max(costs.max(), costs.sum() / 2560)
+    k = np.bincount(a.rank_of_sample, minlength=2560).max()
+    assert a.max_load <= (4 / 3) * (lower + k * costs.max() / 65535)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_padded_fast_within_tolerance_of_exact(seed):
+    rng = np.random.default_rng(seed)
+    for n, d in [(1, 3), (7, 3), (50, 8), (600, 37), (3000, 64)]:
+        lengths = np.maximum(1, rng.lognormal(5.0, 1.0, n)).astype(np.int64)
+        alpha, beta = float(rng.uniform(1, 5)), float(rng.uniform(0, 0.02))
+        fast = padded_balance_fast(lengths, d, alpha, beta, tolerance=1e-3)
+        assert_partition(fast, n, d)
+        assert np.allclose(fast.loads, padded_loads(lengths, fast.rank_of_sample, d, alpha, beta))
+        exact = padded_balance(lengths, d, alpha, beta)
+        assert fast.max_load <= exact.max_load * (1 + 1e-3) + 1e-9
+    lengths = np.array([5, 5, 5, 1], dtype=np.int64)  # small: brute force
+    fast = padded_balance_fast(lengths, 2, 1.0, 0.0)
+    assert fast.max_load == brute_force_balance(4, 2, lambda r: padded_loads(lengths, r, 2)).max_load

@@ -36,6 +36,10 @@ class BalanceConfig:
     # rearrangement (orchmllm.md §3.10) permutes each round's balanced bins over the round's
     # slots so fewer payload bytes cross nodes. 1: every rank its own node, rearrangement off
     ranks_per_node: int = 1
+    # the smallest predicted gain (a fraction of the given layout's critical load, by the policy's
+    # own cost model) worth a rearranged layout: below it the decision, the payload exchange and
+    # the routed rows cost more than they save, and the given (identity) layout is kept
+    min_gain: float = 0.01
 
     def policy_of(self, phase: str) -> str:
         if phase in self.policy:
@@ -59,6 +63,9 @@ class BalanceConfig:
                 f"balance.ranks_per_node = {self.ranks_per_node!r}: use a positive integer (the ranks of one node; "
                 f"1 turns node-wise rearrangement off)"
             )
+        if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not self.min_gain < 1:
+            raise BalanceError(f"balance.min_gain = {self.min_gain!r}: use a fraction below 1 of the step's critical "
+                               f"load (0.01 by default; negative accepts layouts predicted slower)")
         if phases is not None:
             unknown = sorted(set(self.policy) - set(phases) - {"encoders"})
             if unknown:

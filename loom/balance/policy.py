@@ -23,57 +23,26 @@ the config names a policy:
 ``order`` (``given`` or ``disttrain``) reorders whole rounds for the per-phase policies with
 DistTrain's Algorithm 3; ``disttrain`` and ``entrain`` bring their own order.
 
-Per-sample cost is the module's forward FLOPs from the cost model's architecture description
-(`loom.cost.flops`), which carries the quadratic attention term; the decisions only compare
-costs, so the hardware's rate cancels.
+Per-sample cost is the module's forward FLOPs (`loom.balance.costs`, arrays from metadata
+arrays). A policy never makes a step slower than ``none`` by its own cost model: where the
+predicted gain in critical load (`critical_load`) is below ``balance.min_gain`` of the given
+layout's, the given layout is kept and the layout says so (``kept_given``, ``predicted_gain``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import numpy as np
 
 from loom.balance.config import JOINT, ORDERS, POLICIES, BalanceConfig, BalanceError, check_balance_config
+from loom.balance.costs import SampleCosts, sample_costs
 from loom.balance.disttrain import balance_dp_groups, reorder_microbatches
 from loom.balance.entrain import entrain_replica_plans
-from loom.schedule.layout import BatchLayout, LayoutError, identity_layout, max_over_mean, round_size
-from loom.balance.orchmllm import lpt_balance, padded_balance
-from loom.cost.arch import ModelArch
-from loom.cost.flops import attention_flops, gemm_flops
-from loom.cost.model import Workload
-from loom.data.collate import split_microbatches
-from loom.data.sample import SampleMeta
+from loom.balance.orchmllm import orchmllm_layout
 from loom.plan.plan import LLM, Plan
+from loom.schedule.layout import BatchLayout, LayoutError, contiguous_layout, identity_layout, max_over_mean
 
-# ---- per-sample costs ------------------------------------------------------------------------
-@dataclass(frozen=True)
-class SampleCosts:
-    """Per phase, each sample's forward FLOPs; the LLM's token lengths and its per-token
-    (``alpha``) and per-token² (``beta``) FLOPs for the padded algorithm."""
-
-    work: dict[str, list[float]]
-    llm_lengths: list[int]
-    llm_alpha: float
-    llm_beta: float
-
-
-def _coefficients(arch: ModelArch, name: str) -> tuple[float, float]:
-    """Forward FLOPs of module ``name`` per token and per attention length² (both are linear
-    in a `Workload`'s ``tokens`` and ``attn_sq``, so two evaluations give every sample's cost)."""
-    layers = arch.module(name).layers
-    return (sum(gemm_flops(l, Workload(tokens=1)).forward for l in layers),
-            sum(attention_flops(l, Workload(attn_sq=1)).forward for l in layers))
-
-
-def sample_costs(arch: ModelArch, metas: list[SampleMeta]) -> SampleCosts:
-    """Costs of every sample of a batch, from metadata only."""
-    from loom.cost.workload import sample_work  # the one metadata -> Workload rule
-
-    per_sample = [sample_work(arch, [m]) for m in metas]
-    coef = {name: _coefficients(arch, name) for name in arch.module_names}
-    work = {name: [coef[name][0] * w[name].tokens + coef[name][1] * w[name].attn_sq for w in per_sample]
-            for name in arch.module_names}
-    alpha, beta = coef[LLM]
-    return SampleCosts(work, [w[LLM].tokens for w in per_sample], alpha, beta)
+__all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",
+           "critical_load", "load_stats", "make_layout", "sample_costs"]
 
 
 # ---- the policies ----------------------------------------------------------------------------
@@ -90,108 +59,59 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     phases = plan.module_names
     if llm_batching not in ("padded", "packed"):
         raise BalanceError(f"llm_batching = {llm_batching!r}: choose 'padded' or 'packed'")
-    n = len(costs.llm_lengths)
+    n = costs.num_samples
     check_balance_config(config, plan, n)
     chosen = config.summary(phases)
+    given = contiguous_layout(n, plan.num_microbatches, phases)
+    if set(chosen.values()) == {"none"}:
+        return given.check(n, phases)
+    padded = llm_batching == "padded"
     if set(chosen.values()) == {"disttrain"}:
         layout = _disttrain(plan, costs)
     elif set(chosen.values()) == {"entrain"}:
         layout = _entrain(plan, costs)
     else:
-        layout = _per_phase(plan, costs, chosen, config.order, llm_batching == "padded")
+        layout = orchmllm_layout(plan, costs, chosen, config.order, padded)
     layout.check(n, phases)
     layout.check_routes(plan)
+    # never slower than `none` by the policy's own cost model (issue 8): keep the given layout
+    # where the predicted gain does not pay for the decision and the exchange
+    before = critical_load(given, plan, costs, padded)
+    after = critical_load(layout, plan, costs, padded)
+    total = sum(before.values())
+    gain = (total - sum(after.values())) / total if total > 0 else 0.0
+    layout.predicted_gain = {"total": round(gain, 6)} | {
+        p: round((before[p] - after[p]) / before[p], 6) if before[p] > 0 else 0.0 for p in phases}
+    if gain < config.min_gain:
+        given.policy = dict(chosen)
+        given.kept_given = True
+        given.predicted_gain = layout.predicted_gain
+        return given
     return layout
 
 
-def _phase_total(costs: SampleCosts, phases: list[str]) -> list[float]:
-    return [sum(costs.work[p][s] for p in phases) for s in range(len(costs.llm_lengths))]
-
-
-def _bins_nonempty(bins: list[list[int]], cost: list[float]) -> list[list[int]]:
-    """Move the cheapest sample of the fullest bin into each empty one (zero-cost samples, e.g.
-    text-only ones in an encoder phase, all land on one bin under LPT). Keeps every sample."""
-    for b in range(len(bins)):
-        if not bins[b]:
-            donor = max(range(len(bins)), key=lambda i: (len(bins[i]), -i))
-            s = min(bins[donor], key=lambda x: (cost[x], x))
-            bins[donor].remove(s)
-            bins[b].append(s)
-    return [sorted(x) for x in bins]
-
-
-def _balance_bins(samples: list[int], num_bins: int, phase: str, costs: SampleCosts, padded: bool) -> list[list[int]]:
-    """OrchMLLM post-balancing of ``samples`` over ``num_bins``: the padded algorithm for a
-    padded LLM, LPT on per-sample cost for everything packed."""
-    cost = costs.work[phase]
-    if phase == LLM and padded:
-        lengths = [costs.llm_lengths[s] for s in samples]
-        a = padded_balance(lengths, num_bins, alpha=costs.llm_alpha, beta=costs.llm_beta)
-    else:
-        a = lpt_balance([cost[s] for s in samples], num_bins)
-    bins: list[list[int]] = [[] for _ in range(num_bins)]
-    for i, b in enumerate(a.rank_of_sample):
-        bins[int(b)].append(samples[i])
-    return _bins_nonempty(bins, cost)
-
-
-def _per_phase(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: str, llm_padded: bool) -> BatchLayout:
-    n, m = len(costs.llm_lengths), plan.num_microbatches
-    r = round_size(plan)
-    base = split_microbatches(list(range(n)), m)
-    if any(p != "none" for p in chosen.values()) and m % r:
-        raise BalanceError(
-            f"plan.num_microbatches = {m} is not a multiple of the round size {r} (lcm of the modules' "
-            f"data_parallel): balancing rearranges one microbatch of every replica at a time; use a multiple of {r}"
-        )
-    rounds = [[s for j in range(t * r, t * r + r) for s in base[j]] for t in range(m // r)] if m % r == 0 else []
-    slots: dict[str, list[tuple[int, ...]]] = {}
-    for phase, policy in chosen.items():
-        if policy == "none":
-            slots[phase] = [tuple(b) for b in base]
-            continue
+def critical_load(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> dict[str, float]:
+    """Per phase, the policy's cost model of a layout: the sum over rounds (one microbatch of
+    every replica, which the replicas run in step) of the round's slowest slot, a slot costing
+    the sum of its samples' costs, or for a right-padded LLM its row count times its longest
+    row's cost. Deferral and K_eff change which slots exist, so this compares any two layouts
+    of one batch."""
+    m = layout.num_microbatches
+    out = {}
+    for phase in layout.arrays:
+        idx = layout.slot_index(phase)
+        if phase == LLM and llm_padded:
+            peak = np.zeros(m)
+            np.maximum.at(peak, idx, costs.llm_padded_weight())
+            per_slot = np.bincount(idx, minlength=m) * peak
+        else:
+            per_slot = np.bincount(idx, weights=costs.work[phase], minlength=m)
         dp = plan.spec(phase).data_parallel
-        carried = [0.0] * dp  # each replica's load over the rounds placed so far
-        slots[phase] = []
-        for rnd in rounds:
-            bins = _balance_bins(rnd, r, phase, costs, llm_padded)
-            slots[phase].extend(_place_bins(bins, [sum(costs.work[phase][s] for s in b) for b in bins], dp, carried))
-    if order == "disttrain" and m // r > 1 and rounds:
-        perm = _round_order(plan, costs, slots, r)
-        slots = {p: [s for t in perm for s in v[t * r:(t + 1) * r]] for p, v in slots.items()}
-    return BatchLayout({p: tuple(v) for p, v in slots.items()}, dict(chosen))
-
-
-def _place_bins(bins: list[list[int]], loads: list[float], dp: int, carried: list[float]) -> list[tuple[int, ...]]:
-    """Put one round's balanced bins on its slots (slot ``b`` is replica ``b % dp``'s): the
-    heaviest bin to the replica with the least load so far. Any permutation keeps the round's
-    balance (orchmllm.md §2.2's observation behind node-wise rearrangement); this one also
-    balances each replica's total over the iteration, which is what its data-parallel peers wait
-    for at the gradient all-reduce. Updates ``carried``."""
-    free = list(range(len(bins)))
-    placed: list[tuple[int, ...]] = [()] * len(bins)
-    for b in sorted(range(len(bins)), key=lambda i: (-loads[i], i)):
-        slot = min(free, key=lambda x: (carried[x % dp], x))
-        free.remove(slot)
-        placed[slot] = tuple(bins[b])
-        carried[slot % dp] += loads[b]
-    return placed
-
-
-def _round_order(plan: Plan, costs: SampleCosts, slots: dict[str, list[tuple[int, ...]]], r: int) -> list[int]:
-    """DistTrain Algorithm 3 over rounds: a round's encoder time is its slowest encoder slot,
-    its LLM time the slowest LLM slot (per LLM stage)."""
-    encoders = plan.encoder_names
-    rounds = len(slots[LLM]) // r
-
-    def slowest(phase: str, t: int) -> float:
-        return max(sum(costs.work[phase][s] for s in slot) for slot in slots[phase][t * r:(t + 1) * r])
-
-    enc = [max([slowest(e, t) for e in encoders] or [0.0]) for t in range(rounds)]
-    p_llm = plan.spec(LLM).num_stages
-    llm = [slowest(LLM, t) / p_llm for t in range(rounds)]
-    depth = 1 + p_llm
-    return reorder_microbatches(enc, llm, depth)
+        rounds = -(-m // dp)
+        padded_slots = np.zeros(rounds * dp)
+        padded_slots[:m] = per_slot
+        out[phase] = float(padded_slots.reshape(rounds, dp).max(axis=1).sum())
+    return out
 
 
 def _disttrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
@@ -206,7 +126,7 @@ def _disttrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
     if m % dp:
         raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
     k = m // dp
-    total = _phase_total(costs, plan.module_names)
+    total = sum(costs.work[p] for p in plan.module_names).tolist()
     groups = balance_dp_groups(total, dp)
     if any(len(g) < k for g in groups):
         # a group with fewer samples than its microbatches (it drew the heavy ones): Algorithm 2
@@ -215,12 +135,14 @@ def _disttrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
         groups = balance_dp_groups(total, dp, equal_counts=True) if n % dp == 0 else _fill_counts(groups, k, total)
     per_group: list[list[tuple[int, ...]]] = []
     p_llm = plan.spec(LLM).num_stages
+    enc_total = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n)).tolist()
+    llm_work = costs.work[LLM].tolist()
     for g in groups:
         mbs = balance_dp_groups([total[s] for s in g], k)
         mbs = [sorted(g[i] for i in mb) for mb in mbs]
         mbs = _bins_nonempty([list(x) for x in mbs], total)
-        enc = [sum(costs.work[e][s] for e in plan.encoder_names for s in mb) for mb in mbs]
-        llm = [sum(costs.work[LLM][s] for s in mb) / p_llm for mb in mbs]
+        enc = [sum(enc_total[s] for s in mb) for mb in mbs]
+        llm = [sum(llm_work[s] for s in mb) / p_llm for mb in mbs]
         order = reorder_microbatches(enc, llm, 1 + p_llm)
         per_group.append([tuple(mbs[i]) for i in order])
     slots = [per_group[j % dp][j // dp] for j in range(m)]
@@ -244,8 +166,8 @@ def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
             f"data.global_batch_size = {n} does not split evenly over the {dp} data-parallel replicas, which "
             f"Entrain's DP-level assignment needs (entrain.md §3.4, B/DP samples each); use a multiple of {dp}"
         )
-    enc = _phase_total(costs, plan.encoder_names)
-    llm = costs.work[LLM]
+    enc = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n)).tolist()
+    llm = costs.work[LLM].tolist()
     k = m // dp
     # K_eff differs per replica; every replica runs the same count (the schedule's microbatches
     # are round-robin over replicas), so shrink to the smallest until they agree.
@@ -265,6 +187,17 @@ def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
     slots = {e: tuple(enc_slots) for e in plan.encoder_names}
     slots[LLM] = tuple(llm_slots)
     return BatchLayout(slots, {p: "entrain" for p in plan.module_names})
+
+
+def _bins_nonempty(bins: list[list[int]], cost: list[float]) -> list[list[int]]:
+    """Move the cheapest sample of the fullest bin into each empty one (keeps every sample)."""
+    for b in range(len(bins)):
+        if not bins[b]:
+            donor = max(range(len(bins)), key=lambda i: (len(bins[i]), -i))
+            s = min(bins[donor], key=lambda x: (cost[x], x))
+            bins[donor].remove(s)
+            bins[b].append(s)
+    return [sorted(x) for x in bins]
 
 
 def _fill_counts(groups: list[list[int]], k: int, cost: list[float]) -> list[list[int]]:
@@ -300,11 +233,11 @@ def load_stats(layout: BatchLayout, plan: Plan, costs: SampleCosts) -> dict[str,
     and across microbatch slots: 1.0 is perfect balance. What the run directory records and
     the quality benchmark prints."""
     stats: dict[str, dict[str, float]] = {}
-    for phase, slots in layout.slots.items():
+    m = layout.num_microbatches
+    for phase in layout.arrays:
         dp = plan.spec(phase).data_parallel
-        per_slot = [sum(costs.work[phase][s] for s in slot) for slot in slots]
-        per_replica = [sum(per_slot[j] for j in range(r, len(per_slot), dp)) for r in range(dp)]
+        per_slot = np.bincount(layout.slot_index(phase), weights=costs.work[phase], minlength=m)
+        per_replica = [float(per_slot[r::dp].sum()) for r in range(dp)]
         stats[phase] = {"replicas": round(max_over_mean(per_replica), 4),
-                        "microbatches": round(max_over_mean(per_slot), 4)}
+                        "microbatches": round(max_over_mean(per_slot.tolist()), 4)}
     return stats
-

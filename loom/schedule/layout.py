@@ -16,7 +16,8 @@ guarantee every policy's output passes through.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+
+import numpy as np
 
 from loom.plan.plan import LLM, Plan
 
@@ -28,30 +29,99 @@ class LayoutError(ValueError):
 Slots = tuple[tuple[int, ...], ...]
 
 
-@dataclass(frozen=True)
 class BatchLayout:
     """``slots[phase][j]``: positions (in the global batch) of the samples of slot ``j`` of
-    ``phase``, in the order they are collated. ``policy`` records what produced it."""
+    ``phase``, in the order they are collated. ``policy`` records what produced it.
 
-    slots: dict[str, Slots]
-    policy: dict[str, str] = field(default_factory=dict)
+    Held as arrays per phase (``order``: the positions slot by slot; ``bounds``: slot ``j`` is
+    ``order[bounds[j]:bounds[j + 1]]``) so the balancing policies build and check a layout of
+    153,600 samples without a Python object per sample; ``slots`` materialises the tuples on
+    first use. ``kept_given`` / ``predicted_gain`` say whether a policy kept the given (identity)
+    layout because its predicted gain did not pay for the decision (`loom.balance.policy`)."""
+
+    def __init__(self, slots: "dict[str, Slots] | None" = None, policy: dict[str, str] | None = None, *,
+                 arrays: "dict[str, tuple[np.ndarray, np.ndarray]] | None" = None, kept_given: bool = False,
+                 predicted_gain: dict[str, float] | None = None):
+        if (slots is None) == (arrays is None):
+            raise LayoutError("BatchLayout needs either slots or arrays (order, bounds) per phase")
+        self.policy: dict[str, str] = dict(policy or {})
+        self.kept_given = kept_given
+        self.predicted_gain: dict[str, float] = dict(predicted_gain or {})
+        self._slots: dict[str, Slots] | None = None
+        if slots is not None:
+            self._slots = {p: tuple(tuple(int(s) for s in slot) for slot in v) for p, v in slots.items()}
+            arrays = {}
+            for p, v in self._slots.items():
+                sizes = np.fromiter((len(slot) for slot in v), dtype=np.int64, count=len(v))
+                order = np.fromiter((s for slot in v for s in slot), dtype=np.int64, count=int(sizes.sum()))
+                arrays[p] = (order, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
+        self.arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {
+            p: (np.asarray(o, dtype=np.int64), np.asarray(b, dtype=np.int64)) for p, (o, b) in arrays.items()}
+
+    @staticmethod
+    def from_slot_index(slot_of: "dict[str, np.ndarray]", num_slots: int, policy: dict[str, str] | None = None,
+                        **kwargs) -> "BatchLayout":
+        """Per phase ``slot_of[phase][s]``: the slot of sample ``s``; samples keep ascending
+        position order inside a slot."""
+        arrays = {}
+        for p, idx in slot_of.items():
+            idx = np.asarray(idx, dtype=np.int64)
+            order = np.argsort(idx, kind="stable")
+            counts = np.bincount(idx, minlength=num_slots) if idx.size else np.zeros(num_slots, dtype=np.int64)
+            arrays[p] = (order, np.concatenate(([0], np.cumsum(counts))))
+        return BatchLayout(None, policy, arrays=arrays, **kwargs)
+
+    @property
+    def slots(self) -> dict[str, Slots]:
+        if self._slots is None:
+            out = {}
+            for p, (order, bounds) in self.arrays.items():
+                flat = order.tolist()
+                b = bounds.tolist()
+                out[p] = tuple(tuple(flat[b[j]:b[j + 1]]) for j in range(len(b) - 1))
+            self._slots = out
+        return self._slots
+
+    def slot(self, phase: str, j: int) -> tuple[int, ...]:
+        """Positions of slot ``j`` of ``phase`` (without materialising every slot)."""
+        order, bounds = self.arrays[phase]
+        return tuple(order[bounds[j]:bounds[j + 1]].tolist())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, BatchLayout):
+            return NotImplemented
+        return (self.policy == other.policy and self.arrays.keys() == other.arrays.keys()
+                and all(np.array_equal(self.arrays[p][0], other.arrays[p][0])
+                        and np.array_equal(self.arrays[p][1], other.arrays[p][1]) for p in self.arrays))
+
+    def __repr__(self) -> str:
+        return (f"BatchLayout({self.num_microbatches} slots over {sorted(self.arrays)}, policy={self.policy}, "
+                f"kept_given={self.kept_given})")
 
     @property
     def num_microbatches(self) -> int:
-        return len(self.slots[LLM])
+        return len(self.arrays[LLM][1]) - 1
 
     @property
     def encoders(self) -> list[str]:
-        return [p for p in self.slots if p != LLM]
+        return [p for p in self.arrays if p != LLM]
+
+    def slot_index(self, phase: str) -> np.ndarray:
+        """``index[s]``: the slot of ``phase`` holding sample ``s`` (an array over positions)."""
+        order, bounds = self.arrays[phase]
+        index = np.empty(order.size, dtype=np.int64)
+        index[order] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+        return index
 
     def slot_of(self, phase: str) -> dict[int, int]:
         """position -> slot of ``phase``."""
-        return {s: j for j, slot in enumerate(self.slots[phase]) for s in slot}
+        return dict(zip(self.arrays[phase][0].tolist(), self.slot_index(phase)[self.arrays[phase][0]].tolist()))
 
     def is_identity(self) -> bool:
         """Every encoder slot holds exactly its LLM slot's samples (then the routes are the
         plain ``j -> j`` edges)."""
-        return all(self.slots[e] == self.slots[LLM] for e in self.encoders)
+        o, b = self.arrays[LLM]
+        return all(np.array_equal(self.arrays[e][0], o) and np.array_equal(self.arrays[e][1], b) for e in self.encoders)
 
     # ---- routes between an encoder and the LLM -------------------------------------------
     def consumers(self, encoder: str, j: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -77,28 +147,31 @@ class BatchLayout:
     # ---- checks --------------------------------------------------------------------------
     def check(self, batch_size: int, phases: list[str] | None = None) -> "BatchLayout":
         """Every phase's slots partition ``range(batch_size)`` into the same number of
-        non-empty slots; raises `LayoutError` naming the phase, slot and sample otherwise."""
-        if LLM not in self.slots:
-            raise LayoutError(f"layout has no {LLM!r} phase; it has {sorted(self.slots)}")
-        if phases is not None and sorted(phases) != sorted(self.slots):
-            raise LayoutError(f"layout phases {sorted(self.slots)} differ from the plan's modules {sorted(phases)}")
+        non-empty slots; raises `LayoutError` naming the phase, slot and sample otherwise.
+        Vectorised: a few array passes per phase."""
+        if LLM not in self.arrays:
+            raise LayoutError(f"layout has no {LLM!r} phase; it has {sorted(self.arrays)}")
+        if phases is not None and sorted(phases) != sorted(self.arrays):
+            raise LayoutError(f"layout phases {sorted(self.arrays)} differ from the plan's modules {sorted(phases)}")
         m = self.num_microbatches
-        for phase, slots in self.slots.items():
-            if len(slots) != m:
-                raise LayoutError(f"phase {phase!r} has {len(slots)} slots, the LLM {m}: every phase needs the same count")
-            seen: dict[int, int] = {}
-            for j, slot in enumerate(slots):
-                if not slot:
-                    raise LayoutError(f"phase {phase!r} slot {j} is empty: every microbatch needs a sample")
-                for s in slot:
-                    if not 0 <= s < batch_size:
-                        raise LayoutError(f"phase {phase!r} slot {j} names sample {s}, outside 0..{batch_size - 1}")
-                    if s in seen:
-                        raise LayoutError(f"phase {phase!r}: sample {s} is in slots {seen[s]} and {j} (duplicated)")
-                    seen[s] = j
-            if len(seen) != batch_size:
-                missing = sorted(set(range(batch_size)) - set(seen))
-                raise LayoutError(f"phase {phase!r} drops samples {missing[:10]} (of {batch_size})")
+        for phase, (order, bounds) in self.arrays.items():
+            if len(bounds) - 1 != m:
+                raise LayoutError(f"phase {phase!r} has {len(bounds) - 1} slots, the LLM {m}: every phase needs the same count")
+            sizes = np.diff(bounds)
+            if sizes.size and sizes.min() <= 0:
+                raise LayoutError(f"phase {phase!r} slot {int(np.argmin(sizes))} is empty: every microbatch needs a sample")
+            bad = np.flatnonzero((order < 0) | (order >= batch_size))
+            if bad.size:
+                j = int(np.searchsorted(bounds, bad[0], side="right") - 1)
+                raise LayoutError(f"phase {phase!r} slot {j} names sample {int(order[bad[0]])}, outside 0..{batch_size - 1}")
+            counts = np.bincount(order, minlength=batch_size)
+            if counts.max(initial=0) > 1:
+                s = int(np.argmax(counts > 1))
+                where = np.searchsorted(bounds, np.flatnonzero(order == s), side="right") - 1
+                raise LayoutError(f"phase {phase!r}: sample {s} is in slots {int(where[0])} and {int(where[1])} (duplicated)")
+            if order.size != batch_size:
+                missing = np.flatnonzero(counts == 0)
+                raise LayoutError(f"phase {phase!r} drops samples {missing[:10].tolist()} (of {batch_size})")
         return self
 
     def check_routes(self, plan: Plan) -> None:
@@ -121,16 +194,17 @@ class BatchLayout:
                 f"layout has {self.num_microbatches} microbatches, not a multiple of the round size {r} "
                 f"(the lcm of the modules' data_parallel degrees)"
             )
-        llm_slot = self.slot_of(LLM)
+        llm_slot = self.slot_index(LLM)
         for e in self.encoders:
-            for j, slot in enumerate(self.slots[e]):
-                for s in slot:
-                    hop = llm_slot[s] // r - j // r
-                    if hop not in (0, 1):
-                        raise LayoutError(
-                            f"sample {s}: {e} slot {j} feeds LLM slot {llm_slot[s]}, {hop} rounds of {r} slots "
-                            f"away; routes must stay in the round or defer by one"
-                        )
+            enc_slot = self.slot_index(e)
+            hop = llm_slot // r - enc_slot // r
+            bad = np.flatnonzero((hop != 0) & (hop != 1))
+            if bad.size:
+                s = int(bad[0])
+                raise LayoutError(
+                    f"sample {s}: {e} slot {int(enc_slot[s])} feeds LLM slot {int(llm_slot[s])}, {int(hop[s])} rounds "
+                    f"of {r} slots away; routes must stay in the round or defer by one"
+                )
 
 
 def max_over_mean(values: list[float] | tuple[float, ...]) -> float:
@@ -150,3 +224,13 @@ def identity_layout(slots: list[list[int]] | Slots, phases: list[str], policy: s
     """Every phase holds the same slots (the unbalanced layout, and DistTrain's)."""
     fixed = tuple(tuple(s) for s in slots)
     return BatchLayout({p: fixed for p in phases}, {p: policy for p in phases})
+
+
+def contiguous_layout(batch_size: int, num_slots: int, phases: list[str], policy: str = "none") -> BatchLayout:
+    """`identity_layout` of equal-count contiguous slots (``split_microbatches``'s split, sizes
+    differing by at most one, larger first), built as arrays."""
+    base, extra = divmod(batch_size, num_slots)
+    sizes = np.full(num_slots, base, dtype=np.int64)
+    sizes[:extra] += 1
+    arrays = {p: (np.arange(batch_size, dtype=np.int64), np.concatenate(([0], np.cumsum(sizes)))) for p in phases}
+    return BatchLayout(None, {p: policy for p in phases}, arrays=arrays)
