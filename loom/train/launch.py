@@ -120,13 +120,15 @@ class Supervisor:
             self.workers[pid] = rank
 
     def _failure_seen(self) -> bool:
+        # deaths first: a killed rank's peers write their (communication) records within
+        # milliseconds, so the poll that sees those must also see the death that caused them;
+        # records are read after, as a rank writes its record before it exits
+        dead = [(rank, time.time()) for pid, rank in self.workers.items() if rank >= 0 and not alive(pid)]
         exits = read_exits(self.run_dir)
-        if any(e.state != "done" for e in exits.values()):
-            return True
-        for pid, rank in self.workers.items():
-            if rank >= 0 and rank not in exits and not alive(pid):
-                self.deaths.setdefault(rank, time.time())
-        return any(r not in exits for r in self.deaths)
+        for rank, when in dead:
+            if rank not in exits:
+                self.deaths.setdefault(rank, when)
+        return any(e.state != "done" for e in exits.values()) or bool(self.deaths)
 
     def _watch(self) -> Outcome:
         assert self.proc is not None

@@ -1,0 +1,76 @@
+"""`loom train` stops cleanly: Ctrl-C / SIGTERM stop every worker and mark the run
+interrupted; a rank killed with SIGKILL ends the run with one line naming it (issue 8, point 13).
+Worker processes are found from the pid files they write into the run directory."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loom.train.launch import alive
+from loom.train.status import read_pids, read_status
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["model.vision.hidden_size=32", "model.audio.hidden_size=32", "model.llm.hidden_size=32",
+        "model.llm.intermediate_size=64", "data.global_batch_size=8"]
+
+
+def start_long_run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
+    cmd = [sys.executable, "-m", "loom.cli", "train", "--config", str(ROOT / "configs/demo.toml"), "run.steps=2000",
+           f"run.name={name}", f"run.out_dir={tmp_path}", "run.log_every=1", *TINY]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, tmp_path / name
+
+
+def wait_for_training(proc: subprocess.Popen, run_dir: Path, world: int = 4) -> dict[int, int]:
+    """Wait until a step is logged and every rank wrote its pid; returns rank -> pid."""
+    for _ in range(1200):  # polls, not a time limit on the code under test
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early: {proc.communicate()}")
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.is_file() and metrics.read_text().strip() and len(read_pids(run_dir)) == world:
+            return read_pids(run_dir)
+        time.sleep(0.25)
+    proc.kill()
+    raise AssertionError("no training step within the wait")
+
+
+def none_alive_after(pids, seconds: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_every_worker_and_marks_the_run(tmp_path, sig):
+    proc, run_dir = start_long_run(tmp_path, "sig")
+    pids = wait_for_training(proc, run_dir)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert none_alive_after(pids.values()) == []
+    assert proc.returncode == 128 + sig
+    status = read_status(run_dir)
+    assert status is not None and status.startswith("interrupted at step "), status
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loom: interrupted at step "), err
+    assert int(status.split()[-1]) >= 1  # a step was logged before the signal
+
+
+@pytest.mark.multiprocess
+def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
+    proc, run_dir = start_long_run(tmp_path, "kill")
+    pids = wait_for_training(proc, run_dir)
+    os.kill(pids[2], signal.SIGKILL)
+    _, err = proc.communicate(timeout=10)  # the issue's bound: the run ends within 10 s
+    assert none_alive_after(pids.values()) == []
+    assert proc.returncode == 1
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loom: failed on rank 2 (llm stage 0 replica 0): killed"), err
+    assert read_status(run_dir).startswith("failed on rank 2: killed")
+    assert (run_dir / "logs" / "rank0.log").is_file()
