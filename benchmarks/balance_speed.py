@@ -9,7 +9,15 @@ Figures (medians over repeats, fresh seeded inputs, one process on this machine)
 - ``nodewise_ms`` and ``nodewise_gap``: OrchMLLM node-wise rearrangement, 128 ranks on 16 nodes,
   with the optimality gap it reached (100 ms): (value - best certified lower bound) / value, the
   bound being HiGHS's dual bound or the per-node Lagrangian (LP-strength) bound.
-Samples' workloads are token counts drawn log-normally, as real MLLM data is skewed. Figures are
+- ``decide_ms_orchmllm`` / ``decide_ms_disttrain`` / ``decide_ms_entrain``: the decision a rank
+  pays per step through the public API, from the gathered metadata arrays (one flat int array
+  per rank, `MetadataArrays`) to the checked layout: concat, costs (`sample_costs`) and
+  `make_layout`, on skewed LLaVA-like metadata (the ``caption`` mix, high-resolution tail) for
+  Llama-3-8B + ViT-H/14. orchmllm: DP 2560, 60 samples per rank, vision and LLM phases (target
+  20 ms); disttrain: 64 groups x 64 microbatches of 4, pipeline depth 8 (20 ms); entrain: 64
+  replicas x 32 microbatches of 16 (30 ms).
+Per-algorithm samples' workloads are token counts drawn log-normally, as real MLLM data is
+skewed. Figures are
 wall-clock, so they depend on what else runs on the machine: the 1-min load average at start and
 end goes into the result's config. Writes ``benchmarks/results/balance_speed.json``.
 """
@@ -22,12 +30,45 @@ import time
 
 import numpy as np
 
-from benchmarks.common import figure, format_table, median, write_result
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import figure, format_table, median, summarize, write_result
+from loom.balance.costs import sample_costs
 from loom.balance.disttrain import reorder_microbatches
 from loom.balance.entrain import entrain_plan
-from loom.balance.orchmllm import lpt_balance, nodewise_rearrangement
+from loom.balance.lpt import lpt_balance, quantised_lpt
+from loom.balance.nodewise import nodewise_rearrangement
+from loom.balance.policy import BalanceConfig, make_layout
+from loom.cost.model_configs import load_model_arch
+from loom.cost.workload import MetadataArrays
+from loom.data.synthetic import SyntheticMetadata
+from loom.plan.plan import LLM, ModuleSpec, Plan
 
 TARGETS_MS = {"post_balance_ms": 5.0, "disttrain_reorder_ms": 10.0, "entrain_assign_ms": 20.0, "nodewise_ms": 100.0}
+DECIDE_TARGETS_MS = {"orchmllm": 20.0, "disttrain": 20.0, "entrain": 30.0}
+# (replicas, microbatches per replica, samples per microbatch, LLM stages)
+DECIDE_SHAPES = {"orchmllm": (2560, 1, 60, 1), "disttrain": (64, 64, 4, 7), "entrain": (64, 32, 16, 4)}
+
+
+def decide_inputs(policy: str, arch, pool: list) -> tuple[Plan, list[np.ndarray]]:
+    """The plan and each rank's flat metadata (what the dispatcher's all-gather returns)."""
+    dp, per, size, stages = DECIDE_SHAPES[policy]
+    n = dp * per * size
+    plan = Plan([ModuleSpec("vision", data_parallel=dp), ModuleSpec(LLM, data_parallel=dp, num_stages=stages)],
+                num_microbatches=dp * per)
+    plan = plan.resolve({name: arch.module(name).num_layers for name in arch.module_names})
+    metas = [pool[i % len(pool)] for i in range(n)]
+    shard = -(-n // dp)
+    return plan, [MetadataArrays.from_metas(metas[i:i + shard]).to_flat() for i in range(0, n, shard)]
+
+
+def decide(policy: str, plan: Plan, arch, flats: list[np.ndarray]):
+    gathered = MetadataArrays.from_gathered(flats)
+    return make_layout(BalanceConfig(default=policy, min_gain=0.0), plan, sample_costs(arch, gathered))
 
 
 def timed(fn) -> tuple[float, object]:
@@ -39,14 +80,24 @@ def timed(fn) -> tuple[float, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--decide-repeats", type=int, default=9)
     args = ap.parse_args()
+    arch = load_model_arch("llama3-8b", {"vision": "vit-h-14"})
+    data = SyntheticMetadata("caption", seed=0)
+    pool = [data.meta(i) for i in range(4096)]  # drawn once; batches cycle through them
+    decide_ms: dict[str, list[float]] = {}
+    for policy in DECIDE_TARGETS_MS:
+        plan, flats = decide_inputs(policy, arch, pool)
+        decide(policy, plan, arch, flats)  # warm caches
+        decide_ms[policy] = [timed(lambda: decide(policy, plan, arch, flats))[0] for _ in range(args.decide_repeats)]
     runs: dict[str, list[float]] = {k: [] for k in TARGETS_MS}
     gaps = []
     load_start = os.getloadavg()[0]  # wall-clock medians on a shared 2-core machine: record load
     for r in range(args.repeats):
         rng = np.random.default_rng(r)
-        tokens = np.maximum(1, rng.lognormal(6.0, 1.0, 2560 * 60)).astype(np.int64)
-        runs["post_balance_ms"].append(timed(lambda: lpt_balance(tokens, 2560))[0])
+        # the float FLOP costs the orchmllm policy passes, through the quantised integer core
+        costs = rng.lognormal(6.0, 1.0, 2560 * 60) * 1e9
+        runs["post_balance_ms"].append(timed(lambda: quantised_lpt(costs, 2560))[0])
 
         enc = rng.lognormal(0.0, 0.8, 64)
         runs["disttrain_reorder_ms"].append(timed(lambda: reorder_microbatches(enc, 1.0, 8))[0])
@@ -63,16 +114,22 @@ def main() -> None:
             ms, plan = timed(lambda: nodewise_rearrangement(balanced, source, sizes, ranks_per_node=8))
             runs["nodewise_ms"].append(ms)
             gaps.append(plan.gap)
-    figures = {k: figure(median(v), "ms") for k, v in runs.items()}
-    figures["nodewise_gap"] = figure(median(gaps), "fraction")
+    figures = {k: summarize(v, "ms", better="lower") for k, v in runs.items()}
+    figures["nodewise_gap"] = summarize(gaps, "fraction", better="lower")
+    for policy, v in decide_ms.items():
+        figures[f"decide_ms_{policy}"] = summarize(v, "ms", better="lower")
+        rows_decide = (f"decide_ms_{policy}", f"{median(v):.2f}", f"{min(v):.2f}", f"{DECIDE_TARGETS_MS[policy]:.0f}",
+                       "yes" if median(v) <= DECIDE_TARGETS_MS[policy] else "NO")
+        print(format_table(("figure", "median ms", "best ms", "target ms", "met"), [rows_decide]))
     rows = [(k, f"{median(v):.2f}", f"{min(v):.2f}", f"{TARGETS_MS[k]:.0f}",
              "yes" if median(v) <= TARGETS_MS[k] else "NO") for k, v in runs.items()]
     print(format_table(("figure", "median ms", "best ms", "target ms", "met"), rows))
     print(f"nodewise_gap (median optimality gap reached) = {median(gaps):.3f}")
     load = (round(load_start, 2), round(os.getloadavg()[0], 2))
     print(f"1-min load average at start / end: {load[0]} / {load[1]} ({os.cpu_count()} CPUs)")
-    write_result("balance_speed", figures, {"repeats": args.repeats, "distribution": "lognormal tokens",
-                                            "load_avg_1m_start_end": list(load)})
+    write_result("balance_speed", figures, {"repeats": args.repeats, "decide_repeats": args.decide_repeats,
+                                            "distribution": "lognormal tokens; decide: caption mix, llama3-8b + vit-h-14",
+                                            "decide_shapes": DECIDE_SHAPES, "load_avg_1m_start_end": list(load)})
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ def test_flat_metadata_round_trips_and_concatenates(arch) -> None:
     whole = MetadataArrays.from_metas(metas)
     for f in dataclasses.fields(MetadataArrays):
         assert np.array_equal(getattr(gathered, f.name), getattr(whole, f.name)), f.name
+    padded = MetadataArrays.from_gathered([p.to_flat() for p in parts])
+    for f in dataclasses.fields(MetadataArrays):
+        assert np.array_equal(getattr(padded, f.name), getattr(whole, f.name)), f.name
     with pytest.raises(Exception, match="does not match"):
         MetadataArrays.from_flat(whole.to_flat()[:-1])
 

@@ -104,6 +104,31 @@ class MetadataArrays:
         return MetadataArrays(parts[0], parts[1], np.stack([parts[2], parts[3]], axis=1), parts[4], parts[5])
 
     @staticmethod
+    def from_gathered(rows: np.ndarray | Sequence[np.ndarray]) -> "MetadataArrays":
+        """The global batch from every rank's `to_flat` array (a list, or the rows of one
+        zero-padded ``(ranks, width)`` int array, as a padded all-gather returns them), in rank
+        order, with a few array passes whatever the rank count."""
+        if not isinstance(rows, np.ndarray):
+            width = max(len(r) for r in rows)
+            table = np.zeros((len(rows), width), dtype=np.int64)
+            for i, r in enumerate(rows):
+                table[i, :len(r)] = r
+        else:
+            table = np.asarray(rows, dtype=np.int64)
+        head = table[:, :3]
+        sizes = np.stack([head[:, 0], head[:, 1], head[:, 1], head[:, 1], head[:, 2], head[:, 2]], axis=1)
+        if (3 + sizes.sum(axis=1) > table.shape[1]).any():
+            raise WorkloadError("gathered metadata rows are shorter than their headers say; build each with "
+                                "MetadataArrays.to_flat")
+        starts = 3 + np.concatenate([np.zeros((len(table), 1), dtype=np.int64), np.cumsum(sizes, axis=1)[:, :-1]], axis=1)
+        col = np.arange(table.shape[1])[None, :]
+        fields = [table[(col >= starts[:, [f]]) & (col < starts[:, [f]] + sizes[:, [f]])] for f in range(6)]
+        offsets = np.concatenate(([0], np.cumsum(head[:, 0])[:-1]))
+        return MetadataArrays(fields[0], fields[1] + np.repeat(offsets, head[:, 1]),
+                              np.stack([fields[2], fields[3]], axis=1), fields[4] + np.repeat(offsets, head[:, 2]),
+                              fields[5])
+
+    @staticmethod
     def concat(parts: Sequence["MetadataArrays"]) -> "MetadataArrays":
         """The global batch from the ranks' shards, in rank order (owners shifted by offset)."""
         offsets = np.cumsum([0] + [p.num_samples for p in parts])
