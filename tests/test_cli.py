@@ -58,3 +58,41 @@ def test_plan_prints_layout_and_schedule(tmp_path):
     assert "F llm.1 mb0" in out.stdout and "sendA" not in out.stdout
     out = loom("plan", "--config", str(ROOT / "configs/demo.toml"), "--comm", cwd=tmp_path)
     assert "sendA vision.0 mb0 -> r2" in out.stdout
+
+
+@pytest.mark.multiprocess
+def test_data_parallel_llm_with_an_odd_microbatch_count_trains(tmp_path):
+    """Issue 8 point 11: a plan the CLI accepts trains (6 ranks, 3 microbatches over 2 LLM replicas)."""
+    out = loom("train", "--config", str(ROOT / "configs/demo.toml"), "run.steps=1", "run.name=p11",
+               f"run.out_dir={tmp_path}", "plan.modules.llm.data_parallel=2", "plan.num_microbatches=3", *TINY,
+               cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (tmp_path / "p11" / "status").read_text().strip() == "completed"
+    assert len((tmp_path / "p11" / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_run_directory_belongs_to_one_run(tmp_path, capsys):
+    from loom.cli import main
+    from loom.cli.train import claim_run_dir
+    from loom.train.status import write_status
+
+    args = ["train", "--config", str(ROOT / "configs/demo.toml"), "--dry-run", f"run.out_dir={tmp_path}", "run.name=r"]
+    run = tmp_path / "r"
+    assert main(args) == 0 and [p.name for p in run.iterdir()] == ["config.toml"]
+    assert main(args + ["run.steps=7"]) == 0  # a dry run's config alone does not make a run
+    assert load_config(run / "config.toml").run.steps == 7
+    # a finished run: refused, even by --dry-run, and nothing in it changes
+    write_status(run, "completed")
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    before = (run / "config.toml").read_text()
+    capsys.readouterr()
+    assert main(args + ["run.steps=9"]) == 2
+    err = capsys.readouterr().err
+    assert "run.name = 'r'" in err and "already holds a run (status: completed)" in err and "--overwrite" in err
+    assert "checkpoints" in err and len(err.strip().splitlines()) == 1
+    assert main(args + ["--overwrite", "run.steps=9"]) == 0
+    assert "would delete" in capsys.readouterr().out
+    assert (run / "config.toml").read_text() == before and (run / "metrics.jsonl").is_file()
+    # --overwrite without --dry-run clears it
+    cfg = load_config(run / "config.toml")
+    assert claim_run_dir(cfg, overwrite=True, dry_run=False) == run and not run.exists()

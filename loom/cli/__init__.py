@@ -125,7 +125,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    commands = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction)).choices
+    if argv and argv[0] in commands:
+        # flags may come after the overrides (loom train run.steps=3 --dry-run)
+        args = commands[argv[0]].parse_intermixed_args(argv[1:])
+    else:
+        args = ap.parse_args(argv)  # help, or the error naming the commands
     try:
         return args.fn(args)
     except (ConfigError, PlanError, BalanceError, ScenarioError, CliError) as e:
