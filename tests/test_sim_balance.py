@@ -178,7 +178,7 @@ def small_scenario(mix: str = "caption", llm_batching: str = "packed") -> tuple[
 
 def test_every_policy_keeps_every_token():
     """The simulated work per phase sums to the same tokens under every policy (no sample lost
-    or duplicated), and the none policy is the plain run."""
+    or duplicated), and the none policy is the plain run after the dispatch."""
     scenario, plan = small_scenario("multi_image")
     metas = scenario.metas()
     totals = {}
@@ -188,7 +188,30 @@ def test_every_policy_keeps_every_token():
         assert run.result.num_microbatches == run.layout.num_microbatches
     expected = {p: sum(sample_work(ARCH, [m])[p].tokens for m in metas) for p in plan.module_names}
     assert all(t == expected for t in totals.values()), totals
-    assert scenario.run_balanced(plan, "none", metas=metas).result.iteration_time == scenario.run(plan).iteration_time
+    plain = scenario.run(plan).iteration_time
+    assert scenario.run_balanced(plan, "none", metas=metas, dispatch=False).result.iteration_time == plain
+    none = scenario.run_balanced(plan, "none", metas=metas).result
+    assert none.dispatch > 0 and none.iteration_time == pytest.approx(plain + none.dispatch)
+
+
+def test_balanced_runs_pay_the_dispatch():
+    """`run_balanced` starts every step with the dispatcher's cost: the metadata all-gather,
+    the policy's decision (modelled per sample, or as given) and the payload all-to-alls."""
+    from loom.sim.dispatch import decision_seconds_model
+
+    scenario, plan = small_scenario("multi_image")
+    metas = scenario.metas()
+    none = scenario.run_balanced(plan, "none", metas=metas).result.dispatch_parts
+    orch = scenario.run_balanced(plan, "orchmllm", metas=metas).result.dispatch_parts
+    assert none.decide == 0.0 and orch.decide == pytest.approx(decision_seconds_model("orchmllm", len(metas)))
+    assert none.gather == orch.gather > 0  # the same metadata either way
+    assert set(none.payload) == set(plan.module_names) and all(t > 0 for t in none.payload.values())
+    # every image's pixels and every sample's ids leave their loader rank for each stage that needs them
+    assert none.payload_bytes[LLM] > 0 and none.payload_bytes["vision"] > 0
+    given = scenario.run_balanced(plan, "orchmllm", metas=metas, decision_seconds=0.25).result
+    assert given.dispatch_parts.decide == 0.25
+    assert given.iteration_time == pytest.approx(
+        scenario.run_balanced(plan, "orchmllm", metas=metas, dispatch=False).result.iteration_time + given.dispatch)
 
 
 @pytest.mark.parametrize("mix", ["caption", "multi_image"])

@@ -38,6 +38,8 @@ from loom.data.sample import SampleMeta
 from loom.data.synthetic import MIXES, SyntheticMetadata
 from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 from loom.schedule.generators import build_schedule
+from loom.sim.dispatch import (DispatchCost, Links, decision_seconds_model, layout_payload_bytes, metadata_bytes,
+                               price_dispatch, sample_payload_bytes)
 from loom.sim.loads import PhaseLoads, phase_loads
 from loom.sim.simulator import SimResult, simulate
 
@@ -137,14 +139,31 @@ class Scenario:
 
     # ---- simulation -----------------------------------------------------------------------
     def run(self, plan: Plan, work: list[MicrobatchWork] | None = None, *, layout: "BatchLayout | None" = None,
-            sample_work: list[MicrobatchWork] | None = None) -> SimResult:
+            sample_work: list[MicrobatchWork] | None = None, dispatch: DispatchCost | None = None) -> SimResult:
         """Simulate one iteration of ``plan`` on ``work`` (default: the first global batch cut
         into equal-count microbatches). With a ``layout``, ``work`` is per slot and phase
-        (`layout_work`) and ``sample_work`` per sample (`per_sample_work`)."""
-        return self._run(plan, work, layout, sample_work)[0]
+        (`layout_work`) and ``sample_work`` per sample (`per_sample_work`); ``dispatch``
+        (`dispatch_cost`) runs before the schedule."""
+        return self._run(plan, work, layout, sample_work, dispatch=dispatch)[0]
+
+    def dispatch_cost(self, plan: Plan, metas: list[SampleMeta], layout: "BatchLayout",
+                      policies: dict[str, str] | str = "none", decision_seconds: float | None = None) -> DispatchCost:
+        """What the dispatcher of ``loom train`` pays for this batch and layout on the cluster
+        (`loom.sim.dispatch`): the metadata all-gather over the plan's ranks, the decision
+        (``decision_seconds``, default `decision_seconds_model` of ``policies``) and one payload
+        all-to-all per phase over the cluster's intra- and inter-node links. A layout that
+        OrchMLLM's node-wise rearrangement permuted (``balance.ranks_per_node``) moves fewer
+        bytes across nodes, and costs less here."""
+        world = plan.world_size
+        if decision_seconds is None:
+            decision_seconds = decision_seconds_model(policies, len(metas))
+        payload = layout_payload_bytes(plan, layout, sample_payload_bytes(metas, plan.module_names), world)
+        return price_dispatch(world, Links.of_cluster(self.cluster), metadata_bytes=metadata_bytes(metas),
+                              decision_seconds=decision_seconds, payload=payload)
 
     def _run(self, plan: Plan, work: list[MicrobatchWork] | None, layout: "BatchLayout | None",
-             sample_work: list[MicrobatchWork] | None, eager: int = 0) -> tuple[SimResult, AnalyticCostModel]:
+             sample_work: list[MicrobatchWork] | None, eager: int = 0,
+             dispatch: DispatchCost | None = None) -> tuple[SimResult, AnalyticCostModel]:
         plan.resolve(self.arch.layer_counts())
         if plan.world_size > self.cluster.num_gpus:
             raise ScenarioError(
@@ -157,15 +176,20 @@ class Scenario:
         cost = AnalyticCostModel(self.arch, plan, self.cluster)
         # frozen stages run no backward
         schedule = build_schedule(plan, self.trainable_stages(plan), layout=layout, eager=eager)
-        result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work)
+        result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work,
+                          dispatch=dispatch)
         return result, cost
 
     def run_balanced(self, plan: Plan, balance: "BalanceConfig | str", step: int = 0,
-                     metas: list[SampleMeta] | None = None) -> "BalancedRun":
+                     metas: list[SampleMeta] | None = None, *, dispatch: bool = True,
+                     decision_seconds: float | None = None) -> "BalancedRun":
         """Simulate iteration ``step`` of ``plan`` under a balancing policy (a `BalanceConfig` or
         a policy name for every phase): per-sample costs of the global batch (`sample_costs`),
         the layout (`make_layout`), the schedule built with it, and each slot's workload per
-        phase from the samples it holds there. ``metas`` overrides the drawn batch."""
+        phase from the samples it holds there. ``metas`` overrides the drawn batch. With
+        ``dispatch`` (the default, as ``loom train`` always dispatches) the step starts with the
+        dispatcher's cost (`dispatch_cost`, ``decision_seconds`` measured or modelled), so a
+        policy's cost shows next to its gain (``result.dispatch``)."""
         from loom.balance.policy import BalanceConfig, make_layout, sample_costs
 
         config = BalanceConfig(default=balance) if isinstance(balance, str) else balance
@@ -173,7 +197,12 @@ class Scenario:
         metas = self.metas(step) if metas is None else metas
         layout = make_layout(config, plan, sample_costs(self.arch, metas), self.llm_batching)
         work = self.layout_work(metas, layout)
-        result, cost = self._run(plan, work, layout, self.per_sample_work(metas), eager=config.eager_forward)
+        cost_of_dispatch = None
+        if dispatch:
+            cost_of_dispatch = self.dispatch_cost(plan, metas, layout, config.summary(plan.module_names),
+                                                  decision_seconds)
+        result, cost = self._run(plan, work, layout, self.per_sample_work(metas), eager=config.eager_forward,
+                                 dispatch=cost_of_dispatch)
         return BalancedRun(policy_label(config, plan.module_names), config.order, layout, result,
                            phase_loads(plan, cost, work), work)
 
