@@ -74,3 +74,36 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("loom: failed on rank 2 (llm stage 0 replica 0): killed"), err
     assert read_status(run_dir).startswith("failed on rank 2: killed")
     assert (run_dir / "logs" / "rank0.log").is_file()
+
+
+def _record(run_dir: Path, rank: int, state: str, reason: str, when: float) -> None:
+    from loom.train.status import RankExit
+
+    RankExit(rank, 1000 + rank, state, reason, when).write(run_dir)
+
+
+def test_blame_prefers_the_cause_over_its_symptoms(tmp_path):
+    """The launcher names the first rank that failed by itself: a Python error or a death with no
+    record beat the communication errors they cause in the others, whatever their order."""
+    from loom.train.launch import Supervisor
+
+    (tmp_path / "logs").mkdir()
+    sup = Supervisor([], tmp_path, 4, {}, roles={2: "llm stage 0 replica 0"})
+    _record(tmp_path, 0, "comm", "RuntimeError: Connection reset by peer", 1.0)
+    _record(tmp_path, 1, "done", "", 0.5)
+    sup.deaths = {2: 2.0}
+    assert sup._blame() == (2, "killed by a signal without a Python error (SIGKILL or the out-of-memory killer)")
+    out = sup._outcome(1)
+    assert out.status.startswith("failed on rank 2: killed") and "(llm stage 0 replica 0)" in out.message
+    _record(tmp_path, 3, "error", "ValueError: bad sample", 3.0)
+    sup.deaths = {}
+    assert sup._blame() == (3, "ValueError: bad sample")
+    assert "\n" not in sup._outcome(1).message
+
+
+def test_classify_names_the_exception_in_one_line():
+    from loom.train.status import Terminated, classify
+
+    assert classify(ValueError("bad\nmore")) == ("error", "ValueError: bad")
+    assert classify(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))[0] == "comm"
+    assert classify(Terminated("stopped by SIGTERM")) == ("terminated", "stopped by SIGTERM")

@@ -86,6 +86,10 @@ def load_scenario_with(path: Path, overrides: list[str]):
     check_scenario_tables(data)
     try:
         return scenario_from_dict(data, path.stem)
+    except ScenarioError:
+        raise
+    except ValueError as e:  # from the model configs and GPU tables; the message names the field
+        raise ScenarioError(str(e)) from e
     except TypeError as e:  # a value of the right type in the wrong place (e.g. a plan field)
         raise ConfigError(f"scenario {path.name}: {e}; check the overrides and the file against configs/sim/") from e
 
