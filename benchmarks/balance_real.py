@@ -44,7 +44,6 @@ import argparse
 import dataclasses
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -198,7 +197,8 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
             "num_microbatches": got.layout.num_microbatches, "llm_padded_over_real": llm_padded / llm_tokens,
             "mb_max_over_mean": {phase: s["microbatches"] for phase, s in stats.items()},
             "slots": {phase: [list(slot) for slot in slots] for phase, slots in got.layout.slots.items()},
-            "layout_policy": dict(got.layout.policy),
+            "kept_given": bool(got.layout.kept_given),
+            "predicted_gain": float(got.layout.predicted_gain.get("total", 0.0)),
         }
         if trace_dir is not None:
             import json
@@ -227,7 +227,7 @@ class Group(WorkerGroup):
         step = {k: max(info[k] for info in infos) for k in ("total", "dispatch", "schedule", "engine_step")}
         step["compute"] = [info["compute"] for info in infos]
         step.update({k: infos[0][k] for k in ("num_microbatches", "mb_max_over_mean", "llm_padded_over_real",
-                                              "slots", "layout_policy")})
+                                              "slots", "kept_given", "predicted_gain")})
         self.steps.append(step)
         return step
 
@@ -305,7 +305,9 @@ def summarize_batching(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
                                  for phase in st[0]["mb_max_over_mean"]},
             # steps whose layout is none's (a policy that predicted no gain keeps the given layout)
             "same_layout_as_none": _mean([float(s["slots"] == b["slots"]) for s, b in zip(st, base_steps)]),
-            "layout_policy": dict(Counter(str(sorted(s["layout_policy"].items())) for s in st)),
+            # steps where the policy kept the given layout (its predicted gain below balance.min_gain)
+            "kept_given": _mean([float(s["kept_given"]) for s in st]),
+            "predicted_gain": _mean([s["predicted_gain"] for s in st]),
             "peak_rss_mb": run["peak_rss_mb"][name],
         }
     return out
@@ -389,12 +391,13 @@ def _print_table(batching: str, summary: dict[str, dict[str, Any]], ratio_figs: 
                      f"{s['schedule_ms_per_step']:.1f}", f"{s['compute_ms'][0]:.0f}/{s['compute_ms'][1]:.0f}",
                      f"{s['mb_max_over_mean']['vision']:.2f}", f"{s['mb_max_over_mean']['llm']:.2f}",
                      f"{s['llm_padded_over_real']:.2f}", f"{s['mean_microbatches']:.1f}",
-                     f"{100 * s['same_layout_as_none']:.0f}%", s["peak_rss_mb"]])
+                     f"{100 * s['same_layout_as_none']:.0f}%", f"{100 * s['kept_given']:.0f}%",
+                     f"{100 * s['predicted_gain']:.1f}%", s["peak_rss_mb"]])
     spread_is = next(iter(ratio_figs.values()))["spread_is"]
     print(f"\nLLM rows {batching} (value [spread: {spread_is}] over the repeats)")
     print(format_table(["policy", "step ms", "none / policy", "dispatch ms", "schedule ms", "compute r0/r1 ms",
                         "vision mb max/mean", "llm mb max/mean", "LLM padded/real", "microbatches",
-                        "none's layout", "peak RSS MB"], rows))
+                        "none's layout", "kept given", "predicted gain", "peak RSS MB"], rows))
     per_repeat = "; ".join(f"{p} " + " ".join(f"{r:.3f}" for r in summary[p]["repeat_ratio"])
                            for p in names if p != BASELINE)
     print(f"per-repeat none / policy: {per_repeat}")
