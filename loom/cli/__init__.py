@@ -138,3 +138,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, PlanError, BalanceError, ScenarioError, CliError) as e:
         print("loom: error: " + " ".join(str(e).split()), file=sys.stderr)  # always one line
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before any process started (a run's own is handled by its supervisor)
+        print(f"loom: {argv[0]} interrupted", file=sys.stderr)
+        return 130
