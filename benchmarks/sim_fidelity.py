@@ -251,7 +251,7 @@ def predict(case: Case, profile_path: Path, links: Links):
     work = [{phase: sample_work(arch, [metas[s] for s in slots[j]], batching)[phase] for phase, slots in layout.slots.items()}
             for j in range(layout.num_microbatches)]
     per_sample = [sample_work(arch, [m], batching) for m in metas]
-    dispatch = price_dispatch(WORLD_SIZE, links, metadata_bytes=metadata_bytes(metas),
+    dispatch = price_dispatch(WORLD_SIZE, links, metadata_bytes=metadata_bytes(metas, WORLD_SIZE),
                               decision_seconds=decision_seconds(cfg, arch, metas),
                               payload=layout_payload_bytes(plan, layout, sample_payload_bytes(metas, plan.module_names)))
     result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch)

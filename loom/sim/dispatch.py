@@ -5,7 +5,7 @@ once").
 Every rank of ``loom train`` runs, per step:
 
 1. an **all-gather of the metadata** of the global batch over the world (each rank contributes
-   its loader shard's records), priced as a ring all-gather of `metadata_bytes` (alpha-beta,
+   its loader shard's int64 array), priced as a ring all-gather of `metadata_bytes` (alpha-beta,
    `loom.cost.comm.all_gather_time`) over the world's link (inter-node once the world spans
    nodes);
 2. the **layout decision** (`loom.balance.policy.make_layout` on the gathered metadata): every
@@ -42,17 +42,12 @@ import numpy as np
 
 from loom.cost.comm import Link, all_gather_time, inter_node_link, intra_node_link
 from loom.cost.hardware import Cluster
+from loom.cost.workload import MetadataArrays
 from loom.data.sample import SampleMeta
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout
 
 DISPATCH = "dispatch"  # the timeline kind of the dispatch's parts
-
-# Metadata as the dispatcher gathers it, one int64 array: per sample its id, text tokens and
-# item counts per modality; per item its shape (height and width, or samples of a clip).
-METADATA_SAMPLE_FIELDS = 4
-METADATA_ITEM_FIELDS = 2
-METADATA_ELEMENT_BYTES = 8
 
 # Default decision time per sample of the global batch, per policy, when no measured figure is
 # given: issue 8's acceptance budgets for `benchmarks/balance_speed.py`, per sample of the batch
@@ -133,12 +128,12 @@ class DispatchCost:
                 "payload_bytes": dict(self.payload_bytes), "max_internode_send_bytes": dict(self.internode_bytes)}
 
 
-def metadata_bytes(metas: Iterable[SampleMeta]) -> int:
-    """Bytes of the global batch's metadata as one int64 array (the module's constants)."""
-    elements = 0
-    for m in metas:
-        elements += METADATA_SAMPLE_FIELDS + METADATA_ITEM_FIELDS * (len(m.images) + len(m.audios))
-    return elements * METADATA_ELEMENT_BYTES
+def metadata_bytes(metas: Sequence[SampleMeta], world_size: int = 1) -> int:
+    """Bytes of the global batch's metadata as the dispatcher all-gathers it: every rank's
+    shard as one int64 array (`loom.cost.workload.MetadataArrays.to_flat`: a 3-number header,
+    then one number per sample, three per image, two per audio clip)."""
+    flat = MetadataArrays.from_metas(list(metas)).to_flat()
+    return int(flat.nbytes + (world_size - 1) * 3 * flat.itemsize)  # one header per rank
 
 
 def sample_payload_bytes(metas: Sequence[SampleMeta], phases: Iterable[str],

@@ -158,7 +158,7 @@ class Scenario:
         if decision_seconds is None:
             decision_seconds = decision_seconds_model(policies, len(metas))
         payload = layout_payload_bytes(plan, layout, sample_payload_bytes(metas, plan.module_names), world)
-        return price_dispatch(world, Links.of_cluster(self.cluster), metadata_bytes=metadata_bytes(metas),
+        return price_dispatch(world, Links.of_cluster(self.cluster), metadata_bytes=metadata_bytes(metas, world),
                               decision_seconds=decision_seconds, payload=payload)
 
     def _run(self, plan: Plan, work: list[MicrobatchWork] | None, layout: "BatchLayout | None",
