@@ -1,6 +1,6 @@
 """How fast loom's balancing algorithms decide, at the sizes the issue names.
 
-    python -m benchmarks.balance_speed [--repeats 30]
+    python -m benchmarks.balance_speed [--repeats 30] [--only decide_ms_disttrain,entrain_assign_ms]
 
 Figures (medians over repeats, fresh seeded inputs, one process on this machine):
 - ``post_balance_ms``: OrchMLLM LPT post-balancing of 2560 ranks x 60 samples (target 5 ms);
@@ -81,32 +81,45 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--decide-repeats", type=int, default=9)
+    ap.add_argument("--only", default="", help="comma-separated figure names to measure (prints them and "
+                    "writes no result file, so a partial run never replaces the full one)")
     args = ap.parse_args()
+    only = {name for name in args.only.split(",") if name}
+    unknown = only - {f"decide_ms_{p}" for p in DECIDE_TARGETS_MS} - set(TARGETS_MS) - {"nodewise_gap"}
+    if unknown:
+        ap.error(f"--only names unknown figures {sorted(unknown)}; choose from "
+                 f"{sorted([f'decide_ms_{p}' for p in DECIDE_TARGETS_MS] + list(TARGETS_MS))}")
+
+    def wanted(name: str) -> bool:
+        return not only or name in only or (name == "nodewise_ms" and "nodewise_gap" in only)
     arch = load_model_arch("llama3-8b", {"vision": "vit-h-14"})
     data = SyntheticMetadata("caption", seed=0)
     pool = [data.meta(i) for i in range(4096)]  # drawn once; batches cycle through them
     decide_ms: dict[str, list[float]] = {}
-    for policy in DECIDE_TARGETS_MS:
+    for policy in [p for p in DECIDE_TARGETS_MS if wanted(f"decide_ms_{p}")]:
         plan, flats = decide_inputs(policy, arch, pool)
         decide(policy, plan, arch, flats)  # warm caches
         decide_ms[policy] = [timed(lambda: decide(policy, plan, arch, flats))[0] for _ in range(args.decide_repeats)]
-    runs: dict[str, list[float]] = {k: [] for k in TARGETS_MS}
+    runs: dict[str, list[float]] = {k: [] for k in TARGETS_MS if wanted(k)}
     gaps = []
     load_start = os.getloadavg()[0]  # wall-clock medians on a shared 2-core machine: record load
     for r in range(args.repeats):
         rng = np.random.default_rng(r)
         # the float FLOP costs the orchmllm policy passes, through the quantised integer core
         costs = rng.lognormal(6.0, 1.0, 2560 * 60) * 1e9
-        runs["post_balance_ms"].append(timed(lambda: quantised_lpt(costs, 2560))[0])
+        if wanted("post_balance_ms"):
+            runs["post_balance_ms"].append(timed(lambda: quantised_lpt(costs, 2560))[0])
 
         enc = rng.lognormal(0.0, 0.8, 64)
-        runs["disttrain_reorder_ms"].append(timed(lambda: reorder_microbatches(enc, 1.0, 8))[0])
+        if wanted("disttrain_reorder_ms"):
+            runs["disttrain_reorder_ms"].append(timed(lambda: reorder_microbatches(enc, 1.0, 8))[0])
 
         enc_w = rng.lognormal(5.0, 1.0, 32 * 16)
         llm_w = rng.lognormal(6.0, 0.7, 32 * 16)
-        runs["entrain_assign_ms"].append(timed(lambda: entrain_plan(enc_w, llm_w, 32))[0])
+        if wanted("entrain_assign_ms"):
+            runs["entrain_assign_ms"].append(timed(lambda: entrain_plan(enc_w, llm_w, 32))[0])
 
-        if r < max(3, args.repeats // 5):  # the MILP runs to its time limit: fewer repeats
+        if wanted("nodewise_ms") and r < max(3, args.repeats // 5):  # the MILP runs to its time limit: fewer repeats
             n = 128 * 8
             sizes = np.maximum(1, rng.lognormal(6.0, 1.0, n)).astype(np.int64)
             balanced = lpt_balance(sizes, 128)
@@ -115,7 +128,8 @@ def main() -> None:
             runs["nodewise_ms"].append(ms)
             gaps.append(plan.gap)
     figures = {k: summarize(v, "ms", better="lower") for k, v in runs.items()}
-    figures["nodewise_gap"] = summarize(gaps, "fraction", better="lower")
+    if gaps:
+        figures["nodewise_gap"] = summarize(gaps, "fraction", better="lower")
     for policy, v in decide_ms.items():
         figures[f"decide_ms_{policy}"] = summarize(v, "ms", better="lower")
         rows_decide = (f"decide_ms_{policy}", f"{median(v):.2f}", f"{min(v):.2f}", f"{DECIDE_TARGETS_MS[policy]:.0f}",
@@ -124,9 +138,12 @@ def main() -> None:
     rows = [(k, f"{median(v):.2f}", f"{min(v):.2f}", f"{TARGETS_MS[k]:.0f}",
              "yes" if median(v) <= TARGETS_MS[k] else "NO") for k, v in runs.items()]
     print(format_table(("figure", "median ms", "best ms", "target ms", "met"), rows))
-    print(f"nodewise_gap (median optimality gap reached) = {median(gaps):.3f}")
+    if gaps:
+        print(f"nodewise_gap (median optimality gap reached) = {median(gaps):.3f}")
     load = (round(load_start, 2), round(os.getloadavg()[0], 2))
     print(f"1-min load average at start / end: {load[0]} / {load[1]} ({os.cpu_count()} CPUs)")
+    if only:
+        return
     write_result("balance_speed", figures, {"repeats": args.repeats, "decide_repeats": args.decide_repeats,
                                             "distribution": "lognormal tokens; decide: caption mix, llama3-8b + vit-h-14",
                                             "decide_shapes": DECIDE_SHAPES, "load_avg_1m_start_end": list(load)})
