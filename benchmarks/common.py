@@ -144,7 +144,8 @@ def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
     head = git("rev-parse", "HEAD")
     if head is None:
         return {"commit": None, "dirty": None}
-    status = git("status", "--porcelain", "--", ".", ":(exclude)benchmarks/results")
+    # pathspecs from the top of the work tree, wherever ``repo`` is inside it
+    status = git("status", "--porcelain", "--", ":(top)", ":(top,exclude)benchmarks/results")
     return {"commit": head.strip(), "dirty": None if status is None else bool(status.strip())}
 
 
