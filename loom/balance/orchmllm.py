@@ -55,6 +55,8 @@ def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: in
     if phase == LLM and llm_padded:
         a = padded_balance_fast(costs.llm_lengths[lo:hi], num_bins, costs.llm_alpha, costs.llm_beta)
         bins = nonempty_bins(a.rank_of_sample, costs.work[LLM][lo:hi], num_bins)
+        if bins is a.rank_of_sample:  # no bin was empty: the search's loads are the padded ones
+            return bins, a.loads
         w = costs.llm_padded_weight()[lo:hi]
         peak = np.zeros(num_bins)
         np.maximum.at(peak, bins, w)
@@ -111,7 +113,18 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         new_round = np.empty_like(perm)
         new_round[perm] = np.arange(perm.size)
         slot_of = {p: new_round[v // r] * r + v % r for p, v in slot_of.items()}
-    return BatchLayout.from_slot_index(slot_of, m, dict(chosen))
+    return BatchLayout(None, dict(chosen), arrays={p: slot_arrays(v, m) for p, v in slot_of.items()})
+
+
+def slot_arrays(slot_of: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """`BatchLayout`'s ``(order, bounds)`` of one phase from each sample's slot (positions
+    ascending inside a slot), as `BatchLayout.from_slot_index`, but sorting the slot ids as
+    uint16 when they fit: NumPy's stable sort of 16-bit keys is a radix sort, ~4x faster than
+    the int64 merge sort at 153,600 samples."""
+    key = slot_of.astype(np.uint16) if num_slots <= 1 << 16 else slot_of
+    order = np.argsort(key, kind="stable")
+    counts = np.bincount(slot_of, minlength=num_slots)
+    return order, np.concatenate(([0], np.cumsum(counts)))
 
 
 def round_order(plan: Plan, costs: SampleCosts, slot_of: dict[str, np.ndarray], r: int) -> list[int]:

@@ -123,28 +123,43 @@ def padded_balance(
     return result
 
 
-def _runs_from_top(l_desc: np.ndarray, alpha: float, beta: float, bound: float, limit: int) -> list[int]:
-    """Start positions (in descending order of length) of greedy maximal runs under ``bound``:
-    a run starting at ``s`` holds ``floor(bound / w(l[s]))`` samples (its first is its longest).
-    Stops after ``limit + 1`` runs. Minimal in count, as the ascending greedy: after t runs it
-    stands at least as far as any partition into runs (each run's capacity is set by its first
-    sample, which is no longer than the other's). O(runs) scalar steps, no n-sized pass."""
-    n = l_desc.size
-    starts: list[int] = []
-    pos = 0
+def _bucket_runs(w: list[float], ends: list[int], bound: float, limit: int,
+                 segments: list[tuple[int, int, int]] | None = None) -> int:
+    """How many greedy maximal runs from the top the descending order needs under ``bound``
+    (stops counting once above ``limit``), the order given as *buckets* of equal length: bucket
+    ``i`` holds positions ``ends[i - 1]..ends[i] - 1`` and each of its rows costs ``w[i]``.
+
+    A run starting at position ``p`` in bucket ``i`` holds ``k = floor(bound / w[i])`` rows (its
+    first is its longest): minimal in count, as the ascending greedy (after t runs it stands at
+    least as far as any partition into runs, each run's capacity being set by its first row,
+    which is no longer than the other's). All runs that start inside one bucket have that bucket's
+    ``k``, so the bucket is one step: ``ceil((ends[i] - p) / k)`` runs, the last one spilling into
+    the next buckets. O(distinct lengths) scalar steps per probe, whatever the sample count
+    (~1,000 at 153,600 LLaVA-like samples, against ~2,560 run steps before).
+    ``segments`` (if given) receives ``(first start, k, runs)`` per step."""
+    runs = pos = i = 0
+    n = ends[-1] if ends else 0
     while pos < n:
-        starts.append(pos)
-        if len(starts) > limit:
-            break
-        x = float(l_desc[pos])
-        w = alpha * x + beta * x * x
-        if w <= 0.0:
-            break  # zero-cost rows: any count fits
-        k = int(bound // w)
-        if k * w > bound:  # float floor one too high
+        while ends[i] <= pos:
+            i += 1
+        wi = w[i]
+        if wi <= 0.0:  # zero-cost rows (and all after them): any count fits
+            if segments is not None:
+                segments.append((pos, n - pos, 1))
+            return runs + 1
+        k = int(bound // wi)
+        if k * wi > bound:  # float floor one too high
             k -= 1
-        pos += max(k, 1)
-    return starts
+        if k < 1:
+            k = 1
+        m = (ends[i] - pos + k - 1) // k
+        if segments is not None:
+            segments.append((pos, k, m))
+        runs += m
+        if runs > limit:
+            return runs
+        pos += m * k
+    return runs
 
 
 def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0, beta: float = 0.0,
@@ -153,11 +168,14 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
     structure, searched over real bounds to relative ``tolerance``, so its max load is at most
     ``(1 + tolerance)`` times the optimum (tested against the exact `padded_balance`).
 
-    Integer lengths are ordered longest first by a radix sort; each probe of the bound is a
-    greedy from the top (`_runs_from_top`, at most ``d + 1`` steps), and the search starts at the
-    lower bound ``max(max w, sum w / d)`` and steps up by the run count's ratio to ``d``
-    (runs shrink about as 1 / bound) before bisecting, so a 153,600-sample batch over 2560 ranks
-    takes a handful of probes. Loads come from the runs (count x first row's cost)."""
+    Equal lengths are grouped (a histogram by `np.bincount` for integer lengths below 2^16), and
+    each probe of the bound counts the greedy runs bucket by bucket (`_bucket_runs`). The search
+    starts at the lower bound ``max(max w, sum w / d)``; runs shrink about as 1 / bound, so the
+    next probe is that bound times the run count's ratio to ``d`` (plus half the tolerance),
+    repeated until feasible, then one probe ``tolerance`` below it usually certifies the bracket
+    (bisection otherwise): 3 to 4 probes at 153,600 samples over 2560 ranks, against about 11.
+    Rows are ordered longest first (ties by index) by a radix sort, once, for the final runs.
+    Loads come from the runs (count x first row's cost)."""
     d = _check_num_ranks(num_ranks)
     alpha = _check_coefficient(alpha, "alpha")
     beta = _check_coefficient(beta, "beta")
@@ -168,37 +186,51 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
     if n == 0:
         return Assignment(np.empty(0, dtype=np.int64), np.zeros(d))
     if l.dtype.kind in "iu" and l.min() >= 0 and l.max() < 2**16:
-        order = np.argsort((l.max() - l).astype(np.uint16), kind="stable")  # longest first, ties by index
-        lf = l.astype(np.float64)
+        top_len = int(l.max())
+        hist = np.bincount(l)
+        values = np.flatnonzero(hist)[::-1]  # distinct lengths, longest first
+        counts = hist[values]
+        order = np.argsort((top_len - l).astype(np.uint16), kind="stable")  # longest first, ties by index
     else:
         lf = _check_workloads(l, "lengths")
+        values, counts = np.unique(lf, return_counts=True)
+        values, counts = values[::-1], counts[::-1]
         order = np.lexsort((np.arange(n), -lf))
-    l_desc = l[order]
-    top = float(l_desc[0])
-    lo = max(alpha * top + beta * top * top, (alpha * float(lf.sum()) + beta * float(np.dot(lf, lf))) / d)
-    runs = len(_runs_from_top(l_desc, alpha, beta, lo, d))
+    vf = values.astype(np.float64)
+    w = alpha * vf + beta * vf * vf
+    w_list, ends = w.tolist(), np.cumsum(counts).tolist()
+    lo = max(w_list[0], float(np.dot(counts, w)) / d)
+    # the step-up probes count every run (no early stop): their ratio to d sets the next step
+    runs = _bucket_runs(w_list, ends, lo, n)
     if runs <= d:
         bound = lo
     else:
-        hi = lo
-        while True:  # step up until feasible; lo stays the last infeasible bound
-            hi = hi * max(runs / d, 1.0 + tolerance) * (1.0 + tolerance)
-            runs = len(_runs_from_top(l_desc, alpha, beta, hi, d))
+        while True:  # step up by the run count's ratio until feasible; lo stays infeasible
+            hi = lo * max(runs / d, 1.0) * (1.0 + 0.5 * tolerance)
+            runs = _bucket_runs(w_list, ends, hi, n)
             if runs <= d:
                 break
             lo = hi
+        first = True
         while hi - lo > tolerance * hi:
-            mid = 0.5 * (lo + hi)
-            if len(_runs_from_top(l_desc, alpha, beta, mid, d)) <= d:
+            # the model's estimate is usually within the tolerance: try to certify it at once
+            mid = hi * (1.0 - tolerance) if first and hi * (1.0 - tolerance) > lo else 0.5 * (lo + hi)
+            first = False
+            if _bucket_runs(w_list, ends, mid, d) <= d:
                 hi = mid
             else:
                 lo = mid
         bound = hi
-    starts = np.asarray(_runs_from_top(l_desc, alpha, beta, bound, d), dtype=np.int64)
+    segments: list[tuple[int, int, int]] = []
+    _bucket_runs(w_list, ends, bound, d, segments)
+    seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
+    per = seg[:, 2]
+    first_of_seg = np.cumsum(per) - per
+    starts = np.repeat(seg[:, 0] - seg[:, 1] * first_of_seg, per) + np.repeat(seg[:, 1], per) * np.arange(per.sum())
     sizes = np.diff(np.append(starts, n))
     rank_of = np.empty(n, dtype=np.int64)
     rank_of[order] = np.repeat(np.arange(starts.size, dtype=np.int64), sizes)
-    first = l_desc[starts].astype(np.float64)
+    head = l[order[starts]].astype(np.float64)  # each run's longest row
     loads = np.zeros(d)
-    loads[:starts.size] = sizes * (alpha * first + beta * first * first)
+    loads[:starts.size] = sizes * (alpha * head + beta * head * head)
     return Assignment(rank_of, loads)
