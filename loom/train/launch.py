@@ -139,6 +139,7 @@ class Supervisor:
                 stop_reason = "signal"
                 break
             if self._failure_seen():
+                self._settle()
                 stop_reason = "failure"
                 break
             time.sleep(POLL_S)
@@ -148,6 +149,17 @@ class Supervisor:
             self._refresh_workers()
             self._reap_workers()
         return self._outcome(self.proc.returncode)
+
+    def _settle(self, seconds: float = 1.0) -> None:
+        """When only communication errors are seen, give the cause a moment to show: a rank
+        killed by a signal closes its sockets while it exits, before it counts as dead, so
+        its peers can report first."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.deaths or any(e.state == "error" for e in read_exits(self.run_dir).values()):
+                return
+            time.sleep(POLL_S)
+            self._failure_seen()
 
     def _kill_all(self, sig: int) -> None:
         assert self.proc is not None
