@@ -36,6 +36,9 @@ class BalanceConfig:
     # rearrangement (orchmllm.md §3.10) permutes each round's balanced bins over the round's
     # slots so fewer payload bytes cross nodes. 1: every rank its own node, rearrangement off
     ranks_per_node: int = 1
+    # seconds node-wise rearrangement may take per step, over every round and balanced phase (the
+    # heuristic always runs; the MILP gets what is left, orchmllm.md §3.10)
+    nodewise_time_limit: float = 0.05
     # the smallest predicted gain (a fraction of the given layout's critical load, by the policy's
     # own cost model) worth a rearranged layout: below it the decision, the payload exchange and
     # the routed rows cost more than they save, and the given (identity) layout is kept
@@ -63,6 +66,10 @@ class BalanceConfig:
                 f"balance.ranks_per_node = {self.ranks_per_node!r}: use a positive integer (the ranks of one node; "
                 f"1 turns node-wise rearrangement off)"
             )
+        if (isinstance(self.nodewise_time_limit, bool) or not isinstance(self.nodewise_time_limit, (int, float))
+                or not 0 < self.nodewise_time_limit < float("inf")):
+            raise BalanceError(f"balance.nodewise_time_limit = {self.nodewise_time_limit!r}: use a positive number of "
+                               f"seconds (0.05 by default) for node-wise rearrangement per step")
         if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not self.min_gain < 1:
             raise BalanceError(f"balance.min_gain = {self.min_gain!r}: use a fraction below 1 of the step's critical "
                                f"load (0.01 by default; negative accepts layouts predicted slower)")

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loom.balance.payload import sample_payload_bytes
 from loom.cost.arch import ModelArch
 from loom.cost.flops import attention_flops, gemm_flops
 from loom.cost.model import Workload
@@ -31,6 +32,9 @@ class SampleCosts:
     llm_lengths: np.ndarray
     llm_alpha: float
     llm_beta: float
+    # per phase, each sample's payload bytes as the dispatcher moves them (`loom.balance.payload`);
+    # node-wise rearrangement needs them, the balancing itself does not
+    payload_bytes: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         # lists are accepted (tests, hand-built costs); the policies index arrays
@@ -59,10 +63,12 @@ def module_coefficients(arch: ModelArch, name: str) -> tuple[float, float]:
 def sample_costs(arch: ModelArch, metas: MetadataArrays | Sequence[SampleMeta]) -> SampleCosts:
     """Costs of every sample of a batch, from metadata only (arrays, or `SampleMeta`s that are
     turned into arrays first)."""
+    if not isinstance(metas, MetadataArrays):
+        metas = MetadataArrays.from_metas(metas)
     tok = sample_tokens(arch, metas)
     work = {}
     for name in arch.module_names:
         a, b = module_coefficients(arch, name)
         work[name] = a * tok.tokens[name].astype(np.float64) + b * tok.attn_sq[name].astype(np.float64)
     alpha, beta = module_coefficients(arch, LLM)
-    return SampleCosts(work, tok.tokens[LLM], alpha, beta)
+    return SampleCosts(work, tok.tokens[LLM], alpha, beta, sample_payload_bytes(arch, metas))

@@ -11,12 +11,16 @@ LLM slot of their sample (rearrangement composition, §2.1). Everything is array
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from loom.balance.costs import SampleCosts
 from loom.balance.disttrain import reorder_microbatches
 from loom.balance.lpt import quantised_lpt
 from loom.balance.padded import padded_balance_fast
+from loom.balance.payload import loader_rank_of, slot_destinations
+from loom.balance.rearrange import rearrange_round, round_time_limit
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, round_size
 
@@ -89,13 +93,29 @@ def place_bins(loads: np.ndarray, dp: int, carried: np.ndarray) -> np.ndarray:
     return slot_of_bin
 
 
-def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: str, llm_padded: bool) -> BatchLayout:
-    """Per-phase policies (``orchmllm`` or ``none`` per phase), rounds ordered by ``order``."""
+def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], order: str, llm_padded: bool,
+                    ranks_per_node: int = 1, nodewise_time_limit: float = 0.05) -> BatchLayout:
+    """Per-phase policies (``orchmllm`` or ``none`` per phase), rounds ordered by ``order``.
+
+    With ``ranks_per_node > 1`` (and per-sample payload bytes in ``costs``), each balanced
+    round's bins are then permuted over its slots so that fewer payload bytes cross nodes
+    (node-wise rearrangement, orchmllm.md §3.10, `loom.balance.rearrange`), within
+    ``nodewise_time_limit`` seconds for the whole layout. The layout records it:
+    ``unpermuted_slot[phase][j]`` is the slot whose samples slot ``j`` holds without the
+    permutation, ``nodewise[phase]`` the cross-node bytes before and after (JSON-ready)."""
+    start = time.perf_counter()
     n, m = costs.num_samples, plan.num_microbatches
     r = round_size(plan)
+    rounds = m // r
     bounds = np.concatenate(([0], np.cumsum(contiguous_sizes(n, m))))
     base = np.repeat(np.arange(m, dtype=np.int64), np.diff(bounds))
     slot_of: dict[str, np.ndarray] = {}
+    nodewise = ranks_per_node > 1 and costs.payload_bytes is not None
+    balanced = [p for p, policy in chosen.items() if policy != "none"]
+    unpermuted: dict[str, np.ndarray] = {}
+    record: dict[str, dict] = {}
+    loader = loader_rank_of(n, plan.world_size) if nodewise else None
+    calls = len(balanced) * rounds
     for phase, policy in chosen.items():
         if policy == "none":
             slot_of[phase] = base
@@ -103,17 +123,47 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         dp = plan.spec(phase).data_parallel
         carried = np.zeros(dp)
         idx = np.empty(n, dtype=np.int64)
-        for t in range(m // r):
+        if nodewise:
+            dest_all = slot_destinations(plan, phase, m)
+            undo = np.arange(m, dtype=np.int64)
+            stats = np.zeros(4)
+            methods: set[str] = set()
+            applied = 0
+        for t in range(rounds):
             lo, hi = int(bounds[t * r]), int(bounds[(t + 1) * r])
             bins, loads = balance_round(phase, costs, lo, hi, r, llm_padded)
-            idx[lo:hi] = t * r + place_bins(loads, dp, carried)[bins]
+            slot_of_bin = place_bins(loads, dp, carried)
+            if nodewise:
+                got = rearrange_round(bins, slot_of_bin, loader[lo:hi], costs.payload_bytes[phase][lo:hi],
+                                      dest_all[t * r:(t + 1) * r], ranks_per_node,
+                                      round_time_limit(nodewise_time_limit, calls, start))
+                calls -= 1
+                undo[t * r + got.slot_of_bin] = t * r + slot_of_bin
+                stats += (got.cross_before, got.cross_after, got.max_send_before, got.max_send_after)
+                methods.add(got.method)
+                applied += got.applied
+                slot_of_bin = got.slot_of_bin
+            idx[lo:hi] = t * r + slot_of_bin[bins]
         slot_of[phase] = idx
-    if order == "disttrain" and m // r > 1:
+        if nodewise:
+            unpermuted[phase] = undo
+            record[phase] = {"ranks_per_node": ranks_per_node, "rounds_permuted": applied, "rounds": rounds,
+                             "method": sorted(methods), "cross_node_bytes": [float(stats[0]), float(stats[1])],
+                             "max_send_bytes_round_sum": [float(stats[2]), float(stats[3])]}
+    if order == "disttrain" and rounds > 1:
         perm = np.asarray(round_order(plan, costs, slot_of, r), dtype=np.int64)
         new_round = np.empty_like(perm)
         new_round[perm] = np.arange(perm.size)
-        slot_of = {p: new_round[v // r] * r + v % r for p, v in slot_of.items()}
-    return BatchLayout(None, dict(chosen), arrays={p: slot_arrays(v, m) for p, v in slot_of.items()})
+        move = lambda v: new_round[v // r] * r + v % r  # noqa: E731 (slot after the round reorder)
+        slot_of = {p: move(v) for p, v in slot_of.items()}
+        for p, undo in unpermuted.items():
+            moved = np.empty_like(undo)
+            moved[move(np.arange(m))] = move(undo)
+            unpermuted[p] = moved
+    layout = BatchLayout(None, dict(chosen), arrays={p: slot_arrays(v, m) for p, v in slot_of.items()})
+    layout.unpermuted_slot = unpermuted
+    layout.nodewise = record
+    return layout
 
 
 def slot_arrays(slot_of: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:

@@ -71,7 +71,8 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     elif set(chosen.values()) == {"entrain"}:
         layout = _entrain(plan, costs)
     else:
-        layout = orchmllm_layout(plan, costs, chosen, config.order, padded)
+        layout = orchmllm_layout(plan, costs, chosen, config.order, padded, config.ranks_per_node,
+                                 config.nodewise_time_limit)
     layout.check(n, phases)
     layout.check_routes(plan)
     # never slower than `none` by the policy's own cost model (issue 8): keep the given layout

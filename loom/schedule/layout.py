@@ -47,6 +47,10 @@ class BatchLayout:
         self.policy: dict[str, str] = dict(policy or {})
         self.kept_given = kept_given
         self.predicted_gain: dict[str, float] = dict(predicted_gain or {})
+        # OrchMLLM's node-wise rearrangement (loom.balance.rearrange): per phase, the slot each
+        # slot's samples had before the permutation, and the cross-node bytes before/after
+        self.unpermuted_slot: dict[str, np.ndarray] = {}
+        self.nodewise: dict[str, dict] = {}
         self._slots: dict[str, Slots] | None = None
         if slots is not None:
             self._slots = {p: tuple(tuple(int(s) for s in slot) for slot in v) for p, v in slots.items()}
