@@ -20,6 +20,7 @@ from loom.balance.disttrain import (
     balance_dp_groups,
     chain_times,
     reorder_microbatches,
+    reorder_microbatches_batched,
     simulate_1f1b,
 )
 
@@ -346,3 +347,33 @@ def test_reorder_bad_input(args, kwargs, match):
 def test_simulate_bad_order(order):
     with pytest.raises(ValueError, match=r"order must be"):
         simulate_1f1b(order, [1.0, 1.0, 1.0], 1.0, 3)
+
+
+# ---- Algorithm 3 for many groups at once --------------------------------------------------
+@pytest.mark.parametrize("ties", [False, True])
+def test_batched_reorder_is_bit_identical_to_one_group_at_a_time(ties):
+    """The lockstep version repeats the scalar recurrence's float operations in order, so it
+    returns the very orders (and iteration times) `reorder_microbatches` returns per group,
+    ties included (integer-valued times make equal keys and equal intervals common)."""
+    rng = np.random.default_rng(11 + ties)
+    for _ in range(60):
+        g, l, p = int(rng.integers(1, 5)), int(rng.integers(1, 18)), int(rng.integers(2, 9))
+        if ties:
+            enc, llm = rng.integers(0, 4, (g, l)).astype(float), rng.integers(0, 3, (g, l)).astype(float)
+        else:
+            enc, llm = rng.lognormal(0, 0.8, (g, l)), rng.lognormal(0, 0.5, (g, l))
+        for never_worse in (True, False):
+            orders, times = reorder_microbatches_batched(enc, llm, p, never_worse=never_worse)
+            for r in range(g):
+                expected = reorder_microbatches(enc[r], llm[r], p, never_worse=never_worse)
+                assert orders[r].tolist() == expected
+                assert times[r] == _iteration_time(chain_times(enc[r], llm[r], p), expected)
+
+
+def test_batched_reorder_bad_input():
+    with pytest.raises(ValueError, match=r"\(groups, microbatches\) arrays of one shape"):
+        reorder_microbatches_batched(np.ones((2, 3)), np.ones((2, 4)), 4)
+    with pytest.raises(ValueError, match=r"pipeline_depth >= 2"):
+        reorder_microbatches_batched(np.ones((2, 3)), np.ones((2, 3)), 1)
+    with pytest.raises(ValueError, match=r"finite and non-negative"):
+        reorder_microbatches_batched(-np.ones((2, 3)), np.ones((2, 3)), 4)

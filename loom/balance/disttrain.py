@@ -16,7 +16,7 @@ per-sample and per-microbatch workloads (DESIGN.md principle 4).
 The naming follows the digest's §7 gap 1 (and the paper's §6): *intra* = across DP groups
 (Algorithm 2), *inter* = microbatch order in the pipeline (Algorithm 3).
 
-This module imports nothing from loom: `loom.balance` sits above `loom.sim` in the dependency
+This module imports nothing from loom (NumPy only, for the lockstep version): `loom.balance` sits above `loom.sim` in the dependency
 order (DESIGN.md, "Layers"), so the chain simulator it needs lives here.
 """
 
@@ -27,6 +27,8 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 __all__ = [
     "ChainTimes",
@@ -469,3 +471,204 @@ def reorder_microbatches(
         if t < best_time:
             best, best_time = cand, t
     return best
+
+
+# ---- many pipelines at once: Algorithm 3 in lockstep (§3.5 runs it per DP group) ----------
+class _BatchedRecurrence:
+    """`_OneFOneBRecurrence` for many chains of one shape (``lanes``) in lockstep: the same
+    position is placed in every lane at once, each stage's forward update is one NumPy
+    operation over the lanes, and a placement's steady-phase backwards (independent of each
+    other) one more. The arithmetic repeats the scalar recurrence's, operation by operation, so
+    every end time, and every decision built on them, is bit-identical to running the lanes one
+    by one (the tests check it)."""
+
+    def __init__(self, fwd: np.ndarray, bwd: np.ndarray, rows: np.ndarray):
+        # fwd, bwd: (chains, p, l) per-stage times of each chain's microbatches; lane i plays
+        # chain rows[i]
+        _, self.p, self.l = fwd.shape
+        self.fwd, self.bwd = fwd, bwd
+        self.warm = np.array([min(self.p - s - 1, self.l) for s in range(self.p)])
+        self.rows = rows
+        # per position q and stage s, over the lanes: end of F(s, q), of B(s, q), and the
+        # backward time of the microbatch at position q (every entry is written before it is read)
+        self.f_end = np.empty((self.l, self.p, len(rows)))
+        self.b_end = np.empty((self.l, self.p, len(rows)))
+        self.b_pos = np.empty((self.l, self.p, len(rows)))
+        self.q = 0
+
+    def expand(self, lanes: np.ndarray) -> None:
+        """Continue with lanes ``lanes`` of the current state (repeats allowed)."""
+        self.rows = self.rows[lanes]
+        self.f_end, self.b_end, self.b_pos = self.f_end[:, :, lanes], self.b_end[:, :, lanes], self.b_pos[:, :, lanes]
+
+    def place(self, j: np.ndarray) -> None:
+        """Append microbatch ``j[lane]`` at the next position of every lane."""
+        q, p, warm = self.q, self.p, self.warm
+        self.q += 1
+        f = self.fwd[self.rows, :, j].T  # (p, lanes)
+        self.b_pos[q] = self.bwd[self.rows, :, j].T
+        f_end, b_end = self.f_end, self.b_end
+        # F(s, q) = max(op before it on stage s, F(s-1, q)) + t: the op before is F(s, q-1) in
+        # warm-up, else B(s, q - w_s - 1)
+        up = f_end[q]
+        for s in range(p):
+            w = int(warm[s])
+            if q == 0:
+                prev = None
+            elif q <= w:
+                prev = f_end[q - 1, s]
+            else:
+                prev = b_end[q - w - 1, s]
+            if s == 0:
+                if prev is None:
+                    np.add(f[0], 0.0, out=up[0])
+                else:
+                    np.add(prev, f[0], out=up[0])
+            elif prev is None:
+                np.add(up[s - 1], f[s], out=up[s])
+            else:
+                np.maximum(prev, up[s - 1], out=up[s])
+                up[s] += f[s]
+        # steady-phase backwards B(s, q - w_s): each waits for F(s, q) and for B(s+1, q - w_s),
+        # which position q - 1 fixed (w_{s+1} = w_s - 1), or F(p-1, q) on the last stage
+        s0 = int(np.count_nonzero(warm > q))  # stages s0.. have w_s <= q
+        if s0 < p:
+            s = np.arange(s0, p)
+            k = q - warm[s]
+            dep = np.concatenate([b_end[k[:-1], s[:-1] + 1], up[p - 1:]])
+            b_end[k, s] = np.maximum(up[s], dep) + self.b_pos[k, s]
+
+    def finish(self) -> np.ndarray:
+        """Drain backwards (those no placement fixed), k ascending and stages descending as
+        `_OneFOneBRecurrence.finish`; the iteration time of every lane."""
+        p, l, warm, b_end, b_pos = self.p, self.l, self.warm, self.b_end, self.b_pos
+        for k in range(l):
+            for s in range(p - 1, -1, -1):
+                if k <= l - 1 - warm[s]:
+                    continue  # fixed when position k + w_s was placed
+                prev = b_end[k - 1, s] if k > 0 else self.f_end[l - 1, s]
+                dep = self.f_end[k, s] if s == p - 1 else b_end[k, s + 1]
+                np.maximum(prev, dep, out=b_end[k, s])
+                b_end[k, s] += b_pos[k, s]
+        return b_end[l - 1, 0].copy()
+
+
+class _BatchedPool:
+    """`_SortedPool` of every lane: a ``(lanes, c)`` matrix of the members' keys, sorted per row
+    by (key, index); a removed member's key becomes +inf, so no row is ever compacted."""
+
+    def __init__(self, items: np.ndarray, key: np.ndarray):
+        self.items = items  # (lanes, c), sorted by (key, index) per row
+        self.keys = np.take_along_axis(key, items, axis=1)
+        self.rows = np.arange(items.shape[0])
+        self.left = items.shape[1]
+
+    def __len__(self) -> int:
+        return self.left
+
+    def pop_closest(self, target: np.ndarray) -> np.ndarray:
+        """`_SortedPool.pop_closest` on every row: the largest key below the target and the
+        smallest at or above it (bisection's two neighbours), the lower one when it is at
+        least as close, then the first member with that key (the lowest index)."""
+        keys, rows, t = self.keys, self.rows, target[:, None]
+        below = np.where(keys < t, keys, -np.inf).max(axis=1)
+        above = np.where(keys >= t, keys, np.inf).min(axis=1)  # +inf: none left above
+        lower = (above == np.inf) | ((below > -np.inf) & (target - below <= above - target))
+        value = np.where(lower, below, above)
+        i = (keys == value[:, None]).argmax(axis=1)  # sorted: the first member with that key
+        keys[rows, i] = np.inf
+        self.left -= 1
+        return self.items[rows, i]
+
+
+def reorder_microbatches_batched(
+    encoder_times: np.ndarray,
+    llm_times: np.ndarray,
+    pipeline_depth: int,
+    *,
+    backward_ratio: float = 2.0,
+    never_worse: bool = True,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`reorder_microbatches` for many pipelines of one shape at once (DistTrain runs Algorithm 3
+    per DP group, ``disttrain.md`` §3.5): row ``g`` of ``encoder_times`` / ``llm_times``
+    (``(groups, l)`` arrays) is one pipeline's microbatches. Returns ``(orders, times)``:
+    ``orders[g]`` is exactly ``reorder_microbatches(encoder_times[g], llm_times[g],
+    pipeline_depth)`` (the same float operations in the same order, run over the rows in
+    lockstep), ``times[g]`` its 1F1B iteration time. No generator stage."""
+    enc = np.asarray(encoder_times, dtype=np.float64)
+    llm = np.asarray(llm_times, dtype=np.float64)
+    if enc.ndim != 2 or llm.shape != enc.shape:
+        raise ValueError(
+            f"encoder_times and llm_times must be (groups, microbatches) arrays of one shape; got "
+            f"{enc.shape} and {llm.shape}"
+        )
+    g, l = enc.shape
+    p = _check_positive_int(pipeline_depth, "pipeline_depth", "encoder + LLM stages, at least 2")
+    if p < 2:
+        raise ValueError(f"pipeline_depth = {p} leaves no LLM stage: pass pipeline_depth >= 2")
+    if l == 0:
+        raise ValueError("encoder_times has no microbatches; pass one encoder forward time per microbatch")
+    if not (np.all(np.isfinite(enc)) and np.all(np.isfinite(llm)) and enc.min() >= 0 and llm.min() >= 0):
+        raise ValueError("encoder_times and llm_times must be finite and non-negative")
+    ratio = float(backward_ratio)
+    fwd = np.empty((g, p, l))
+    fwd[:, 0] = enc
+    fwd[:, 1:] = llm[:, None, :]
+    bwd = ratio * fwd
+    size = enc  # no generator: a microbatch's size is its encoder time
+    by_size = np.argsort(size, axis=1, kind="stable")  # (size, index) ascending
+    rows = np.arange(g)
+    first = by_size[:, 0]
+    rear = by_size[:, 1:p]
+    pool = _BatchedPool(by_size[:, p:], enc)
+    # Lanes 0..g-1 build Algorithm 3's order; with never_worse, lanes g..2g-1 play the given
+    # order 0..l-1 alongside (one recurrence for both, so one NumPy call per stage and
+    # position serves every candidate).
+    extra = 2 if never_worse else 1
+    rec = _BatchedRecurrence(fwd, bwd, np.concatenate([rows] * extra))
+
+    def place(j: np.ndarray) -> None:
+        rec.place(np.concatenate([j, np.full(g, rec.q)]) if never_worse else j)
+
+    ret = [first]
+    place(first)
+    if len(pool):
+        # interval_1 estimated as microbatch 1's round trip through stages 1..p-1 (see
+        # `_interreorder`), summed in the same order
+        volume = np.zeros(g)
+        for s in range(1, p):
+            volume = volume + (fwd[rows, s, first] + bwd[rows, s, first])
+        take = min(p - 1, len(pool))
+        for r in range(take, 0, -1):
+            j = pool.pop_closest(volume / r)
+            volume = volume - fwd[rows, 0, j]
+            ret.append(j)
+            place(j)
+        while len(pool):
+            k = len(ret) - p + 1
+            volume = rec.b_end[k, 1, :g] - rec.b_end[k - 1, 0, :g]
+            j = pool.pop_closest(volume)
+            ret.append(j)
+            place(j)
+    # the rear group in both directions: descending by (size, index) with ties in ascending
+    # index (`_interreorder`), and ascending
+    rear_desc = np.take_along_axis(rear, np.lexsort((rear, -np.take_along_axis(size, rear, axis=1)), axis=1), axis=1)
+    # lanes now: [descending rear | ascending rear | given order]
+    keep = np.concatenate([rows, rows] + ([rows + g] if never_worse else []))
+    n_cand = 3 if never_worse else 2
+    rec.expand(keep)
+    for c in range(rear.shape[1]):
+        q = rec.q
+        rec.place(np.concatenate([rear_desc[:, c], rear[:, c]] + ([np.full(g, q)] if never_worse else [])))
+    times = rec.finish().reshape(n_cand, g)
+    prefix = np.stack(ret, axis=1)
+    candidates = [np.concatenate([prefix, rear_desc], axis=1), np.concatenate([prefix, rear], axis=1)]
+    if never_worse:
+        candidates.append(np.broadcast_to(np.arange(l), (g, l)))
+    best = candidates[0].copy()
+    best_time = times[0].copy()
+    for c in range(1, len(candidates)):
+        better = times[c] < best_time
+        best[better] = candidates[c][better]
+        best_time[better] = times[c][better]
+    return best, best_time

@@ -35,7 +35,7 @@ import numpy as np
 
 from loom.balance.config import JOINT, ORDERS, POLICIES, BalanceConfig, BalanceError, check_balance_config
 from loom.balance.costs import SampleCosts, sample_costs
-from loom.balance.disttrain import balance_dp_groups, reorder_microbatches
+from loom.balance.disttrain_policy import disttrain_layout
 from loom.balance.entrain import entrain_replica_plans
 from loom.balance.orchmllm import orchmllm_layout
 from loom.plan.plan import LLM, Plan
@@ -67,7 +67,7 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
         return given.check(n, phases)
     padded = llm_batching == "padded"
     if set(chosen.values()) == {"disttrain"}:
-        layout = _disttrain(plan, costs)
+        layout = disttrain_layout(plan, costs, padded)
     elif set(chosen.values()) == {"entrain"}:
         layout = _entrain(plan, costs)
     else:
@@ -115,41 +115,6 @@ def critical_load(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padde
     return out
 
 
-def _disttrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
-    """DistTrain: groups over the LLM's replicas, LPT microbatches, Algorithm 3 order."""
-    n, m = len(costs.llm_lengths), plan.num_microbatches
-    dp = plan.spec(LLM).data_parallel
-    if any(s.data_parallel != dp for s in plan.modules):
-        raise BalanceError(
-            f"balance.default = 'disttrain' balances over one set of data-parallel groups; set every module's "
-            f"data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
-        )
-    if m % dp:
-        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
-    k = m // dp
-    total = sum(costs.work[p] for p in plan.module_names).tolist()
-    groups = balance_dp_groups(total, dp)
-    if any(len(g) < k for g in groups):
-        # a group with fewer samples than its microbatches (it drew the heavy ones): Algorithm 2
-        # with equal counts (disttrain.md §3.3, defect 2) when they divide, else the lightest
-        # samples of the fullest groups move over; n >= dp * k, so both succeed
-        groups = balance_dp_groups(total, dp, equal_counts=True) if n % dp == 0 else _fill_counts(groups, k, total)
-    per_group: list[list[tuple[int, ...]]] = []
-    p_llm = plan.spec(LLM).num_stages
-    enc_total = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n)).tolist()
-    llm_work = costs.work[LLM].tolist()
-    for g in groups:
-        mbs = balance_dp_groups([total[s] for s in g], k)
-        mbs = [sorted(g[i] for i in mb) for mb in mbs]
-        mbs = _bins_nonempty([list(x) for x in mbs], total)
-        enc = [sum(enc_total[s] for s in mb) for mb in mbs]
-        llm = [sum(llm_work[s] for s in mb) / p_llm for mb in mbs]
-        order = reorder_microbatches(enc, llm, 1 + p_llm)
-        per_group.append([tuple(mbs[i]) for i in order])
-    slots = [per_group[j % dp][j // dp] for j in range(m)]
-    return identity_layout(slots, plan.module_names, "disttrain")
-
-
 def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
     """Entrain: replica assignment, K_eff, stratified microbatches, deferral, interleaving."""
     dp = plan.spec(LLM).data_parallel
@@ -188,30 +153,6 @@ def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
     slots = {e: tuple(enc_slots) for e in plan.encoder_names}
     slots[LLM] = tuple(llm_slots)
     return BatchLayout(slots, {p: "entrain" for p in plan.module_names})
-
-
-def _bins_nonempty(bins: list[list[int]], cost: list[float]) -> list[list[int]]:
-    """Move the cheapest sample of the fullest bin into each empty one (keeps every sample)."""
-    for b in range(len(bins)):
-        if not bins[b]:
-            donor = max(range(len(bins)), key=lambda i: (len(bins[i]), -i))
-            s = min(bins[donor], key=lambda x: (cost[x], x))
-            bins[donor].remove(s)
-            bins[b].append(s)
-    return [sorted(x) for x in bins]
-
-
-def _fill_counts(groups: list[list[int]], k: int, cost: list[float]) -> list[list[int]]:
-    """Every group at least ``k`` samples: the cheapest sample of the fullest group moves to a
-    short one until none is short (deterministic; keeps every sample)."""
-    groups = [list(g) for g in groups]
-    for g in groups:
-        while len(g) < k:
-            donor = max(groups, key=len)
-            s = min(donor, key=lambda x: (cost[x], x))
-            donor.remove(s)
-            g.append(s)
-    return [sorted(g) for g in groups]
 
 
 def _keep_llm_nonempty(enc: list[tuple[int, ...]], llm: list[tuple[int, ...]], dp: int) -> list[tuple[int, ...]]:

@@ -1,0 +1,170 @@
+"""The ``disttrain`` policy: one layout for every phase (``disttrain.md`` §3.3-3.5), on arrays.
+
+1. Algorithm 2 (§3.3): the global batch's samples over the LLM's data-parallel groups, LPT on
+   each sample's summed cost (every phase's forward FLOPs), through the quantised integer LPT
+   core (`quantised_lpt`: Graham's bound up to half a quantum per sample, see its docstring).
+2. Inside each group, LPT of its samples into the group's ``k`` microbatches: all groups in
+   lockstep, one step per sample rank, a ``(groups, k)`` load matrix and one argmin per step;
+   the same float operations as `balance_dp_groups` on each group, so the same microbatches.
+3. Algorithm 3 (§3.4) on every group at once (`reorder_microbatches_batched`, bit-identical to
+   `reorder_microbatches` per group).
+
+A right-padded LLM (loom's default, ``llm_batching = "padded"``) runs a microbatch as ``count``
+rows of its longest sample, so its LLM cost is ``count * max`` of the samples' padded row costs,
+not their sum. LPT on summed cost spreads long samples over the microbatches, one each, and then
+every microbatch pays for a long row. With a padded LLM each group therefore gets a second
+candidate, its samples sorted by padded row cost and cut into ``k`` contiguous runs (similar
+lengths together, the least padding for equal counts), and keeps whichever of the two has the
+shorter 1F1B iteration time (Appendix A's chain, LLM stages costed padded) after Algorithm 3.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from loom.balance.config import BalanceError
+from loom.balance.costs import SampleCosts
+from loom.balance.disttrain import balance_dp_groups, reorder_microbatches_batched
+from loom.balance.lpt import quantised_lpt
+from loom.plan.plan import LLM, Plan
+from loom.schedule.layout import BatchLayout
+
+
+def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> BatchLayout:
+    """DistTrain: groups over the LLM's replicas, LPT microbatches, Algorithm 3 order. Slot
+    ``j`` is microbatch ``j // dp`` (in Algorithm 3's order) of group ``j % dp``."""
+    n, m = costs.num_samples, plan.num_microbatches
+    dp = plan.spec(LLM).data_parallel
+    if any(s.data_parallel != dp for s in plan.modules):
+        raise BalanceError(
+            f"balance.default = 'disttrain' balances over one set of data-parallel groups; set every module's "
+            f"data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
+        )
+    if m % dp:
+        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
+    k = m // dp
+    total = sum(costs.work[p] for p in plan.module_names)
+    group_of = quantised_lpt(total, dp).rank_of_sample if dp > 1 else np.zeros(n, dtype=np.int64)
+    sizes = np.bincount(group_of, minlength=dp)
+    if sizes.min() < k:
+        # a group with fewer samples than its microbatches (it drew the heavy ones): Algorithm 2
+        # with equal counts (disttrain.md §3.3, defect 2) when they divide, else the lightest
+        # samples of the fullest groups move over; n >= dp * k, so both succeed
+        listed = total.tolist()
+        groups = (balance_dp_groups(listed, dp, equal_counts=True) if n % dp == 0
+                  else _fill_counts([np.flatnonzero(group_of == g).tolist() for g in range(dp)], k, listed))
+        group_of = np.empty(n, dtype=np.int64)
+        for g, members in enumerate(groups):
+            group_of[members] = g
+        sizes = np.bincount(group_of, minlength=dp)
+    # members of each group, heaviest first (ties: lower position), as a (dp, width) matrix
+    # padded with -1
+    order = np.lexsort((np.arange(n), -total, group_of))
+    width = int(sizes.max())
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    rank_in_group = np.arange(n) - np.repeat(starts, sizes)
+    members = np.full((dp, width), -1, dtype=np.int64)
+    members[group_of[order], rank_in_group] = order
+    mb_of = _lockstep_lpt(members, total, k)
+    mb_of = _nonempty(mb_of, group_of, total, k)
+    candidates = [mb_of]
+    if llm_padded:
+        candidates.append(_sorted_runs(group_of, sizes, costs.llm_padded_weight(), k))
+    enc_total = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n))
+    p_llm = plan.spec(LLM).num_stages
+    enc, llm = [], []
+    for cand in candidates:
+        mb = group_of * k + cand  # global microbatch id, group-major
+        enc.append(np.bincount(mb, weights=enc_total, minlength=dp * k).reshape(dp, k))
+        if llm_padded:
+            peak = np.zeros(dp * k)
+            np.maximum.at(peak, mb, costs.llm_padded_weight())
+            llm.append((np.bincount(mb, minlength=dp * k) * peak).reshape(dp, k) / p_llm)
+        else:
+            llm.append(np.bincount(mb, weights=costs.work[LLM], minlength=dp * k).reshape(dp, k) / p_llm)
+    # every candidate of every group in one lockstep run
+    orders, times = reorder_microbatches_batched(np.concatenate(enc), np.concatenate(llm), 1 + p_llm)
+    orders = orders.reshape(len(candidates), dp, k)
+    times = times.reshape(len(candidates), dp)
+    pick = np.zeros(dp, dtype=np.int64)
+    for c in range(1, len(candidates)):
+        pick[times[c] < times[pick, np.arange(dp)]] = c  # ties keep the LPT candidate
+    chosen = np.choose(pick[group_of], candidates)
+    order_g = orders[pick, np.arange(dp)]
+    # position of each microbatch in its group's order; slot = position * dp + group
+    position = np.empty_like(order_g)
+    np.put_along_axis(position, order_g, np.arange(k)[None, :].repeat(dp, axis=0), axis=1)
+    slot = position[group_of, chosen] * dp + group_of
+    return BatchLayout.from_slot_index({p: slot for p in plan.module_names}, m,
+                                       {p: "disttrain" for p in plan.module_names})
+
+
+def _lockstep_lpt(members: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
+    """LPT of every group's members (rows of ``members``, heaviest first, -1 padding) into
+    ``k`` microbatches, all groups in lockstep: step ``t`` places every group's ``t``-th
+    sample on its least-loaded microbatch (ties: lowest index), adding its cost to that load,
+    which is `balance_dp_groups`' loop float operation for float operation. Padding adds a
+    zero cost, which changes no load. Returns each sample's microbatch within its group."""
+    groups, width = members.shape
+    loads = np.zeros((groups, k))
+    rows = np.arange(groups)
+    w = np.where(members >= 0, cost[np.maximum(members, 0)], 0.0)
+    chosen = np.empty((groups, width), dtype=np.int64)
+    for t in range(width):
+        b = loads.argmin(axis=1)
+        chosen[:, t] = b
+        loads[rows, b] += w[:, t]
+    out = np.empty(cost.size, dtype=np.int64)
+    real = members >= 0
+    out[members[real]] = chosen[real]
+    return out
+
+
+def _nonempty(mb_of: np.ndarray, group_of: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
+    """Move the cheapest sample (ties: lowest position) of a group's fullest microbatch (ties:
+    lowest index) into each empty one of that group (zero-cost samples can share a microbatch
+    under LPT). Keeps every sample; a no-op in the usual case."""
+    groups = int(group_of.max()) + 1 if group_of.size else 0
+    counts = np.bincount(group_of * k + mb_of, minlength=groups * k).reshape(groups, k)
+    if counts.min() > 0:
+        return mb_of
+    mb_of = mb_of.copy()
+    for g, b in zip(*np.nonzero(counts == 0)):
+        donor = int(np.argmax(counts[g]))
+        inside = np.flatnonzero((group_of == g) & (mb_of == donor))
+        s = int(inside[np.lexsort((inside, cost[inside]))[0]])
+        mb_of[s] = b
+        counts[g, donor] -= 1
+        counts[g, b] += 1
+    return mb_of
+
+
+def _sorted_runs(group_of: np.ndarray, sizes: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
+    """Each group's samples by padded row cost, longest first (ties: lower position), cut into
+    ``k`` contiguous runs of equal count (the larger runs first): similar lengths share a
+    microbatch, so right-padding adds the least."""
+    n = group_of.size
+    order = np.lexsort((np.arange(n), -weight, group_of))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    rank = np.arange(n) - np.repeat(starts, sizes)
+    size_g = sizes[group_of[order]]
+    base, extra = size_g // k, size_g % k
+    # runs 0..extra-1 hold base + 1 samples, the rest base
+    big = extra * (base + 1)
+    run = np.where(rank < big, rank // np.maximum(base + 1, 1), extra + (rank - big) // np.maximum(base, 1))
+    out = np.empty(n, dtype=np.int64)
+    out[order] = run
+    return out
+
+
+def _fill_counts(groups: list[list[int]], k: int, cost: list[float]) -> list[list[int]]:
+    """Every group at least ``k`` samples: the cheapest sample of the fullest group moves to a
+    short one until none is short (deterministic; keeps every sample)."""
+    groups = [list(g) for g in groups]
+    for g in groups:
+        while len(g) < k:
+            donor = max(groups, key=len)
+            s = min(donor, key=lambda x: (cost[x], x))
+            donor.remove(s)
+            g.append(s)
+    return [sorted(g) for g in groups]
