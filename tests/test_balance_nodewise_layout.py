@@ -154,3 +154,21 @@ def test_bucket_runs_equals_the_greedy_over_positions():
         counts = np.bincount(np.searchsorted(values, lengths), minlength=values.size)[::-1]
         wv = (2.0 * values + 0.01 * values * values)[::-1]
         assert _bucket_runs(wv.tolist(), np.cumsum(counts).tolist(), bound, 10**9) == runs
+
+
+def test_from_gathered_reads_lists_and_padded_tables_alike():
+    import dataclasses
+
+    for mix in ("caption", "audio_heavy"):
+        data = SyntheticMetadata(mix, seed=1)
+        batch = [data.meta(i) for i in range(100)]
+        flats = [MetadataArrays.from_metas(batch[i:i + 9]).to_flat() for i in range(0, 100, 9)]
+        table = np.zeros((len(flats), max(map(len, flats)) + 2), dtype=np.int64)  # zero-padded rows
+        for k, f in enumerate(flats):
+            table[k, :len(f)] = f
+        whole = MetadataArrays.from_metas(batch)
+        for got in (MetadataArrays.from_gathered(flats), MetadataArrays.from_gathered(table)):
+            for f in dataclasses.fields(MetadataArrays):
+                assert np.array_equal(getattr(got, f.name), getattr(whole, f.name)), (mix, f.name)
+    with pytest.raises(ValueError, match="shorter than their headers"):
+        MetadataArrays.from_gathered([flats[0][:-1]])

@@ -109,24 +109,29 @@ class MetadataArrays:
         zero-padded ``(ranks, width)`` int array, as a padded all-gather returns them), in rank
         order, with a few array passes whatever the rank count."""
         if not isinstance(rows, np.ndarray):
-            width = max(len(r) for r in rows)
-            table = np.zeros((len(rows), width), dtype=np.int64)
-            for i, r in enumerate(rows):
-                table[i, :len(r)] = r
+            # no padded table: the rows back to back, each field gathered by index below
+            lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+            flat = np.concatenate(rows).astype(np.int64, copy=False) if len(rows) else np.zeros(0, dtype=np.int64)
         else:
             table = np.asarray(rows, dtype=np.int64)
-        head = table[:, :3]
-        sizes = np.stack([head[:, 0], head[:, 1], head[:, 1], head[:, 1], head[:, 2], head[:, 2]], axis=1)
-        if (3 + sizes.sum(axis=1) > table.shape[1]).any():
+            lengths = np.full(len(table), table.shape[1], dtype=np.int64)
+            flat = table.ravel()
+        row_start = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        head = flat[row_start[:, None] + np.arange(3)] if len(lengths) else np.zeros((0, 3), dtype=np.int64)
+        if (lengths < 3).any() or (3 + head[:, 0] + 3 * head[:, 1] + 2 * head[:, 2] > lengths).any():
             raise WorkloadError("gathered metadata rows are shorter than their headers say; build each with "
                                 "MetadataArrays.to_flat")
-        starts = 3 + np.concatenate([np.zeros((len(table), 1), dtype=np.int64), np.cumsum(sizes, axis=1)[:, :-1]], axis=1)
-        col = np.arange(table.shape[1])[None, :]
-        fields = [table[(col >= starts[:, [f]]) & (col < starts[:, [f]] + sizes[:, [f]])] for f in range(6)]
-        offsets = np.concatenate(([0], np.cumsum(head[:, 0])[:-1]))
-        return MetadataArrays(fields[0], fields[1] + np.repeat(offsets, head[:, 1]),
-                              np.stack([fields[2], fields[3]], axis=1), fields[4] + np.repeat(offsets, head[:, 2]),
-                              fields[5])
+
+        def field(offset: np.ndarray, size: np.ndarray) -> np.ndarray:
+            # every row's `size` values from `offset` within the row, back to back: one index pass
+            before = np.cumsum(size) - size
+            return flat[np.repeat(row_start + offset - before, size) + np.arange(int(size.sum()))]
+
+        n, i, a = head[:, 0], head[:, 1], head[:, 2]
+        offsets = np.cumsum(n) - n
+        return MetadataArrays(field(np.full_like(n, 3), n), field(3 + n, i) + np.repeat(offsets, i),
+                              np.stack([field(3 + n + i, i), field(3 + n + 2 * i, i)], axis=1),
+                              field(3 + n + 3 * i, a) + np.repeat(offsets, a), field(3 + n + 3 * i + a, a))
 
     @staticmethod
     def concat(parts: Sequence["MetadataArrays"]) -> "MetadataArrays":
