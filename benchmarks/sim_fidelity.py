@@ -72,13 +72,14 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import WorkerGroup, figure, format_table, machine_info, spread_of, start_run, write_result
+from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
 from loom.balance.policy import make_layout, sample_costs
 from loom.cost.arch_from_model import arch_from_model
 from loom.cost.comm import Link
 from loom.cost.model import Workload
 from loom.cost.profile_file import load_profile_for
 from loom.cost.profiled import ProfiledCostModel
-from loom.cost.workload import sample_work
+from loom.cost.workload import MetadataArrays, sample_work
 from loom.data.sampler import GlobalBatchSampler
 from loom.data.sample import SampleMeta
 from loom.plan.plan import LLM, ModuleSpec, Plan
@@ -87,8 +88,7 @@ from loom.runtime.engine import ParallelEngine
 from loom.runtime.stage import trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.timeline import events_from_dicts, events_to_dicts
-from loom.sim.dispatch import (DISPATCH, Links, layout_payload_bytes, metadata_bytes, price_dispatch,
-                               sample_payload_bytes)
+from loom.sim.dispatch import DISPATCH, Links, metadata_bytes, price_dispatch
 from loom.sim.simulator import simulate
 from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import TrainConfig, load_config
@@ -257,7 +257,7 @@ def predict(case: Case, profile_path: Path, links: Links):
     per_sample = [sample_work(arch, [m], batching) for m in metas]
     dispatch = price_dispatch(WORLD_SIZE, links, metadata_bytes=metadata_bytes(metas, WORLD_SIZE),
                               decision_seconds=decision_seconds(cfg, arch, metas),
-                              payload=layout_payload_bytes(plan, layout, sample_payload_bytes(metas, plan.module_names)))
+                              payload=layout_payload_bytes(plan, layout, sample_payload_bytes(arch, MetadataArrays.from_metas(metas))))
     result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch)
     return result, dispatch
 

@@ -404,26 +404,3 @@ def test_price_dispatch_parts_and_refusals():
     with pytest.raises(DispatchModelError, match="known"):
         decision_seconds_model("magic", 10)
 
-
-def test_layout_payload_bytes_follow_loader_shards_and_replicas():
-    from loom.data.sample import ImageMeta, SampleMeta
-    from loom.schedule.layout import identity_layout
-    from loom.sim.dispatch import layout_payload_bytes, sample_payload_bytes
-
-    # vision (1 rank: 0) | LLM of 2 stages x 2 replicas (ranks 1..4); 5 ranks load 1 sample each
-    plan = Plan([ModuleSpec("vision"), ModuleSpec("llm", num_stages=2, data_parallel=2)],
-                num_microbatches=2).resolve({"vision": 2, "llm": 4})
-    metas = [SampleMeta(i, 10 + i, images=(ImageMeta(4, 4),) * (i % 2)) for i in range(5)]
-    per_sample = sample_payload_bytes(metas, plan.module_names)
-    assert per_sample["vision"] == [0.0, 192.0, 0.0, 192.0, 0.0]  # 3 x 4 x 4 float32
-    assert per_sample["llm"] == [8.0 * (10 + i) for i in range(5)]  # int64 ids
-    layout = identity_layout([[0, 1, 2], [3, 4]], plan.module_names)
-    m = layout_payload_bytes(plan, layout, per_sample)
-    assert m["vision"].shape == (5, 5) and m["vision"].sum() == 384.0
-    assert m["vision"][1, 0] == 192.0 and m["vision"][3, 0] == 192.0  # every image to the one vision rank
-    llm = [[plan.rank_of("llm", st, d) for st in range(2)] for d in range(2)]
-    for s in range(5):
-        replica = 0 if s < 3 else 1  # slot 0 on replica 0, slot 1 on replica 1
-        for rank in llm[replica]:  # every stage of the replica gets the ids
-            assert m["llm"][s, rank] == per_sample["llm"][s]
-    assert m["llm"].sum() == 2 * sum(per_sample["llm"])

@@ -316,3 +316,24 @@ def test_skewed_mixes_are_skewed_and_deterministic(mix):
     assert [again.meta(i) for i in range(400)] == metas
     other = SyntheticMetadata(mix, seed=8, patch_size=14)
     assert [other.meta(i) for i in range(400)] != metas
+
+
+def test_dispatch_prices_the_all_to_all_with_and_without_nodewise_rearrangement():
+    """With ``balance.ranks_per_node`` OrchMLLM permutes each round's bins so fewer payload bytes
+    cross nodes; the simulated dispatch prices the exchange the step pays and, beside it, the
+    same layout before the permutation (the plain orchmllm layout)."""
+    from loom.balance.config import BalanceConfig
+
+    scenario = Scenario("t", ARCH, Cluster("H100", 16, 4), mix="multi_image", global_batch_size=64,
+                        degrees=ParallelDegrees(tensor_parallel=1, data_parallel=8))
+    plan = Plan([ModuleSpec("vision", data_parallel=8), ModuleSpec(LLM, data_parallel=8)], num_microbatches=16)
+    metas = scenario.metas()
+    plain = scenario.run_balanced(plan, BalanceConfig("orchmllm"), metas=metas).result.dispatch_parts
+    nodewise = scenario.run_balanced(plan, BalanceConfig("orchmllm", ranks_per_node=4), metas=metas).result
+    parts = nodewise.dispatch_parts
+    assert plain.unpermuted is None and parts.unpermuted is not None
+    for phase in plan.module_names:
+        assert parts.unpermuted["payload_s"][phase] == pytest.approx(plain.payload[phase])
+        assert parts.payload[phase] <= parts.unpermuted["payload_s"][phase] + 1e-12
+    assert sum(parts.payload.values()) < sum(plain.payload.values())  # fewer bytes cross the slow links
+    assert nodewise.summary()["dispatch"]["without_nodewise"] == parts.unpermuted

@@ -13,10 +13,12 @@ Every rank of ``loom train`` runs, per step:
    (``decision_seconds``: a measured figure such as `benchmarks/balance_speed.py`'s
    ``decide_ms_<policy>``); `decision_seconds_model` is the default when none is measured;
 3. one **payload all-to-all per phase** (each encoder, then the LLM), priced from the bytes every
-   source rank sends to every destination rank (``payload[phase][src, dst]``, the balancing
-   layer's per-rank-pair payload bytes of a layout, with or without OrchMLLM's node-wise
-   permutation, orchmllm.md §3.10). A rank's bytes to itself stay in memory; a phase whose bytes
-   all stay home skips the collective (it costs 0).
+   source rank sends to every destination rank (``payload[phase][src, dst]``:
+   `loom.balance.payload.layout_payload_bytes` of the layout). A rank's bytes to itself stay in
+   memory; a phase whose bytes all stay home skips the collective (it costs 0). When OrchMLLM's
+   node-wise rearrangement permuted the layout (orchmllm.md §3.10, ``balance.ranks_per_node``),
+   the same exchange without the permutation (``payload_unpermuted``) is priced beside it, for
+   comparison only: the step pays the permuted one.
 
 The all-to-all model (`all_to_all_seconds`): a rank's sends to ranks of its own node take the
 intra-node link, its sends to other nodes the inter-node link; the two links are separate
@@ -44,8 +46,6 @@ from loom.cost.comm import Link, all_gather_time, inter_node_link, intra_node_li
 from loom.cost.hardware import Cluster
 from loom.cost.workload import MetadataArrays
 from loom.data.sample import SampleMeta
-from loom.plan.plan import LLM, Plan
-from loom.schedule.layout import BatchLayout
 
 DISPATCH = "dispatch"  # the timeline kind of the dispatch's parts
 
@@ -104,7 +104,9 @@ class DispatchCost:
     (``decide``) and each phase's payload all-to-all (``payload``, in exchange order), with the
     bytes behind them: ``metadata_bytes`` gathered, ``payload_bytes[phase]`` sent between
     different ranks, ``internode_bytes[phase]`` the most any one rank sends to other nodes
-    (orchmllm.md §3.10, Eq. 5's objective)."""
+    (orchmllm.md §3.10, Eq. 5's objective). ``unpermuted`` holds the all-to-all seconds and
+    cross-node bytes the layout would have cost without node-wise rearrangement (``None``
+    when none was applied); it is not part of ``total``."""
 
     gather: float
     decide: float
@@ -112,6 +114,7 @@ class DispatchCost:
     metadata_bytes: float = 0.0
     payload_bytes: dict[str, float] = field(default_factory=dict)
     internode_bytes: dict[str, float] = field(default_factory=dict)
+    unpermuted: dict[str, dict[str, float]] | None = None  # {"payload_s": ..., "max_internode_send_bytes": ...}
 
     @property
     def total(self) -> float:
@@ -125,7 +128,8 @@ class DispatchCost:
     def summary(self) -> dict[str, Any]:
         return {"total_s": self.total, "gather_s": self.gather, "decide_s": self.decide,
                 "payload_s": dict(self.payload), "metadata_bytes": self.metadata_bytes,
-                "payload_bytes": dict(self.payload_bytes), "max_internode_send_bytes": dict(self.internode_bytes)}
+                "payload_bytes": dict(self.payload_bytes), "max_internode_send_bytes": dict(self.internode_bytes),
+                "without_nodewise": self.unpermuted}
 
 
 def metadata_bytes(metas: Sequence[SampleMeta], world_size: int = 1) -> int:
@@ -134,49 +138,6 @@ def metadata_bytes(metas: Sequence[SampleMeta], world_size: int = 1) -> int:
     then one number per sample, three per image, two per audio clip)."""
     flat = MetadataArrays.from_metas(list(metas)).to_flat()
     return int(flat.nbytes + (world_size - 1) * 3 * flat.itemsize)  # one header per rank
-
-
-def sample_payload_bytes(metas: Sequence[SampleMeta], phases: Iterable[str],
-                         element_bytes: Mapping[str, int] | None = None) -> dict[str, list[float]]:
-    """Per phase, each sample's payload bytes as the dispatcher moves them: the pixels of its
-    images (3 x height x width) to a vision encoder, the samples of its clips to an audio
-    encoder, its text ids to the LLM; ``element_bytes`` per phase (default: float32 pixels and
-    waveforms, int64 ids, as loom's runtime sends them)."""
-    sizes = {"vision": 4, "audio": 4, LLM: 8, **(element_bytes or {})}
-    out: dict[str, list[float]] = {}
-    for phase in phases:
-        if phase == LLM:
-            out[phase] = [float(m.text_tokens * sizes[LLM]) for m in metas]
-        elif phase in ("vision", "audio"):
-            field_name = "images" if phase == "vision" else "audios"
-            per_item = (lambda it: 3 * it.height * it.width) if phase == "vision" else (lambda it: it.num_samples)
-            out[phase] = [float(sum(per_item(it) for it in getattr(m, field_name)) * sizes[phase]) for m in metas]
-        else:
-            raise DispatchModelError(f"no payload rule for phase {phase!r}; known: vision, audio, {LLM}")
-    return out
-
-
-def layout_payload_bytes(plan: Plan, layout: BatchLayout, sample_bytes: Mapping[str, Sequence[float]],
-                         world_size: int | None = None) -> dict[str, np.ndarray]:
-    """Per phase, the ``world x world`` bytes of the dispatcher's all-to-all for ``layout``:
-    sample ``s`` (position in the global batch) sits on its loader rank (contiguous shards of
-    the batch, sizes differing by at most one, as `loom.runtime.dispatch.loader_shards` cuts
-    them) and goes to every stage of the replica holding its slot in that phase (slot ``j`` of
-    a module of data-parallel degree ``dp`` runs on replica ``j % dp``)."""
-    world = plan.world_size if world_size is None else world_size
-    count = len(next(iter(sample_bytes.values()), []))
-    owner = np.empty(count, dtype=np.int64)
-    for r, part in enumerate(np.array_split(np.arange(count), world)):
-        owner[part] = r
-    out = {}
-    for phase in plan.module_names:
-        spec, sizes = plan.spec(phase), sample_bytes[phase]
-        m = np.zeros((world, world))
-        for s, j in layout.slot_of(phase).items():
-            for stage in range(spec.num_stages):
-                m[owner[s], plan.rank_of(phase, stage, j % spec.data_parallel)] += sizes[s]
-        out[phase] = m
-    return out
 
 
 def decision_seconds_model(policies: Mapping[str, str] | str, num_samples: int) -> float:
@@ -219,10 +180,13 @@ def max_internode_send(matrix: np.ndarray | Sequence[Sequence[float]], ranks_per
 
 
 def price_dispatch(world_size: int, links: Links, *, metadata_bytes: float, decision_seconds: float,
-                   payload: Mapping[str, np.ndarray | Sequence[Sequence[float]]]) -> DispatchCost:
+                   payload: Mapping[str, np.ndarray | Sequence[Sequence[float]]],
+                   payload_unpermuted: Mapping[str, np.ndarray | Sequence[Sequence[float]]] | None = None
+                   ) -> DispatchCost:
     """The dispatch of one step on ``world_size`` ranks: the all-gather of ``metadata_bytes``,
     ``decision_seconds`` (measured, or `decision_seconds_model`), and ``payload[phase]`` (a
-    ``world_size x world_size`` byte matrix per phase, in exchange order)."""
+    ``world_size x world_size`` byte matrix per phase, in exchange order); ``payload_unpermuted``
+    the same exchange before node-wise rearrangement, priced for comparison."""
     if world_size < 1:
         raise DispatchModelError(f"world_size = {world_size}: use a positive rank count")
     if metadata_bytes < 0 or decision_seconds < 0 or not np.isfinite(decision_seconds):
@@ -238,8 +202,13 @@ def price_dispatch(world_size: int, links: Links, *, metadata_bytes: float, deci
         seconds[phase] = all_to_all_seconds(m, links)
         moved[phase] = float(m.sum() - np.trace(m))
         internode[phase] = max_internode_send(m, links.ranks_per_node)
+    unpermuted = None
+    if payload_unpermuted is not None:
+        unpermuted = {"payload_s": {p: all_to_all_seconds(m, links) for p, m in payload_unpermuted.items()},
+                      "max_internode_send_bytes": {p: max_internode_send(m, links.ranks_per_node)
+                                                   for p, m in payload_unpermuted.items()}}
     gather = all_gather_time(metadata_bytes, world_size, links.world_link(world_size))
-    return DispatchCost(gather, float(decision_seconds), seconds, float(metadata_bytes), moved, internode)
+    return DispatchCost(gather, float(decision_seconds), seconds, float(metadata_bytes), moved, internode, unpermuted)
 
 
 def _square(matrix: np.ndarray | Sequence[Sequence[float]], name: str) -> np.ndarray:

@@ -38,8 +38,9 @@ from loom.data.sample import SampleMeta
 from loom.data.synthetic import MIXES, SyntheticMetadata
 from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 from loom.schedule.generators import build_schedule
-from loom.sim.dispatch import (DispatchCost, Links, decision_seconds_model, layout_payload_bytes, metadata_bytes,
-                               price_dispatch, sample_payload_bytes)
+from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
+from loom.cost.workload import MetadataArrays
+from loom.sim.dispatch import DispatchCost, Links, decision_seconds_model, metadata_bytes, price_dispatch
 from loom.sim.loads import PhaseLoads, phase_loads
 from loom.sim.simulator import SimResult, simulate
 
@@ -157,9 +158,13 @@ class Scenario:
         world = plan.world_size
         if decision_seconds is None:
             decision_seconds = decision_seconds_model(policies, len(metas))
-        payload = layout_payload_bytes(plan, layout, sample_payload_bytes(metas, plan.module_names), world)
+        sizes = sample_payload_bytes(self.arch, MetadataArrays.from_metas(metas))
+        payload = layout_payload_bytes(plan, layout, sizes, True, world)
+        unpermuted = None
+        if getattr(layout, "unpermuted_slot", None):  # node-wise rearrangement ran: price it without, too
+            unpermuted = layout_payload_bytes(plan, layout, sizes, False, world)
         return price_dispatch(world, Links.of_cluster(self.cluster), metadata_bytes=metadata_bytes(metas, world),
-                              decision_seconds=decision_seconds, payload=payload)
+                              decision_seconds=decision_seconds, payload=payload, payload_unpermuted=unpermuted)
 
     def _run(self, plan: Plan, work: list[MicrobatchWork] | None, layout: "BatchLayout | None",
              sample_work: list[MicrobatchWork] | None, eager: int = 0,
