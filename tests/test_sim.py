@@ -404,3 +404,4 @@ def test_price_dispatch_parts_and_refusals():
     with pytest.raises(DispatchModelError, match="known"):
         decision_seconds_model("magic", 10)
 
+
