@@ -47,19 +47,25 @@ def test_loader_rank_of_is_the_runtimes_loader_shards():
         assert np.array_equal(loader_rank_of(n, world), want)
 
 
-def test_payload_rule_agrees_with_the_simulator(arch, metas):
-    from loom.sim.dispatch import layout_payload_bytes as sim_payload
-    from loom.sim.dispatch import sample_payload_bytes as sim_sample_bytes
-
+def test_payload_rule_follows_the_dispatcher(arch, metas):
+    # the oracle: the dispatcher's rule, one sample and one stage at a time
     batch = metas[:48]
     plan = _plan(arch, 2, 2, 2, 4)
     mine = sample_payload_bytes(arch, MetadataArrays.from_metas(batch))
-    theirs = sim_sample_bytes(batch, plan.module_names)
-    for p in plan.module_names:
-        assert np.array_equal(mine[p], np.asarray(theirs[p]))
+    assert np.array_equal(mine[LLM], [8.0 * m.text_tokens for m in batch])  # int64 ids
+    assert np.array_equal(mine["vision"], [4.0 * sum(3 * i.height * i.width for i in m.images) for m in batch])
     layout = make_layout(BalanceConfig(default="orchmllm", min_gain=-1.0), plan, sample_costs(arch, batch))
-    for p, m in sim_payload(plan, layout, theirs).items():
-        assert np.array_equal(layout_payload_bytes(plan, layout, mine)[p], m)
+    world = plan.world_size
+    got = layout_payload_bytes(plan, layout, mine)
+    for p in plan.module_names:
+        spec = plan.spec(p)
+        want = np.zeros((world, world))
+        for src, shard in enumerate(loader_shards(len(batch), world)):
+            for s in shard:
+                j = layout.slot_index(p)[s]
+                for stage in range(spec.num_stages):
+                    want[src, plan.rank_of(p, stage, j % spec.data_parallel)] += mine[p][s]
+        assert np.array_equal(got[p], want)
 
 
 def _cross_total(plan, layout, costs, rpn, permuted=True) -> float:

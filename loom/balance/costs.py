@@ -8,7 +8,7 @@ Python object per sample. The decisions only compare costs, so the hardware's ra
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,9 +32,10 @@ class SampleCosts:
     llm_lengths: np.ndarray
     llm_alpha: float
     llm_beta: float
-    # per phase, each sample's payload bytes as the dispatcher moves them (`loom.balance.payload`);
-    # node-wise rearrangement needs them, the balancing itself does not
-    payload_bytes: dict[str, np.ndarray] | None = None
+    # per phase, each sample's payload bytes as the dispatcher moves them (`loom.balance.payload`),
+    # or the function that computes them: node-wise rearrangement needs them, the balancing
+    # itself does not, so the hot path does not pay for them unless asked (`payload_bytes`)
+    payload: "dict[str, np.ndarray] | Callable[[], dict[str, np.ndarray]] | None" = None
 
     def __post_init__(self) -> None:
         # lists are accepted (tests, hand-built costs); the policies index arrays
@@ -42,14 +43,27 @@ class SampleCosts:
         object.__setattr__(self, "llm_lengths", np.asarray(self.llm_lengths, dtype=np.int64))
 
     @property
+    def payload_bytes(self) -> dict[str, np.ndarray] | None:
+        """Per phase, each sample's payload bytes (None when not known), computed once."""
+        if callable(self.payload):
+            object.__setattr__(self, "payload", self.payload())
+        return self.payload
+
+    @property
     def num_samples(self) -> int:
         return int(len(self.llm_lengths))
 
     def llm_padded_weight(self) -> np.ndarray:
         """Each sample's padded per-row cost ``alpha * l + beta * l²`` (a microbatch costs its
-        row count times the largest of these)."""
-        l = np.asarray(self.llm_lengths, dtype=np.float64)
-        return self.llm_alpha * l + self.llm_beta * l * l
+        row count times the largest of these); computed once (the policy and its never-slower
+        check both read it)."""
+        cached = self.__dict__.get("_padded_weight")
+        if cached is None:
+            l = np.asarray(self.llm_lengths, dtype=np.float64)
+            cached = self.llm_alpha * l + self.llm_beta * l * l
+            cached.flags.writeable = False
+            object.__setattr__(self, "_padded_weight", cached)
+        return cached
 
 
 def module_coefficients(arch: ModelArch, name: str) -> tuple[float, float]:
@@ -71,4 +85,4 @@ def sample_costs(arch: ModelArch, metas: MetadataArrays | Sequence[SampleMeta]) 
         a, b = module_coefficients(arch, name)
         work[name] = a * tok.tokens[name].astype(np.float64) + b * tok.attn_sq[name].astype(np.float64)
     alpha, beta = module_coefficients(arch, LLM)
-    return SampleCosts(work, tok.tokens[LLM], alpha, beta, sample_payload_bytes(arch, metas))
+    return SampleCosts(work, tok.tokens[LLM], alpha, beta, lambda: sample_payload_bytes(arch, metas))
