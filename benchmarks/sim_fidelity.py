@@ -28,8 +28,9 @@ What runs, in this order:
    phase from the samples it holds (`loom.cost.workload.sample_work`, right-padded LLM rows as
    the runtime collates them), and the dispatch priced by `loom.sim.dispatch`: the metadata
    all-gather and the payload all-to-alls over the profile's measured message link (alpha-beta
-   from its ``latency`` fit), the decision at its time measured here (median of repeated
-   ``sample_costs`` + ``make_layout`` calls on the gathered metadata).
+   from its ``latency`` fit), the decision at its time measured here before the steps (median of
+   repeated ``sample_costs`` + ``make_layout`` calls on the gathered metadata, with the profile's
+   co-running processes computing alongside, as the other ranks do when they decide).
 
 Figures:
 
@@ -83,6 +84,7 @@ from loom.cost.workload import MetadataArrays, sample_work
 from loom.data.sampler import GlobalBatchSampler
 from loom.data.sample import SampleMeta
 from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.profile.corun import CoRunners
 from loom.runtime.dispatch import Dispatcher
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.stage import trainable_stages
@@ -238,8 +240,25 @@ def decision_seconds(cfg: TrainConfig, arch, metas: list[SampleMeta], repeats: i
     return statistics.median(times)
 
 
-def predict(case: Case, profile_path: Path, links: Links):
-    """The simulated step of ``case``: its `SimResult` and the dispatch's price."""
+def measure_decisions(selected: list[Case], co_runners: int) -> list[float]:
+    """Each case's decision time (`decision_seconds`), measured before any step with
+    ``co_runners`` processes computing alongside, the contention the profile was taken under
+    (the other ranks decide at the same time on the same cores)."""
+    out = []
+    with CoRunners(co_runners):
+        for case in selected:
+            cfg = train_config(case)
+            tokenizer, dataset = build_data(cfg)
+            arch = arch_from_model(build_model(cfg.model, tokenizer, seed=cfg.run.seed))
+            plan = cfg.plan.resolve(arch.layer_counts(), WORLD_SIZE)
+            cfg.plan = plan
+            out.append(decision_seconds(cfg, arch, [dataset.meta(i) for i in batch_indices(cfg)]))
+    return out
+
+
+def predict(case: Case, profile_path: Path, links: Links, decide_s: float):
+    """The simulated step of ``case``: its `SimResult` and the dispatch's price (the decision
+    taking ``decide_s``)."""
     cfg = train_config(case)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
@@ -256,7 +275,7 @@ def predict(case: Case, profile_path: Path, links: Links):
             for j in range(layout.num_microbatches)]
     per_sample = [sample_work(arch, [m], batching) for m in metas]
     dispatch = price_dispatch(WORLD_SIZE, links, metadata_bytes=metadata_bytes(metas, WORLD_SIZE),
-                              decision_seconds=decision_seconds(cfg, arch, metas),
+                              decision_seconds=decide_s,
                               payload=layout_payload_bytes(plan, layout, sample_payload_bytes(arch, MetadataArrays.from_metas(metas))))
     result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch)
     return result, dispatch
@@ -353,6 +372,8 @@ def main(argv=None) -> dict:
             profile_path = Path(tmp) / "profile.json"
             profile_s = run_profiler(profile_path, args.co_runners, args.profile_repeats)
             print(f"  profiled in {profile_s:.0f} s -> {profile_path}")
+        decisions = measure_decisions(selected, args.co_runners)
+        print("  decisions: " + ", ".join(f"{c.name} {d * 1e3:.1f} ms" for c, d in zip(selected, decisions)))
         measured = measure(selected, args.steps, args.warmup)
         print(f"  measured in {time.perf_counter() - t_start:.0f} s")
         cfg0 = train_config(all_cases[0])
@@ -363,8 +384,8 @@ def main(argv=None) -> dict:
         link = Link("gloo loopback (profiled)", 1.0 / max(comm.latency.seconds_per_byte, 1e-15), comm.latency.alpha_s)
         links = Links.uniform(link)  # one machine: every pair of ranks shares one node
         rows, errors, observations, details = [], [], {k: [] for k in KINDS}, []
-        for case, meas in zip(selected, measured):
-            sim, dispatch = predict(case, profile_path, links)
+        for case, meas, decide_s in zip(selected, measured, decisions):
+            sim, dispatch = predict(case, profile_path, links, decide_s)
             real = statistics.median(meas["times"])
             err = abs(sim.iteration_time - real) / real
             errors.append(err)
@@ -433,7 +454,8 @@ def main(argv=None) -> dict:
                    f"separate `loom profile` run before any step ({profile_s:.0f} s, --threads 1, --co-runners "
                    f"{args.co_runners}, --repeats {args.profile_repeats}), loaded with load_profile_for",
         "dispatch_model": "loom.sim.dispatch: ring all-gather of the metadata array and one all-to-all per phase "
-                          "over the profiled message link (latency fit), decision time measured here",
+                          "over the profiled message link (latency fit), decision time measured before the steps under the "
+                          "profile's co-runners",
         "spreads": "median_abs_rel_error: over cases; action_median_abs_rel_error: over kinds; "
                    "sim_seconds: over simulate calls",
         "kind_errors": {k: round(v, 4) for k, v in kind_errors.items()},
