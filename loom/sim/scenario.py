@@ -17,7 +17,10 @@ in (packed by default, as large-scale trainers do; ``padded`` mirrors loom's CPU
 A plan also runs under a balancing policy (`Scenario.run_balanced`, `loom.balance.policy`): the
 global batch's per-sample costs give a `BatchLayout`, the schedule is built with it (routed
 encoder-to-LLM edges, Entrain's split backward), and each slot's workload, per phase, comes from
-the samples that slot holds in that phase.
+the samples that slot holds in that phase. The step then starts with the dispatcher's cost
+(`Scenario.dispatch_cost`, `loom.sim.dispatch`): the metadata all-gather, the policy's decision
+and the payload all-to-alls over the cluster's intra- and inter-node links, so a policy's cost
+shows next to its gain.
 """
 
 from __future__ import annotations
