@@ -36,10 +36,10 @@ import numpy as np
 from loom.balance.config import JOINT, ORDERS, POLICIES, BalanceConfig, BalanceError, check_balance_config
 from loom.balance.costs import SampleCosts, sample_costs
 from loom.balance.disttrain_policy import disttrain_layout
-from loom.balance.entrain import entrain_replica_plans
+from loom.balance.entrain_policy import entrain_layout
 from loom.balance.orchmllm import orchmllm_layout
 from loom.plan.plan import LLM, Plan
-from loom.schedule.layout import BatchLayout, LayoutError, contiguous_layout, identity_layout, max_over_mean
+from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean
 
 __all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",
            "critical_load", "load_stats", "make_layout", "sample_costs"]
@@ -69,7 +69,7 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     if set(chosen.values()) == {"disttrain"}:
         layout = disttrain_layout(plan, costs, padded)
     elif set(chosen.values()) == {"entrain"}:
-        layout = _entrain(plan, costs)
+        layout = entrain_layout(plan, costs, padded)
     else:
         layout = orchmllm_layout(plan, costs, chosen, config.order, padded, config.ranks_per_node,
                                  config.nodewise_time_limit)
@@ -113,60 +113,6 @@ def critical_load(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padde
         padded_slots[:m] = per_slot
         out[phase] = float(padded_slots.reshape(rounds, dp).max(axis=1).sum())
     return out
-
-
-def _entrain(plan: Plan, costs: SampleCosts) -> BatchLayout:
-    """Entrain: replica assignment, K_eff, stratified microbatches, deferral, interleaving."""
-    dp = plan.spec(LLM).data_parallel
-    if any(s.data_parallel != dp for s in plan.modules):
-        raise BalanceError(
-            f"balance.default = 'entrain' assigns each sample to one replica for encoders and LLM alike; set every "
-            f"module's data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
-        )
-    m = plan.num_microbatches
-    if m % dp:
-        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
-    n = len(costs.llm_lengths)
-    if n % dp:
-        raise BalanceError(
-            f"data.global_batch_size = {n} does not split evenly over the {dp} data-parallel replicas, which "
-            f"Entrain's DP-level assignment needs (entrain.md §3.4, B/DP samples each); use a multiple of {dp}"
-        )
-    enc = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n)).tolist()
-    llm = costs.work[LLM].tolist()
-    k = m // dp
-    # K_eff differs per replica; every replica runs the same count (the schedule's microbatches
-    # are round-robin over replicas), so shrink to the smallest until they agree.
-    while True:
-        plans = entrain_replica_plans(enc, llm, dp, k)
-        counts = {p.num_microbatches for p in plans}
-        if counts == {k} or k == 1:
-            break
-        k = min(counts)
-    llm_slots: list[tuple[int, ...]] = []
-    enc_slots: list[tuple[int, ...]] = []
-    for j in range(dp * k):
-        p = plans[j % dp]
-        enc_slots.append(tuple(sorted(p.encoder_microbatches[j // dp])))
-        llm_slots.append(tuple(sorted(p.llm_microbatches[j // dp])))
-    llm_slots = _keep_llm_nonempty(enc_slots, llm_slots, dp)
-    slots = {e: tuple(enc_slots) for e in plan.encoder_names}
-    slots[LLM] = tuple(llm_slots)
-    return BatchLayout(slots, {p: "entrain" for p in plan.module_names})
-
-
-def _keep_llm_nonempty(enc: list[tuple[int, ...]], llm: list[tuple[int, ...]], dp: int) -> list[tuple[int, ...]]:
-    """Entrain may defer every sample of an overloaded microbatch (entrain.md §7 gap 9); loom
-    keeps the last one in place so no LLM microbatch is empty."""
-    llm = [list(x) for x in llm]
-    for j, slot in enumerate(llm):
-        if not slot:
-            if j + dp >= len(llm):
-                raise LayoutError(f"entrain left LLM microbatch {j} empty with nowhere to take a sample from")
-            s = max(enc[j])
-            llm[j + dp].remove(s)
-            slot.append(s)
-    return [tuple(sorted(x)) for x in llm]
 
 
 # ---- what a layout achieved ------------------------------------------------------------------

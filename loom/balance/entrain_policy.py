@@ -1,0 +1,380 @@
+"""The ``entrain`` policy: Algorithm 4 of ``entrain.md`` (§3.4-3.5) for every replica at once.
+
+`loom.balance.entrain` holds the algorithm one replica at a time, in plain Python, with its
+exact oracles. A step of 64 replicas x 32 microbatches of 16 samples needs it in tens of
+milliseconds, so this module runs the same steps on arrays, all replicas in lockstep:
+
+1. DP-level assignment (§3.4): samples by encoder work, heaviest first, in *rounds* of one
+   sample per replica; inside a round the heaviest LLM sample goes to the replica with the
+   least LLM work so far. This realises the capacity cap (§7.6: ``B / DP`` samples each) by
+   construction, spreads the heaviest encoder samples one per replica, and keeps the replicas'
+   LLM loads within one sample of each other (max - min <= the largest LLM cost: a sorted
+   pairing never widens a spread that is within it). `entrain.dp_assignment`'s sequential
+   greedy is a loop over samples that cannot run in lockstep.
+2. ``K_eff`` (§3.5.1) per replica; every replica runs the smallest (the schedule's microbatches
+   are round-robin over replicas).
+3. Stratified assignment (§3.5.1): `entrain.stratified_assignment`'s list (one fine seed per
+   microbatch, then the coarse set, then the rest of the fine set, each by encoder work
+   descending), min-load greedy on encoder work over a ``(replicas, K)`` load matrix, one argmin
+   per list position (ties: lowest index; a list-scheduling run, so Graham's ``2 - 1/K``
+   holds). Samples without encoder work after the seeds go where the LLM work is least.
+4. Pairwise deferral (§3.5.2): every overloaded microbatch's subset-sum table at once, as
+   packed 64-bit words (``SUBSET_SUM_RESOLUTION_POLICY`` units per microbatch), every pair's
+   closest reachable sum by table look-up, eq. 4.3's ``V`` from it, and the bottleneck matching
+   by a binary search in lockstep whose feasibility test is one Hopcroft-Karp matching over all
+   replicas' graphs (block diagonal, `scipy.sparse.csgraph.maximum_bipartite_matching`). ``T*``
+   is exact for the ``V`` it is given; ``V`` is exact up to half a unit per item (the reference's
+   bound, at this module's unit), and the realised loads use the samples' true costs.
+
+With a right-padded LLM (loom's default) an LLM microbatch costs its row count times its
+longest row, not the sum: a deferral is kept only where it lowers the pair's padded cost.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from scipy.sparse import csr_matrix
+from scipy.sparse.csgraph import maximum_bipartite_matching
+
+from loom.balance.config import BalanceError
+from loom.balance.costs import SampleCosts
+from loom.plan.plan import LLM, Plan
+from loom.schedule.layout import BatchLayout, LayoutError
+
+# Units per overloaded microbatch of the policy's subset-sum tables (the reference uses 4096).
+# At 512 a microbatch of 16 samples is matched to within 16 / 1024 of its LLM load in the worst
+# case and typically 0.1 %, well inside the cost model's own error, and the tables of 64
+# replicas x 16 microbatches are 9 words each.
+SUBSET_SUM_RESOLUTION_POLICY = 512
+
+
+def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> BatchLayout:
+    """Entrain: replica assignment, K_eff, stratified microbatches, deferral, interleaving.
+    Slot ``j`` is position ``j // dp`` of replica ``j % dp``'s interleaved order."""
+    dp = plan.spec(LLM).data_parallel
+    if any(s.data_parallel != dp for s in plan.modules):
+        raise BalanceError(
+            f"balance.default = 'entrain' assigns each sample to one replica for encoders and LLM alike; set every "
+            f"module's data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
+        )
+    m = plan.num_microbatches
+    if m % dp:
+        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
+    n = costs.num_samples
+    if n % dp:
+        raise BalanceError(
+            f"data.global_batch_size = {n} does not split evenly over the {dp} data-parallel replicas, which "
+            f"Entrain's DP-level assignment needs (entrain.md §3.4, B/DP samples each); use a multiple of {dp}"
+        )
+    enc = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n))
+    llm = costs.work[LLM]
+    members = replicas_by_rounds(enc, llm, dp)  # (dp, n / dp) positions, ascending per row
+    e, w = enc[members], llm[members]
+    k = effective_count(e, m // dp)
+    mb = stratified(e, w, k)  # (dp, per): microbatch of each member
+    row_cost = costs.llm_padded_weight()[members] if llm_padded else None
+    position, defer = pairwise_deferral(mb, w, k, row_cost)
+    enc_slot = position[np.arange(dp)[:, None], mb] * dp + np.arange(dp)[:, None]
+    llm_slot = enc_slot + defer * dp  # a deferred sample's LLM work runs one position later
+    llm_slot = _keep_llm_nonempty(enc_slot, llm_slot, k * dp, dp)
+    slot_of = {name: np.empty(n, dtype=np.int64) for name in plan.module_names}
+    for name in plan.module_names:
+        slot_of[name][members] = llm_slot if name == LLM else enc_slot
+    return BatchLayout.from_slot_index(slot_of, k * dp, {p: "entrain" for p in plan.module_names})
+
+
+# ---- 1. DP-level assignment (§3.4) -----------------------------------------------------------
+def replicas_by_rounds(enc: np.ndarray, llm: np.ndarray, dp: int) -> np.ndarray:
+    """Samples (positions) of each replica, a ``(dp, n / dp)`` matrix, ascending per row.
+
+    Samples by encoder work descending (ties: lower position) form rounds of ``dp``; in each
+    round the samples by LLM work descending (ties: earlier in the round) go to the replicas by
+    LLM load so far ascending (ties: lower replica)."""
+    n = enc.size
+    order = np.lexsort((np.arange(n), -enc)).reshape(-1, dp)
+    within = np.lexsort((np.broadcast_to(np.arange(dp), order.shape), -llm[order]), axis=-1)
+    rounds = np.take_along_axis(order, within, axis=1)
+    work = llm[rounds]
+    replica = np.empty(rounds.shape, dtype=np.int64)
+    load = np.zeros(dp)
+    for t in range(rounds.shape[0]):
+        lightest = np.argsort(load, kind="stable")
+        replica[t] = lightest
+        load[lightest] += work[t]
+    rep = np.empty(n, dtype=np.int64)
+    rep[rounds.ravel()] = replica.ravel()
+    return np.argsort(rep, kind="stable").reshape(dp, -1)
+
+
+# ---- 2-3. K_eff and stratified assignment (§3.5.1) -------------------------------------------
+def effective_count(enc: np.ndarray, k: int) -> int:
+    """The smallest replica's ``K_eff = min(K, floor(sum / max))`` (`entrain.effective_microbatches`
+    per row of ``enc``, whose slack against rounding it keeps)."""
+    peak = enc.max(axis=1)
+    total = enc.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cap = np.where(peak > 0, np.floor(total / np.where(peak > 0, peak, 1.0) * (1 + 1e-12)), enc.shape[1])
+    return max(1, min(k, int(cap.min())))
+
+
+def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 0.5) -> np.ndarray:
+    """Microbatch of every member (``(replicas, per)`` in, same shape out) by
+    `entrain.stratified_assignment`'s list, all replicas in lockstep."""
+    rows, per = enc.shape
+    col = np.broadcast_to(np.arange(per), (rows, per))
+    r = np.arange(rows)[:, None]
+    # the fine set: the fine_fraction of members with the least LLM work, at least k of them
+    n_fine = min(per, max(k, math.ceil(fine_fraction * per)))
+    by_llm = np.lexsort((col, llm), axis=-1)
+    fine = np.zeros((rows, per), dtype=bool)
+    fine[r, by_llm[:, :n_fine]] = True
+    # list order: k fine seeds (largest encoder work), the coarse set, the rest of the fine set,
+    # each by encoder work descending (ties: lower member)
+    by_enc = np.lexsort((col, -enc, ~fine), axis=-1)  # fine first, then by encoder work
+    group = np.where(fine, 2, 1)
+    group[r, by_enc[:, :k]] = 0
+    listed = np.lexsort((col, -enc, group), axis=-1)
+    w = np.take_along_axis(enc, listed, axis=1)
+    aside = (w == 0) & (np.arange(per) >= k)  # no encoder work: placed by LLM work below
+    w = np.where(aside, 0.0, w)
+    chosen = np.empty((rows, per), dtype=np.int64)
+    chosen[:, :k] = np.arange(k)  # one seed per microbatch
+    loads = np.zeros((rows, k))
+    loads[:, :] = w[:, :k]
+    lanes = np.arange(rows)
+    for t in range(k, per):
+        b = loads.argmin(axis=1)
+        chosen[:, t] = b
+        loads[lanes, b] += w[:, t]  # zero for a set-aside sample: no load changes
+    mb = np.empty((rows, per), dtype=np.int64)
+    np.put_along_axis(mb, listed, chosen, axis=1)
+    if aside.any():
+        # text-only samples, heaviest LLM first, where the LLM work is least (ties: lowest
+        # index): they change no encoder load, and deferral starts from balanced LLM loads
+        is_aside = np.zeros((rows, per), dtype=bool)
+        np.put_along_axis(is_aside, listed, aside, axis=1)
+        llm_load = np.zeros((rows, k))
+        np.add.at(llm_load, (np.broadcast_to(r, (rows, per))[~is_aside], mb[~is_aside]), llm[~is_aside])
+        key = np.where(is_aside, -llm, np.inf)
+        queue = np.lexsort((col, key), axis=-1)
+        for t in range(int(is_aside.sum(axis=1).max())):
+            s = queue[:, t]
+            live = is_aside[lanes, s]
+            b = llm_load.argmin(axis=1)
+            mb[lanes[live], s[live]] = b[live]
+            llm_load[lanes[live], b[live]] += llm[lanes[live], s[live]]
+    return mb
+
+
+# ---- 4. pairwise deferral (§3.5.2) -----------------------------------------------------------
+def pairwise_deferral(mb: np.ndarray, llm: np.ndarray, k: int,
+                      row_cost: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Interleaved order and deferrals of every replica. ``mb[r, i]``: microbatch of member
+    ``i`` of replica ``r``; ``llm``: its LLM cost; ``row_cost`` (padded LLM): its padded row
+    cost. Returns ``(position, defer)``: ``position[r, b]`` is microbatch ``b``'s place in
+    replica ``r``'s order, ``defer[r, i]`` is 1 where member ``i``'s LLM work runs one
+    position later (in its partner's microbatch)."""
+    rows, per = mb.shape
+    lanes = np.arange(rows)
+    defer = np.zeros((rows, per), dtype=np.int64)
+    flat = lanes[:, None] * k + mb
+    loads = np.bincount(flat.ravel(), weights=llm.ravel(), minlength=rows * k).reshape(rows, k)
+    by_load = np.lexsort((np.broadcast_to(np.arange(k), (rows, k)), -loads), axis=-1)
+    half = k // 2
+    ol, ul = by_load[:, :half], by_load[:, half:]
+    position = np.empty((rows, k), dtype=np.int64)
+    if half == 0:  # one microbatch: nothing to pair
+        position[:] = 0
+        return position, defer
+    # members of each microbatch as a (rows * k, width) matrix, -1 padded
+    order = np.argsort(flat.ravel(), kind="stable")
+    counts = np.bincount(flat.ravel(), minlength=rows * k)
+    width = int(counts.max())
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    rank = np.arange(order.size) - np.repeat(starts, counts)
+    slot_members = np.full((rows * k, width), -1, dtype=np.int64)
+    slot_members[flat.ravel()[order], rank] = order % per
+    tables = (lanes[:, None] * k + ol).ravel()  # one table per overloaded microbatch
+    items = slot_members[tables]  # (T, width) member index, -1 padded
+    weights = np.where(items >= 0, llm[np.repeat(lanes, half)[:, None], np.maximum(items, 0)], 0.0)
+    table = _SubsetSums(weights)
+    l_ol = np.take_along_axis(loads, ol, axis=1)  # (rows, half)
+    l_ul = np.take_along_axis(loads, ul, axis=1)  # (rows, n_ul)
+    delta = (l_ol[:, :, None] - l_ul[:, None, :]) / 2  # (rows, half, n_ul)
+    moved = table.closest(np.repeat(np.arange(tables.size), ul.shape[1]), delta.ravel()).reshape(delta.shape)
+    v = np.maximum(l_ol[:, :, None] - moved, l_ul[:, None, :] + moved)  # eq. 4.3
+    partner, critical = _bottleneck_matching(v, l_ol, l_ul)
+    # interleaved order (ol_0, partner_0, ol_1, partner_1, ..., unpaired)
+    paired = np.zeros((rows, ul.shape[1]), dtype=bool)
+    paired[lanes[:, None], partner] = True
+    unpaired = np.where(paired, np.inf, l_ul)
+    rest = np.lexsort((np.broadcast_to(np.arange(ul.shape[1]), unpaired.shape), unpaired), axis=-1)
+    n_rest = ul.shape[1] - half
+    sequence = np.empty((rows, k), dtype=np.int64)
+    sequence[:, 0:2 * half:2] = ol
+    sequence[:, 1:2 * half:2] = np.take_along_axis(ul, partner, axis=1)
+    if n_rest:
+        sequence[:, 2 * half:] = np.take_along_axis(ul, rest[:, :n_rest], axis=1)
+    np.put_along_axis(position, sequence, np.broadcast_to(np.arange(k), (rows, k)), axis=1)
+    # the deferral sets of the critical pairs, read back from the tables at their partner's target
+    t_idx = np.flatnonzero(critical.ravel())
+    if t_idx.size:
+        r_idx, a_idx = np.divmod(t_idx, half)
+        target = delta[r_idx, a_idx, partner[r_idx, a_idx]]
+        take = table.subset(t_idx, target)  # (len, width) bool over each table's items
+        if row_cost is not None:
+            take &= _lowers_padded_cost(take, items[t_idx], slot_members, r_idx,
+                                        (r_idx * k + ul[r_idx, partner[r_idx, a_idx]]), row_cost)[:, None]
+        rr, cc = np.nonzero(take)
+        defer[r_idx[rr], items[t_idx][rr, cc]] = 1
+    return position, defer
+
+
+def _lowers_padded_cost(take: np.ndarray, src_items: np.ndarray, slot_members: np.ndarray, r_idx: np.ndarray,
+                        dst: np.ndarray, row_cost: np.ndarray) -> np.ndarray:
+    """Whether moving ``take`` from each overloaded microbatch to its partner lowers the pair's
+    padded cost ``max(count x longest row)`` (a right-padded LLM pays for its longest row)."""
+    src_cost = np.where(src_items >= 0, row_cost[r_idx[:, None], np.maximum(src_items, 0)], 0.0)
+    dst_items = slot_members[dst]
+    dst_cost = np.where(dst_items >= 0, row_cost[r_idx[:, None], np.maximum(dst_items, 0)], 0.0)
+    n_src, n_dst = (src_items >= 0).sum(axis=1), (dst_items >= 0).sum(axis=1)
+    n_take = take.sum(axis=1)
+    before = np.maximum(n_src * src_cost.max(axis=1), n_dst * dst_cost.max(axis=1))
+    stay = np.where(take, 0.0, src_cost).max(axis=1)
+    arrive = np.maximum(dst_cost.max(axis=1), np.where(take, src_cost, 0.0).max(axis=1))
+    after = np.maximum((n_src - n_take) * stay, (n_dst + n_take) * arrive)
+    return after < before
+
+
+class _SubsetSums:
+    """Reachable discretised subset sums of many item lists at once (§3.5.2 step 1), as packed
+    64-bit words: bit ``u`` of row ``t`` is set when some subset of row ``t``'s items sums to
+    ``u`` units. One row per overloaded microbatch; the prefixes (after each item) are kept to
+    read a subset back, as `entrain._SubsetSumTable` does per table."""
+
+    def __init__(self, weights: np.ndarray):
+        total = weights.sum(axis=1)
+        res = SUBSET_SUM_RESOLUTION_POLICY
+        integral = np.all(weights == np.floor(weights), axis=1) & (total <= res)
+        self.quantum = np.where(integral, 1.0, total / res)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            units = np.where(self.quantum[:, None] > 0, np.rint(weights / self.quantum[:, None]), 0)
+        self.units = units.astype(np.int64)
+        self.weights = weights
+        t = weights.shape[0]
+        self.words = int(self.units.sum(axis=1).max(initial=0)) // 64 + 1
+        reach = np.zeros((t, self.words), dtype=np.uint64)
+        reach[:, 0] = 1
+        self.prefix = [reach]
+        col = np.arange(self.words)
+        one = np.uint64(1)
+        for c in range(self.units.shape[1]):
+            u = self.units[:, c]
+            src = col[None, :] - (u >> 6)[:, None]
+            lo = np.where(src >= 0, np.take_along_axis(reach, np.maximum(src, 0), axis=1), 0).astype(np.uint64)
+            hi = np.where(src >= 1, np.take_along_axis(reach, np.maximum(src - 1, 0), axis=1), 0).astype(np.uint64)
+            b = (u & 63).astype(np.uint64)[:, None]
+            reach = reach | (lo << b) | ((hi >> one) >> (np.uint64(63) - b))
+            self.prefix.append(reach)
+        bits = np.unpackbits(reach.view(np.uint8), axis=1, bitorder="little").astype(bool)
+        idx = np.arange(bits.shape[1])
+        self.below = np.maximum.accumulate(np.where(bits, idx, -1), axis=1)  # largest reachable <= u
+        big = bits.shape[1]
+        self.above = np.minimum.accumulate(np.where(bits, idx, big)[:, ::-1], axis=1)[:, ::-1]  # smallest >= u
+        self.top = self.below[:, -1]
+
+    def _units(self, rows: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """Units of the reachable sum closest to ``target`` (ties: the smaller), per query."""
+        q = self.quantum[rows]
+        ok = (target > 0) & (q > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(ok, np.floor(target / np.where(q > 0, q, 1.0)), 0)
+        t = np.minimum(t, self.top[rows]).astype(np.int64)
+        lo = self.below[rows, t]
+        hi_i = np.minimum(t + 1, self.above.shape[1] - 1)
+        hi = np.where(t + 1 < self.above.shape[1], self.above[rows, hi_i], self.above.shape[1])
+        has_hi = hi <= self.top[rows]
+        lower = ~has_hi | (target - lo * q <= hi * q - target)
+        return np.where(ok, np.where(lower, lo, hi), 0)
+
+    def closest(self, rows: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """The (discretised) LLM work of the subset closest to each query's target."""
+        return self._units(rows, target) * self.quantum[rows]
+
+    def subset(self, rows: np.ndarray, target: np.ndarray) -> np.ndarray:
+        """The subsets themselves, as ``(queries, items)`` masks: walk the prefixes backwards,
+        skipping an item whenever the sum is reachable without it (`entrain._SubsetSumTable`)."""
+        units = self._units(rows, target)
+        take = np.zeros((rows.size, self.units.shape[1]), dtype=bool)
+        one = np.uint64(1)
+        for c in range(self.units.shape[1] - 1, -1, -1):
+            word = self.prefix[c][rows, units >> 6]
+            reachable = ((word >> (units & 63).astype(np.uint64)) & one).astype(bool)
+            take[:, c] = ~reachable
+            units = units - np.where(reachable, 0, self.units[rows, c])
+        return take
+
+
+def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every replica's smallest feasible ``T*`` (§3.5.2 step 3) and its pairing: ``partner[r, a]``
+    is the underloaded index paired with overloaded ``a``; ``critical[r, a]`` says it defers.
+
+    Binary search over each replica's sorted candidates ``V u L`` (those at or above its
+    heaviest underloaded load: deferral only adds to that side), all replicas in lockstep; a
+    probe is feasible when every critical microbatch (``L > T``) matches a distinct partner with
+    ``V <= T``, tested for all replicas by one maximum bipartite matching over their block-
+    diagonal graph. Non-critical microbatches take the lightest leftover partners."""
+    rows, half, n_ul = v.shape
+    floor = l_ul.max(axis=1)
+    cand = np.concatenate([v.reshape(rows, -1), l_ol, floor[:, None]], axis=1)
+    cand = np.where(cand >= floor[:, None], cand, np.inf)
+    cand.sort(axis=1)
+    lo = np.zeros(rows, dtype=np.int64)
+    hi = np.isfinite(cand).sum(axis=1) - 1  # the largest candidate >= every L: nothing critical
+
+    def feasible(threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        critical = l_ol > threshold[:, None]
+        edges = critical[:, :, None] & (v <= threshold[:, None, None])
+        r, a, b = np.nonzero(edges)
+        graph = csr_matrix((np.ones(r.size, dtype=np.int8), (r * half + a, r * n_ul + b)),
+                           shape=(rows * half, rows * n_ul))
+        match = maximum_bipartite_matching(graph, perm_type="column").reshape(rows, half)
+        ok = ((match >= 0) | ~critical).all(axis=1)
+        return ok, critical, match - np.arange(rows)[:, None] * n_ul
+
+    while np.any(lo < hi):
+        mid = (lo + hi) // 2
+        ok, _, _ = feasible(cand[np.arange(rows), mid])
+        active = lo < hi
+        hi = np.where(active & ok, mid, hi)
+        lo = np.where(active & ~ok, mid + 1, lo)
+    ok, critical, match = feasible(cand[np.arange(rows), lo])
+    # non-critical overloaded microbatches (heaviest first) take the lightest leftover partners
+    partner = np.where(critical, match, -1)
+    used = np.zeros((rows, n_ul), dtype=bool)
+    rr, aa = np.nonzero(critical)
+    used[rr, partner[rr, aa]] = True
+    free = np.lexsort((np.broadcast_to(np.arange(n_ul), (rows, n_ul)), np.where(used, np.inf, l_ul)), axis=-1)
+    waiting = np.lexsort((np.broadcast_to(np.arange(half), (rows, half)), critical), axis=-1)  # non-critical first
+    n_wait = (~critical).sum(axis=1)
+    for r in np.flatnonzero(n_wait).tolist():
+        partner[r, waiting[r, :n_wait[r]]] = free[r, :n_wait[r]]
+    return partner, critical
+
+
+def _keep_llm_nonempty(enc_slot: np.ndarray, llm_slot: np.ndarray, m: int, dp: int) -> np.ndarray:
+    """Entrain may defer every sample of an overloaded microbatch (entrain.md §7 gap 9); loom
+    keeps one (the last member) in place so no LLM microbatch is empty."""
+    counts = np.bincount(llm_slot.ravel(), minlength=m)
+    if counts.min() > 0:
+        return llm_slot
+    llm_slot = llm_slot.copy()
+    for j in np.flatnonzero(counts == 0).tolist():
+        mine = np.argwhere(enc_slot == j)
+        if not mine.size:
+            raise LayoutError(f"entrain left LLM microbatch {j} empty with nowhere to take a sample from")
+        r, i = mine[-1]
+        llm_slot[r, i] = j
+    return llm_slot
