@@ -137,22 +137,20 @@ def _bucket_runs(w: list[float], ends: list[int], bound: float, limit: int,
     the next buckets. O(distinct lengths) scalar steps per probe, whatever the sample count
     (~1,000 at 153,600 LLaVA-like samples, against ~2,560 run steps before).
     ``segments`` (if given) receives ``(first start, k, runs)`` per step."""
-    runs = pos = i = 0
-    n = ends[-1] if ends else 0
-    while pos < n:
-        while ends[i] <= pos:
-            i += 1
-        wi = w[i]
+    runs = pos = 0
+    for wi, end in zip(w, ends):
+        if end <= pos:  # covered by the run that spilled from a longer bucket
+            continue
         if wi <= 0.0:  # zero-cost rows (and all after them): any count fits
             if segments is not None:
-                segments.append((pos, n - pos, 1))
+                segments.append((pos, ends[-1] - pos, 1))
             return runs + 1
         k = int(bound // wi)
         if k * wi > bound:  # float floor one too high
             k -= 1
         if k < 1:
             k = 1
-        m = (ends[i] - pos + k - 1) // k
+        m = (end - pos + k - 1) // k
         if segments is not None:
             segments.append((pos, k, m))
         runs += m
@@ -201,28 +199,27 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
     w_list, ends = w.tolist(), np.cumsum(counts).tolist()
     lo = max(w_list[0], float(np.dot(counts, w)) / d)
     # the step-up probes count every run (no early stop): their ratio to d sets the next step
-    runs = _bucket_runs(w_list, ends, lo, n)
-    if runs <= d:
-        bound = lo
-    else:
+    segments: list[tuple[int, int, int]] = []  # the runs of the best feasible bound probed
+    runs = _bucket_runs(w_list, ends, lo, n, segments)
+    if runs > d:
+        segments.clear()
         while True:  # step up by the run count's ratio until feasible; lo stays infeasible
             hi = lo * max(runs / d, 1.0) * (1.0 + 0.5 * tolerance)
-            runs = _bucket_runs(w_list, ends, hi, n)
+            runs = _bucket_runs(w_list, ends, hi, n, segments)
             if runs <= d:
                 break
+            segments.clear()
             lo = hi
         first = True
         while hi - lo > tolerance * hi:
             # the model's estimate is usually within the tolerance: try to certify it at once
             mid = hi * (1.0 - tolerance) if first and hi * (1.0 - tolerance) > lo else 0.5 * (lo + hi)
             first = False
-            if _bucket_runs(w_list, ends, mid, d) <= d:
-                hi = mid
+            probe: list[tuple[int, int, int]] = []
+            if _bucket_runs(w_list, ends, mid, d, probe) <= d:
+                hi, segments = mid, probe
             else:
                 lo = mid
-        bound = hi
-    segments: list[tuple[int, int, int]] = []
-    _bucket_runs(w_list, ends, bound, d, segments)
     seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
     per = seg[:, 2]
     first_of_seg = np.cumsum(per) - per

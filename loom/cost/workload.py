@@ -110,7 +110,7 @@ class MetadataArrays:
         order, with a few array passes whatever the rank count."""
         if not isinstance(rows, np.ndarray):
             # no padded table: the rows back to back, each field gathered by index below
-            lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+            lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
             flat = np.concatenate(rows).astype(np.int64, copy=False) if len(rows) else np.zeros(0, dtype=np.int64)
         else:
             table = np.asarray(rows, dtype=np.int64)
