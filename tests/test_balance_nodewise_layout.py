@@ -178,3 +178,29 @@ def test_from_gathered_reads_lists_and_padded_tables_alike():
                 assert np.array_equal(getattr(got, f.name), getattr(whole, f.name)), (mix, f.name)
     with pytest.raises(ValueError, match="shorter than their headers"):
         MetadataArrays.from_gathered([flats[0][:-1]])
+
+
+def test_slot_destinations_are_the_plans_ranks():
+    from loom.balance.payload import slot_destinations
+
+    plan = Plan([ModuleSpec("vision", data_parallel=3, tensor_parallel=2),
+                 ModuleSpec(LLM, data_parallel=2, num_stages=3, context_parallel=2)], num_microbatches=6)
+    for p in plan.module_names:
+        spec = plan.spec(p)
+        want = [[plan.rank_of(p, st, j % spec.data_parallel) for st in range(spec.num_stages)] for j in range(6)]
+        assert slot_destinations(plan, p, 6).tolist() == want
+
+
+def test_large_rounds_take_the_greedy_placement_and_never_move_more(arch, metas):
+    from loom.balance.rearrange import EXACT_MAX_SLOTS
+
+    dp = 2 * EXACT_MAX_SLOTS
+    plan = _plan(arch, dp, dp, 1, dp)
+    costs = sample_costs(arch, [metas[i % len(metas)] for i in range(4 * dp)])
+    layout = make_layout(BalanceConfig(default="orchmllm", min_gain=-1.0, ranks_per_node=8), plan, costs)
+    layout.check(costs.num_samples, plan.module_names)
+    layout.check_routes(plan)
+    for p, rec in layout.nodewise.items():
+        assert rec["method"] == ["greedy"]
+        assert rec["cross_node_bytes"][1] < rec["cross_node_bytes"][0]
+    assert _cross_total(plan, layout, costs, 8) < _cross_total(plan, layout, costs, 8, permuted=False)

@@ -68,9 +68,10 @@ def slot_destinations(plan: Plan, phase: str, num_slots: int) -> np.ndarray:
     """``dest[j, stage]``: the ranks that receive the payload of slot ``j`` of ``phase`` (every
     stage of replica ``j % dp``, tensor and context rank 0 as the dispatcher sends)."""
     spec = plan.spec(phase)
-    per_replica = np.array([[plan.rank_of(phase, st, rep) for st in range(spec.num_stages)]
-                            for rep in range(spec.data_parallel)], dtype=np.int64).reshape(spec.data_parallel, -1)
-    return per_replica[np.arange(num_slots) % spec.data_parallel]
+    # `Plan.rank_of(phase, stage, replica)` at tensor and context rank 0, over arrays
+    unit = np.arange(spec.num_stages)[None, :] * spec.data_parallel + np.arange(spec.data_parallel)[:, None]
+    per_replica = plan.rank_offset(phase) + unit * (spec.context_parallel * spec.tensor_parallel)
+    return per_replica.astype(np.int64)[np.arange(num_slots) % spec.data_parallel]
 
 
 def phase_slot_index(layout: BatchLayout, phase: str, permuted: bool = True) -> np.ndarray:
