@@ -34,6 +34,10 @@ semantics); the script fails otherwise.
 
     python -m benchmarks.balance_real [--repeats 5 --steps-per-repeat 3 --warmup 2 ...]
 
+``--min-gain`` sets ``balance.min_gain``: a negative value makes every policy use its own
+layout even where its cost model predicts no gain (what the layouts themselves would do; the
+figures are then not those of the default config, and ``config.min_gain`` says so).
+
 Prints a table and writes ``benchmarks/results/balance_real.json`` (DESIGN.md, "Benchmarks").
 `real_run` returns the figures as a dict (``benchmarks/balance_quality.py`` merges it).
 """
@@ -92,6 +96,9 @@ class RealConfig:
     llm_intermediate: int = 344
     lr: float = 1e-3
     seed: int = 0
+    # balance.min_gain (None: the config's default); a negative value makes every policy use
+    # its own layout even where its cost model predicts no gain (a diagnostic, not the default)
+    min_gain: float | None = None
 
     def policy_list(self) -> list[str]:
         return [p for p in self.policies.split(",") if p]
@@ -166,6 +173,8 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
     arch, counters = arch_from_model(model), token_counters(model)
     plan = train.plan
     balance = BalanceConfig(default=policy)
+    if cfg.min_gain is not None:
+        balance.min_gain = cfg.min_gain
     engine = ParallelEngine.create(model, plan, cpu, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=cfg.lr))
     engine.eager_forward = balance.eager_forward
     dispatcher = Dispatcher(plan, dataset, tokenizer, counters, arch, balance, cpu, pack=train.data.pack_sequences)
@@ -410,7 +419,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for name, value in asdict(RealConfig()).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=" ")
+        if value is not None:
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=" ")
+    parser.add_argument("--min-gain", type=float, default=None,
+                        help="balance.min_gain (default: the config's); negative: every policy uses its own layout")
     parser.add_argument("--out", type=Path, default=None, help="results directory; None: benchmarks/results")
     parser.add_argument("--trace", type=Path, default=None,
                         help="write every rank's per-step timeline (events_to_dicts JSON) into this directory")
