@@ -384,3 +384,95 @@ def test_entrain_plan_errors():
         pairwise_deferral([[0, 1], [1]], [1, 1])
     with pytest.raises(ValueError, match="sample index"):
         pairwise_deferral([[0, 5]], [1, 1])
+
+
+# ---- the policy's lockstep version (loom.balance.entrain_policy) ---------------------------------
+import numpy as np  # noqa: E402
+
+from loom.balance import entrain_policy as ep  # noqa: E402
+
+
+def test_policy_subset_sums_match_brute_force_within_a_unit_per_item():
+    """Every table row at once: the closest reachable sum (within half a unit per item of the
+    brute-force optimum, the reference's bound at the policy's unit), and the subset read back
+    sums to it."""
+    rng = np.random.default_rng(12)
+    t, width = 40, 7
+    counts = rng.integers(0, width + 1, t)
+    weights = np.where(np.arange(width)[None, :] < counts[:, None], rng.uniform(0, 9, (t, width)), 0.0)
+    weights[::3] = np.floor(weights[::3])  # integral rows: exact, unit 1
+    table = ep._SubsetSums(weights)
+    targets = rng.uniform(-1, weights.sum(axis=1) + 1)
+    rows = np.arange(t)
+    got = table.closest(rows, targets)
+    take = table.subset(rows, targets)
+    for r in range(t):
+        w = weights[r, :counts[r]]
+        best = min(abs(targets[r] - sum(c)) for n in range(len(w) + 1) for c in itertools.combinations(w, n))
+        quantum = table.quantum[r]
+        assert np.isclose(take[r] @ table.units[r], got[r] / quantum if quantum else 0)
+        real = weights[r][take[r]].sum()
+        assert abs(targets[r] - real) <= best + counts[r] * quantum + 1e-9
+        assert not take[r, counts[r]:].any()  # padding is never taken
+
+
+def test_policy_bottleneck_matching_matches_brute_force():
+    rng = np.random.default_rng(13)
+    for _ in range(40):
+        rows, half = 3, int(rng.integers(1, 4))
+        n_ul = half + int(rng.integers(0, 2))
+        v = rng.integers(0, 12, (rows, half, n_ul)).astype(float)
+        l_ol = rng.integers(0, 12, (rows, half)).astype(float)
+        l_ul = rng.integers(0, 6, (rows, n_ul)).astype(float)
+        partner, critical = ep._bottleneck_matching(v, l_ol, l_ul)
+        for r in range(rows):
+            costs = {(i, half + j): v[r, i, j] for i in range(half) for j in range(n_ul)}
+            expect = _brute_force_bottleneck(costs, dict(enumerate(l_ol[r])), list(range(half)),
+                                             list(range(half, half + n_ul)), l_ul[r].max())
+            got = max([l_ul[r].max()] + [v[r, i, partner[r, i]] if critical[r, i] else l_ol[r, i] for i in range(half)])
+            assert got == expect
+            assert len(set(partner[r].tolist())) == half  # distinct partners
+
+
+def test_policy_rounds_and_stratified_bounds():
+    """DP rounds: B / DP samples per replica, LLM loads within the largest sample of each
+    other. Stratified rounds: every sample once, a fine seed in every microbatch, and the
+    makespan within Graham's ``sum / K + (1 - 1/K) max`` per replica."""
+    rng = np.random.default_rng(14)
+    for _ in range(20):
+        dp, per = int(rng.integers(1, 6)), int(rng.integers(2, 40))
+        enc = rng.lognormal(0, 1, dp * per) * (rng.random(dp * per) < 0.8)
+        llm = rng.lognormal(2, 1, dp * per)
+        members = ep.replicas_by_rounds(enc, llm, dp)
+        assert sorted(members.ravel().tolist()) == list(range(dp * per))
+        loads = llm[members].sum(axis=1)
+        assert loads.max() - loads.min() <= llm.max() + 1e-9
+        e, w = enc[members], llm[members]
+        k = ep.effective_count(e, int(rng.integers(1, 12)))
+        assert k == min(effective_microbatches(row.tolist(), k) for row in e)
+        mb = ep.stratified(e, w, k)
+        for r in range(dp):
+            assert sorted(set(mb[r].tolist())) == list(range(k))
+            load = np.bincount(mb[r], weights=e[r], minlength=k)
+            assert load.max() <= e[r].sum() / k + (1 - 1 / k) * e[r].max() + 1e-9
+            _, fine = split_by_llm_workload(w[r].tolist(), range(per), k)
+            assert set(mb[r][fine].tolist()) == set(range(k))
+
+
+def test_policy_deferral_is_one_hop_and_never_raises_the_bottleneck():
+    rng = np.random.default_rng(15)
+    for _ in range(20):
+        rows, per = int(rng.integers(1, 5)), int(rng.integers(4, 40))
+        k = int(rng.integers(1, min(per, 9) + 1))
+        w = rng.lognormal(2, 1, (rows, per))
+        mb = np.array([rng.permutation(np.arange(per) % k) for _ in range(rows)])
+        position, defer = ep.pairwise_deferral(mb, w, k)
+        for r in range(rows):
+            assert sorted(position[r].tolist()) == list(range(k))
+            pos = position[r, mb[r]]
+            assert (pos[defer[r] == 1] < k - 1).all()
+            before = np.bincount(pos, weights=w[r], minlength=k).max()
+            after = np.bincount(pos + defer[r], weights=w[r], minlength=k)
+            # within the subset tables' unit (total / resolution per item) of never raising it
+            slack = per * w[r].sum() / ep.SUBSET_SUM_RESOLUTION_POLICY
+            assert after.max() <= before + slack

@@ -15,9 +15,12 @@ milliseconds, so this module runs the same steps on arrays, all replicas in lock
    are round-robin over replicas).
 3. Stratified assignment (§3.5.1): `entrain.stratified_assignment`'s list (one fine seed per
    microbatch, then the coarse set, then the rest of the fine set, each by encoder work
-   descending), min-load greedy on encoder work over a ``(replicas, K)`` load matrix, one argmin
-   per list position (ties: lowest index; a list-scheduling run, so Graham's ``2 - 1/K``
-   holds). Samples without encoder work after the seeds go where the LLM work is least.
+   descending), taken in rounds of ``K``: in each, the heaviest sample goes to the least-loaded
+   microbatch, the next heaviest to the next, over a ``(replicas, K)`` load matrix. The spread
+   of the loads then never exceeds the largest sample (a sorted pairing never widens a spread
+   within it), so the makespan is at most ``sum / K + (1 - 1/K) max``, the very bound
+   Graham's theorem gives the paper's min-load greedy (``<= (2 - 1/K) OPT``); the tests check
+   it. Samples without encoder work after the seeds go where the LLM work is least.
 4. Pairwise deferral (§3.5.2): every overloaded microbatch's subset-sum table at once, as
    packed 64-bit words (``SUBSET_SUM_RESOLUTION_POLICY`` units per microbatch), every pair's
    closest reachable sum by table look-up, eq. 4.3's ``V`` from it, and the bottleneck matching
@@ -93,8 +96,8 @@ def replicas_by_rounds(enc: np.ndarray, llm: np.ndarray, dp: int) -> np.ndarray:
     round the samples by LLM work descending (ties: earlier in the round) go to the replicas by
     LLM load so far ascending (ties: lower replica)."""
     n = enc.size
-    order = np.lexsort((np.arange(n), -enc)).reshape(-1, dp)
-    within = np.lexsort((np.broadcast_to(np.arange(dp), order.shape), -llm[order]), axis=-1)
+    order = np.argsort(-enc, kind="stable").reshape(-1, dp)
+    within = np.argsort(-llm[order], axis=1, kind="stable")
     rounds = np.take_along_axis(order, within, axis=1)
     work = llm[rounds]
     replica = np.empty(rounds.shape, dtype=np.int64)
@@ -126,28 +129,40 @@ def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 
     col = np.broadcast_to(np.arange(per), (rows, per))
     r = np.arange(rows)[:, None]
     # the fine set: the fine_fraction of members with the least LLM work, at least k of them
+    # (stable sorts: ties go to the lower member)
     n_fine = min(per, max(k, math.ceil(fine_fraction * per)))
-    by_llm = np.lexsort((col, llm), axis=-1)
+    by_llm = np.argsort(llm, axis=1, kind="stable")
     fine = np.zeros((rows, per), dtype=bool)
     fine[r, by_llm[:, :n_fine]] = True
     # list order: k fine seeds (largest encoder work), the coarse set, the rest of the fine set,
     # each by encoder work descending (ties: lower member)
-    by_enc = np.lexsort((col, -enc, ~fine), axis=-1)  # fine first, then by encoder work
-    group = np.where(fine, 2, 1)
-    group[r, by_enc[:, :k]] = 0
-    listed = np.lexsort((col, -enc, group), axis=-1)
+    by_enc = np.argsort(-enc, axis=1, kind="stable")
+
+    def grouped(group: np.ndarray) -> np.ndarray:  # by group, then by encoder work descending
+        return np.take_along_axis(by_enc, np.argsort(np.take_along_axis(group, by_enc, axis=1), axis=1,
+                                                     kind="stable"), axis=1)
+
+    seeds = grouped(np.where(fine, 0, 1).astype(np.int8))[:, :k]
+    group = np.where(fine, 2, 1).astype(np.int8)
+    group[r, seeds] = 0
+    listed = grouped(group)
     w = np.take_along_axis(enc, listed, axis=1)
     aside = (w == 0) & (np.arange(per) >= k)  # no encoder work: placed by LLM work below
     w = np.where(aside, 0.0, w)
+    # the list in rounds of k: the first is the seeds, one per microbatch; in every later round
+    # the heaviest sample goes to the least-loaded microbatch, the next to the next (ties:
+    # lower index), so no microbatch takes two samples of a round
     chosen = np.empty((rows, per), dtype=np.int64)
-    chosen[:, :k] = np.arange(k)  # one seed per microbatch
-    loads = np.zeros((rows, k))
-    loads[:, :] = w[:, :k]
+    chosen[:, :k] = np.arange(k)
+    loads = w[:, :k].copy()
     lanes = np.arange(rows)
-    for t in range(k, per):
-        b = loads.argmin(axis=1)
-        chosen[:, t] = b
-        loads[lanes, b] += w[:, t]  # zero for a set-aside sample: no load changes
+    for t in range(k, per, k):
+        width = min(k, per - t)
+        part = w[:, t:t + width]
+        heavy = np.argsort(-part, axis=1, kind="stable")  # a round mixes the list's segments
+        light = np.argsort(loads, axis=1, kind="stable")[:, :width]
+        np.put_along_axis(chosen[:, t:t + width], heavy, light, axis=1)
+        loads[lanes[:, None], light] += np.take_along_axis(part, heavy, axis=1)
     mb = np.empty((rows, per), dtype=np.int64)
     np.put_along_axis(mb, listed, chosen, axis=1)
     if aside.any():
@@ -157,8 +172,7 @@ def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 
         np.put_along_axis(is_aside, listed, aside, axis=1)
         llm_load = np.zeros((rows, k))
         np.add.at(llm_load, (np.broadcast_to(r, (rows, per))[~is_aside], mb[~is_aside]), llm[~is_aside])
-        key = np.where(is_aside, -llm, np.inf)
-        queue = np.lexsort((col, key), axis=-1)
+        queue = np.argsort(np.where(is_aside, -llm, np.inf), axis=1, kind="stable")
         for t in range(int(is_aside.sum(axis=1).max())):
             s = queue[:, t]
             live = is_aside[lanes, s]
@@ -181,7 +195,7 @@ def pairwise_deferral(mb: np.ndarray, llm: np.ndarray, k: int,
     defer = np.zeros((rows, per), dtype=np.int64)
     flat = lanes[:, None] * k + mb
     loads = np.bincount(flat.ravel(), weights=llm.ravel(), minlength=rows * k).reshape(rows, k)
-    by_load = np.lexsort((np.broadcast_to(np.arange(k), (rows, k)), -loads), axis=-1)
+    by_load = np.argsort(-loads, axis=1, kind="stable")
     half = k // 2
     ol, ul = by_load[:, :half], by_load[:, half:]
     position = np.empty((rows, k), dtype=np.int64)
@@ -210,7 +224,7 @@ def pairwise_deferral(mb: np.ndarray, llm: np.ndarray, k: int,
     paired = np.zeros((rows, ul.shape[1]), dtype=bool)
     paired[lanes[:, None], partner] = True
     unpaired = np.where(paired, np.inf, l_ul)
-    rest = np.lexsort((np.broadcast_to(np.arange(ul.shape[1]), unpaired.shape), unpaired), axis=-1)
+    rest = np.argsort(unpaired, axis=1, kind="stable")
     n_rest = ul.shape[1] - half
     sequence = np.empty((rows, k), dtype=np.int64)
     sequence[:, 0:2 * half:2] = ol
@@ -265,25 +279,30 @@ class _SubsetSums:
         self.weights = weights
         t = weights.shape[0]
         self.words = int(self.units.sum(axis=1).max(initial=0)) // 64 + 1
-        reach = np.zeros((t, self.words), dtype=np.uint64)
-        reach[:, 0] = 1
-        self.prefix = [reach]
-        col = np.arange(self.words)
-        one = np.uint64(1)
+        # words are kept behind a block of zero words, so shifting a row by a words reads zeros
+        # below its start with no bounds check; one flat gather per item for all rows
+        w = self.words
+        padded = np.zeros((t, 2 * w), dtype=np.uint64)
+        padded[:, w] = 1
+        self.prefix = [padded[:, w:].copy()]
+        base = (np.arange(t) * 2 * w)[:, None] + w + np.arange(w)[None, :]
+        flat = padded.reshape(-1)
+        one, top_bit = np.uint64(1), np.uint64(63)
         for c in range(self.units.shape[1]):
             u = self.units[:, c]
-            src = col[None, :] - (u >> 6)[:, None]
-            lo = np.where(src >= 0, np.take_along_axis(reach, np.maximum(src, 0), axis=1), 0).astype(np.uint64)
-            hi = np.where(src >= 1, np.take_along_axis(reach, np.maximum(src - 1, 0), axis=1), 0).astype(np.uint64)
+            src = base - (u >> 6)[:, None]
             b = (u & 63).astype(np.uint64)[:, None]
-            reach = reach | (lo << b) | ((hi >> one) >> (np.uint64(63) - b))
-            self.prefix.append(reach)
-        bits = np.unpackbits(reach.view(np.uint8), axis=1, bitorder="little").astype(bool)
-        idx = np.arange(bits.shape[1])
-        self.below = np.maximum.accumulate(np.where(bits, idx, -1), axis=1)  # largest reachable <= u
-        big = bits.shape[1]
-        self.above = np.minimum.accumulate(np.where(bits, idx, big)[:, ::-1], axis=1)[:, ::-1]  # smallest >= u
-        self.top = self.below[:, -1]
+            shifted = (flat[src] << b) | ((flat[src - 1] >> one) >> (top_bit - b))
+            padded[:, w:] |= shifted
+            self.prefix.append(padded[:, w:].copy())
+        reach = padded[:, w:]
+        # every row's reachable sums as one sorted array of row * span + units: a query is then
+        # a binary search (bit 0, the empty subset, is reachable in every row)
+        bits = np.unpackbits(reach.view(np.uint8), axis=1, bitorder="little")
+        self.span = bits.shape[1]
+        self.flat = np.flatnonzero(bits)
+        row_start = np.arange(t) * self.span
+        self.top = self.flat[np.searchsorted(self.flat, row_start + self.span) - 1] - row_start
 
     def _units(self, rows: np.ndarray, target: np.ndarray) -> np.ndarray:
         """Units of the reachable sum closest to ``target`` (ties: the smaller), per query."""
@@ -292,10 +311,12 @@ class _SubsetSums:
         with np.errstate(divide="ignore", invalid="ignore"):
             t = np.where(ok, np.floor(target / np.where(q > 0, q, 1.0)), 0)
         t = np.minimum(t, self.top[rows]).astype(np.int64)
-        lo = self.below[rows, t]
-        hi_i = np.minimum(t + 1, self.above.shape[1] - 1)
-        hi = np.where(t + 1 < self.above.shape[1], self.above[rows, hi_i], self.above.shape[1])
-        has_hi = hi <= self.top[rows]
+        base = rows * self.span
+        lo = self.flat[np.searchsorted(self.flat, base + t, side="right") - 1] - base
+        # t <= top, so the smallest reachable sum above t is in the row whenever t < top
+        above = np.searchsorted(self.flat, base + t + 1, side="left")
+        has_hi = t < self.top[rows]
+        hi = np.where(has_hi, self.flat[np.minimum(above, self.flat.size - 1)] - base, 0)
         lower = ~has_hi | (target - lo * q <= hi * q - target)
         return np.where(ok, np.where(lower, lo, hi), 0)
 
@@ -331,19 +352,26 @@ def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> t
     cand = np.concatenate([v.reshape(rows, -1), l_ol, floor[:, None]], axis=1)
     cand = np.where(cand >= floor[:, None], cand, np.inf)
     cand.sort(axis=1)
-    lo = np.zeros(rows, dtype=np.int64)
-    hi = np.isfinite(cand).sum(axis=1) - 1  # the largest candidate >= every L: nothing critical
 
     def feasible(threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         critical = l_ol > threshold[:, None]
         edges = critical[:, :, None] & (v <= threshold[:, None, None])
-        r, a, b = np.nonzero(edges)
-        graph = csr_matrix((np.ones(r.size, dtype=np.int8), (r * half + a, r * n_ul + b)),
+        r, a, b = np.nonzero(edges)  # row-major: the CSR order of the block-diagonal graph
+        indptr = np.concatenate(([0], np.cumsum(edges.sum(axis=2).ravel())))
+        graph = csr_matrix((np.ones(r.size, dtype=np.int8), (r * n_ul + b).astype(np.int32), indptr.astype(np.int32)),
                            shape=(rows * half, rows * n_ul))
         match = maximum_bipartite_matching(graph, perm_type="column").reshape(rows, half)
         ok = ((match >= 0) | ~critical).all(axis=1)
         return ok, critical, match - np.arange(rows)[:, None] * n_ul
 
+    hi = np.isfinite(cand).sum(axis=1) - 1  # the largest candidate >= every L: nothing critical
+    # T* is at least what lets every overloaded microbatch run somewhere, alone or paired: start
+    # the search there, and probe that bound first (it is usually T* itself)
+    bound = np.minimum(l_ol, v.min(axis=2)).max(axis=1)
+    lo = np.minimum(np.count_nonzero(cand < bound[:, None], axis=1), hi)
+    ok, _, _ = feasible(cand[np.arange(rows), lo])
+    hi = np.where(ok, lo, hi)
+    lo = np.where(ok, lo, lo + 1)
     while np.any(lo < hi):
         mid = (lo + hi) // 2
         ok, _, _ = feasible(cand[np.arange(rows), mid])
@@ -356,8 +384,8 @@ def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> t
     used = np.zeros((rows, n_ul), dtype=bool)
     rr, aa = np.nonzero(critical)
     used[rr, partner[rr, aa]] = True
-    free = np.lexsort((np.broadcast_to(np.arange(n_ul), (rows, n_ul)), np.where(used, np.inf, l_ul)), axis=-1)
-    waiting = np.lexsort((np.broadcast_to(np.arange(half), (rows, half)), critical), axis=-1)  # non-critical first
+    free = np.argsort(np.where(used, np.inf, l_ul), axis=1, kind="stable")
+    waiting = np.argsort(critical, axis=1, kind="stable")  # non-critical first
     n_wait = (~critical).sum(axis=1)
     for r in np.flatnonzero(n_wait).tolist():
         partner[r, waiting[r, :n_wait[r]]] = free[r, :n_wait[r]]
