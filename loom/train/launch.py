@@ -114,9 +114,13 @@ class Supervisor:
     # ---- watching -------------------------------------------------------------------------
     def _refresh_workers(self) -> None:
         assert self.proc is not None
-        for pid in children(self.proc.pid):
-            self.workers.setdefault(pid, -1)
-        for rank, pid in read_pids(self.run_dir).items():
+        pids = read_pids(self.run_dir)
+        if len(pids) < self.world_size:
+            # a worker that has not written its pid yet is found as torchrun's child; scanning
+            # /proc costs more than the pid files on a loaded machine, so only until all are in
+            for pid in children(self.proc.pid):
+                self.workers.setdefault(pid, -1)
+        for rank, pid in pids.items():
             self.workers[pid] = rank
 
     def _failure_seen(self) -> bool:

@@ -171,11 +171,21 @@ def _own_output(run_dir: Path, rank: int) -> None:
     os.close(fd)
 
 
+_stopping = False  # set once this rank is ending: a second signal must not cut its record short
+
+
 def _raise_terminated(signum: int, frame: object) -> None:
+    # a stop usually comes twice (from `loom train` and from torchrun); only the first one
+    # raises, so a Terminated cannot escape the handler below while it writes the exit record
+    global _stopping
+    if _stopping:
+        return
+    _stopping = True
     raise Terminated(f"stopped by {signal.Signals(signum).name}")
 
 
 def main(argv: list[str] | None = None) -> None:
+    global _stopping
     ap = argparse.ArgumentParser(description="loom training process (launched by torchrun; see `loom train`)")
     ap.add_argument("--config", required=True, help="resolved TOML config")
     ap.add_argument("--run-dir", required=True, help="run directory for metrics and traces")
@@ -190,6 +200,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = load_config(args.config)
         train(cfg, run_dir)
     except BaseException as e:  # noqa: BLE001 - every way a rank ends is recorded
+        _stopping = True
         state, reason = classify(e)
         traceback.print_exc()
         RankExit(rank, os.getpid(), state, reason, time.time()).write(run_dir)
