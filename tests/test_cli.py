@@ -96,3 +96,31 @@ def test_a_run_directory_belongs_to_one_run(tmp_path, capsys):
     # --overwrite without --dry-run clears it
     cfg = load_config(run / "config.toml")
     assert claim_run_dir(cfg, overwrite=True, dry_run=False) == run and not run.exists()
+
+
+def test_a_stale_running_status_is_named_and_a_live_run_is_never_cleared(tmp_path):
+    """A ``running`` status whose `loom train` is gone (SIGKILLed) is named as such; a run whose
+    `loom train` still runs is refused even with --overwrite."""
+    from loom.cli.common import CliError
+    from loom.cli.train import claim_run_dir
+    from loom.train.status import write_status
+
+    cfg = load_config(ROOT / "configs/demo.toml", [f"run.out_dir={tmp_path}", "run.name=r"])
+    run = tmp_path / "r"
+    (run / "logs").mkdir(parents=True)
+    write_status(run, "running")
+    gone = subprocess.Popen([sys.executable, "-c", "pass", "loom"])
+    gone.wait()
+    (run / "logs" / "loom.pid").write_text(f"{gone.pid}\n")
+    with pytest.raises(CliError, match="status: running, but no process of it is alive.*--overwrite"):
+        claim_run_dir(cfg, overwrite=False, dry_run=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "loom"])
+    try:
+        (run / "logs" / "loom.pid").write_text(f"{live.pid}\n")
+        with pytest.raises(CliError, match=f"still going .*process\\(es\\) \\[{live.pid}\\]"):
+            claim_run_dir(cfg, overwrite=True, dry_run=False)
+        assert run.is_dir()
+    finally:
+        live.kill()
+        live.wait()
+    assert claim_run_dir(cfg, overwrite=True, dry_run=False) == run and not run.exists()

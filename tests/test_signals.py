@@ -85,6 +85,26 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
     assert (run_dir / "logs" / "rank0.log").is_file()
 
 
+@pytest.mark.multiprocess
+def test_workers_die_with_a_killed_loom_train_and_the_next_one_says_so(tmp_path):
+    """SIGKILL of `loom train` itself (nothing can forward it): torchrun and the workers die with
+    it, and the next `loom train` on that run directory names the stale ``running`` status."""
+    proc, run_dir = start_long_run(tmp_path, "orphan")
+    pids = wait_for_training(proc, run_dir)
+    proc.kill()
+    deadline = time.monotonic() + 10
+    proc.communicate(timeout=60)
+    assert alive_at(pids.values(), deadline) == [], "workers outlived their loom train by 10 s"
+    assert read_status(run_dir) == "running"
+    again = subprocess.run([sys.executable, "-m", "loom.cli", "train", "--config", str(ROOT / "configs/demo.toml"),
+                            "--dry-run", "run.name=orphan", f"run.out_dir={tmp_path}", *TINY], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 2
+    lines = again.stderr.strip().splitlines()
+    assert len(lines) == 1 and "status: running, but no process of it is alive" in lines[0], again.stderr
+    assert "--overwrite" in lines[0]
+
+
 def _record(run_dir: Path, rank: int, state: str, reason: str, when: float) -> None:
     from loom.train.status import RankExit
 

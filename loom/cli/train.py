@@ -3,7 +3,9 @@ then run ``torchrun`` under `loom.train.launch.Supervisor`.
 
 A run directory belongs to one run. It is free when it does not exist, is empty, or holds only
 the ``config.toml`` of a ``--dry-run``; otherwise the run is refused unless ``--overwrite``
-(which deletes the directory first; never while its run is still going). loom writes no
+(which deletes the directory first). A directory whose run is still going (its ``loom train``
+or a worker alive) is refused even with ``--overwrite``; a ``running`` status with no process
+alive (its ``loom train`` was SIGKILLed) is named as such. loom writes no
 checkpoints yet, so a run cannot be continued.
 
 ``--dry-run`` runs every check, prints the command and writes ``config.toml`` into a free run
@@ -21,8 +23,8 @@ from pathlib import Path
 
 from loom.cli.common import CliError, load_train_config
 from loom.train.config import TrainConfig, config_to_toml
-from loom.train.launch import Supervisor, alive
-from loom.train.status import LOGS, read_pids, read_status
+from loom.train.launch import Supervisor, is_loom_process
+from loom.train.status import LOGS, read_pids, read_status, read_supervisor_pid
 
 
 def check_before_launch(cfg: TrainConfig) -> None:
@@ -35,6 +37,12 @@ def holds_run(run_dir: Path) -> bool:
     return run_dir.is_dir() and any(p.name != "config.toml" for p in run_dir.iterdir())
 
 
+def live_processes(run_dir: Path) -> list[int]:
+    """The run's ``loom train`` and workers that still run (pids recorded under ``logs/``)."""
+    pids = [read_supervisor_pid(run_dir), *read_pids(run_dir).values()]
+    return [pid for pid in pids if pid is not None and is_loom_process(pid)]
+
+
 def claim_run_dir(cfg: TrainConfig, overwrite: bool, dry_run: bool) -> Path:
     """The run directory, refused if it holds a run and ``overwrite`` is not given; cleared
     (unless a dry run) if it is."""
@@ -44,16 +52,19 @@ def claim_run_dir(cfg: TrainConfig, overwrite: bool, dry_run: bool) -> Path:
                        f"choose another run.name or run.out_dir")
     if not holds_run(run_dir):
         return run_dir
+    live = live_processes(run_dir)
     status = read_status(run_dir) or "no status"
+    if status == "running" and not live:
+        status = "running, but no process of it is alive: its loom train was killed"
+    if live:
+        raise CliError(f"run.name = {cfg.run.name!r}: the run in {run_dir} is still going (status: {status}; "
+                       f"process(es) {live}); stop it first (Ctrl-C or kill -TERM {live[0]}) or choose another "
+                       f"run.name")
     if not overwrite:
         raise CliError(
             f"run.name = {cfg.run.name!r}: {run_dir} already holds a run (status: {status}); choose another "
             f"run.name or pass --overwrite to delete it first (a run cannot be continued: loom writes no "
             f"checkpoints yet)")
-    live = [pid for pid in read_pids(run_dir).values() if alive(pid)]
-    if live:
-        raise CliError(f"run.name = {cfg.run.name!r}: the run in {run_dir} is still going (process(es) "
-                       f"{live}); stop it first or choose another run.name")
     if not dry_run:
         shutil.rmtree(run_dir)
     return run_dir

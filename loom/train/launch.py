@@ -9,20 +9,33 @@ worker (found from the pid files the workers write and from torchrun's children 
 ``/proc``), SIGTERM first and SIGKILL after ``grace_s``. Worker output goes to
 ``logs/rank<R>.log``; torchrun's own to ``logs/torchrun.log``; the terminal gets rank 0's
 progress lines and one line at the end.
+
+If ``loom train`` itself dies without a chance to stop them (SIGKILL, a crash), its workers die
+with it: torchrun asks the kernel (``prctl(PR_SET_PDEATHSIG)``, Linux) for SIGKILL when
+``loom train`` dies, and each worker asks the same for when torchrun dies (`die_with_parent`,
+called first thing in `loom.train.main`). The run's ``status`` then still says ``running``;
+``logs/loom.pid`` holds ``loom train``'s pid, so the next ``loom train`` on that run directory
+can tell the run is gone.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from loom.train.status import LOGS, read_exits, read_pids, steps_done, write_status
+from loom.train.status import LOGS, SUPERVISOR_PID, read_exits, read_pids, steps_done, write_status
 
 POLL_S = 0.05
+SUPERVISOR_ENV = "LOOM_SUPERVISOR_PID"  # tells the workers which `loom train` supervises them
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -45,6 +58,40 @@ def alive(pid: int) -> bool:
     except OSError:
         return True  # no /proc: trust kill(0)
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        libc.prctl  # noqa: B018 - present in every Linux libc; checked here, not in a forked child
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def die_with_parent(expected_parent: int | None = None) -> bool:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``;
+    elsewhere nothing, and False). If ``expected_parent`` is given and is no longer alive (it
+    died between our fork and this call, before the request counted), exit at once."""
+    libc = _libc()
+    ok = libc is not None and libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) == 0
+    if expected_parent is not None and not alive(expected_parent):
+        os._exit(1)
+    return ok
+
+
+def is_loom_process(pid: int) -> bool:
+    """Whether ``pid`` runs and is (still) a loom process: a recorded pid may have been reused
+    by an unrelated program since."""
+    if not alive(pid):
+        return False
+    try:
+        return b"loom" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True  # no /proc: trust kill(0)
 
 
 def children(ppid: int) -> list[int]:
@@ -99,11 +146,16 @@ class Supervisor:
         logs = self.run_dir / LOGS
         logs.mkdir(parents=True, exist_ok=True)
         write_status(self.run_dir, "running")
+        (logs / SUPERVISOR_PID).write_text(f"{os.getpid()}\n")
+        me = os.getpid()
+        _libc()  # loaded here: the child between fork and exec only calls it
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             with open(logs / "torchrun.log", "ab") as log:
-                self.proc = subprocess.Popen(self.cmd, env=self.env, stderr=log, stdin=subprocess.DEVNULL,
-                                             start_new_session=True)
+                # torchrun dies with us (a SIGKILL of `loom train` leaves nothing running)
+                self.proc = subprocess.Popen(self.cmd, env={**self.env, SUPERVISOR_ENV: str(me)}, stderr=log,
+                                             stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=lambda: die_with_parent(me))
                 outcome = self._watch()
         finally:
             for s, h in old.items():

@@ -37,6 +37,7 @@ from loom.runtime.engine import ParallelEngine
 from loom.schedule.timeline import write_chrome_trace
 from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import TrainConfig, load_config
+from loom.train.launch import SUPERVISOR_ENV, die_with_parent
 from loom.train.status import LOGS, RankExit, Terminated, classify, write_pid, write_status
 
 
@@ -192,6 +193,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     rank = int(os.environ.get("RANK", "0"))
+    # die with torchrun (which dies with `loom train`); exit now if `loom train` is already gone
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    die_with_parent(int(supervisor) if supervisor and supervisor.isdigit() else None)
     _own_output(run_dir, rank)
     write_pid(run_dir, rank)
     for s in (signal.SIGTERM, signal.SIGINT):

@@ -11,7 +11,8 @@
 (``rank<R>.pid``, written at start) and its exit record (``rank<R>.exit.json``: ``state`` one of
 ``done``, ``error``, ``comm`` (a failure of communication, usually another rank's death),
 ``terminated`` (stopped by a signal), the one-line ``reason`` and the wall-clock ``time``),
-plus the launcher's own output (``torchrun.log``).
+plus the launcher's own output (``torchrun.log``) and ``loom train``'s process id
+(``loom.pid``), by which a ``running`` status whose ``loom train`` was killed is told from a live run.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 STATUS = "status"
 LOGS = "logs"
+SUPERVISOR_PID = "loom.pid"
 METRICS = "metrics.jsonl"
 
 
@@ -38,6 +40,13 @@ def read_status(run_dir: Path) -> str | None:
     try:
         return (run_dir / STATUS).read_text().strip()
     except OSError:
+        return None
+
+
+def read_supervisor_pid(run_dir: Path) -> int | None:
+    try:
+        return int((run_dir / LOGS / SUPERVISOR_PID).read_text())
+    except (OSError, ValueError):
         return None
 
 
