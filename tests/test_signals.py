@@ -121,7 +121,8 @@ def test_blame_prefers_the_cause_over_its_symptoms(tmp_path):
     _record(tmp_path, 0, "comm", "RuntimeError: Connection reset by peer", 1.0)
     _record(tmp_path, 1, "done", "", 0.5)
     sup.deaths = {2: 2.0}
-    assert sup._blame() == (2, "killed by a signal without a Python error (SIGKILL or the out-of-memory killer)")
+    assert sup._blame() == (2, "killed by a signal without a Python error (SIGKILL, the out-of-memory killer or a "
+                               "native abort)")
     out = sup._outcome(1)
     assert out.status.startswith("failed on rank 2: killed") and "(llm stage 0 replica 0)" in out.message
     _record(tmp_path, 3, "error", "ValueError: bad sample", 3.0)
@@ -136,3 +137,47 @@ def test_classify_names_the_exception_in_one_line():
     assert classify(ValueError("bad\nmore")) == ("error", "ValueError: bad")
     assert classify(RuntimeError("[pair.cc:537] Read error: Connection reset by peer"))[0] == "comm"
     assert classify(Terminated("stopped by SIGTERM")) == ("terminated", "stopped by SIGTERM")
+
+
+FAKE_TORCHRUN = r'''
+import os, subprocess, sys
+run_dir, abort_after_record = sys.argv[1], sys.argv[2] == "1"
+rank_code = """
+import json, os, sys, time
+from pathlib import Path
+from loom.train.status import RankExit, write_pid
+run_dir, rank, abort_after_record = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+write_pid(run_dir, rank)
+time.sleep(0.3)
+if rank == 2 and not abort_after_record:
+    os.abort()  # a native abort in teardown: no Python error, no record
+RankExit(rank, os.getpid(), "done", "", time.time()).write(run_dir)
+if rank == 2:
+    os.abort()  # after its record: in the interpreter's teardown
+"""
+open(os.path.join(run_dir, "metrics.jsonl"), "w").write('{"step": 0}\n')  # the run's one step
+procs = [subprocess.Popen([sys.executable, "-c", rank_code, run_dir, str(r), sys.argv[2]]) for r in range(4)]
+codes = [p.wait() for p in procs]
+print("Root Cause (first observed failure):\n[0]:\n  rank      : 2 (local_rank: 2)\n"
+      f"  exitcode  : {codes[2]} (pid: {procs[2].pid})", file=sys.stderr)
+sys.exit(1)
+'''
+
+
+@pytest.mark.parametrize("after_record", [False, True])
+def test_a_rank_dying_in_teardown_after_the_last_step_is_named(tmp_path, after_record):
+    """Every step ran, then rank 2 aborts (before or after writing its exit record) and the
+    launcher exits 1: the run fails on rank 2, not on "torchrun exited with status 1"."""
+    from loom.train.launch import Supervisor
+
+    cmd = [sys.executable, "-c", FAKE_TORCHRUN, str(tmp_path), "1" if after_record else "0"]
+    out = Supervisor(cmd, tmp_path, 4, dict(os.environ), roles={2: "llm stage 0 replica 0"}, steps=1).run()
+    assert out.returncode == 1
+    assert out.status.startswith("failed on rank 2: killed by"), out.status
+    if after_record:  # seen only when the launcher ends: its report gives the signal
+        assert out.status.startswith("failed on rank 2: killed by SIGABRT after its exit record (done)")
+        assert "interpreter's teardown" in out.status
+    else:  # seen dead without a record while the launcher runs, or from its report afterwards
+        assert "in teardown after the last step (1)" in out.status
+    assert out.message.startswith("loom: failed on rank 2 (llm stage 0 replica 0): killed by")
+    assert read_status(tmp_path) == out.status and "\n" not in out.message

@@ -96,7 +96,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     roles = {r: "{} stage {} replica {}".format(*cfg.plan.role_of(r)) for r in range(world)}
-    outcome = Supervisor(cmd, run_dir, world, env, roles).run()
+    outcome = Supervisor(cmd, run_dir, world, env, roles, steps=cfg.run.steps).run()
     print(outcome.message or f"loom: completed; run dir {run_dir} (logs in {run_dir / LOGS})",
           file=sys.stderr if outcome.returncode else sys.stdout, flush=True)
     return outcome.returncode

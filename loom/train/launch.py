@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,8 +128,9 @@ class Supervisor:
     """Runs one ``loom train`` launch; see the module docstring."""
 
     def __init__(self, cmd: list[str], run_dir: Path, world_size: int, env: dict[str, str],
-                 roles: dict[int, str] | None = None, grace_s: float = 3.0):
+                 roles: dict[int, str] | None = None, grace_s: float = 3.0, steps: int | None = None):
         self.cmd, self.run_dir, self.world_size, self.env = cmd, run_dir, world_size, env
+        self.steps = steps  # the run's step count, to tell a death in teardown from one mid-run
         self.roles = roles or {}
         self.grace_s = grace_s
         self.signum: int | None = None
@@ -259,7 +261,7 @@ class Supervisor:
             status = f"interrupted at step {steps_done(self.run_dir)}"
             name = signal.Signals(self.signum).name
             return Outcome(status, f"loom: {status} ({name}); {where} (status: {status})", 128 + self.signum)
-        blame = self._blame()
+        blame = self._blame(returncode)
         if blame is None and returncode == 0:
             return Outcome("completed", "", 0)
         if blame is None:
@@ -271,17 +273,73 @@ class Supervisor:
         return Outcome(status, f"loom: failed on rank {rank}{role}: {reason}; full log "
                                f"{self.run_dir / LOGS / f'rank{rank}.log'}", 1)
 
-    def _blame(self) -> tuple[int, str] | None:
+    def _blame(self, returncode: int = 0) -> tuple[int, str] | None:
         """The rank that failed first, and why: a Python error or a death without any record
         (a signal such as SIGKILL, or the out-of-memory killer), earliest first; else the
-        earliest communication failure; else a rank stopped by a signal from outside."""
+        earliest communication failure; else a rank stopped by a signal from outside. When
+        torchrun failed and none of these was seen (a rank died after its last step, in
+        teardown, as torchrun ended before the death was polled), the rank without an exit
+        record, or the one torchrun's report names, with the exit code torchrun recorded."""
         exits = read_exits(self.run_dir)
+        root, codes = torchrun_failures(self.run_dir / LOGS / "torchrun.log")
         causes: list[tuple[float, int, str]] = [(e.time, e.rank, e.reason) for e in exits.values() if e.state == "error"]
-        causes += [(t, r, "killed by a signal without a Python error (SIGKILL or the out-of-memory killer)")
-                   for r, t in self.deaths.items() if r not in exits]
+        causes += [(t, r, self._death_reason(r, codes.get(r))) for r, t in self.deaths.items() if r not in exits]
         for state in ("comm", "terminated"):
             if causes:
                 break
             causes = [(e.time, e.rank, e.reason) for e in exits.values() if e.state == state]
-        return min(causes)[1:] if causes else None
+        if causes:
+            return min(causes)[1:]
+        if returncode == 0:
+            return None
+        unrecorded = [r for r in range(self.world_size) if r not in exits]
+        after_record = [r for r, code in codes.items() if code != 0 and r in exits]
+        for candidates in (unrecorded, after_record):
+            if candidates:
+                rank = root if root in candidates else min(candidates)
+                if rank in exits:
+                    return rank, (f"{_exit_words(codes[rank])} after its exit record ({exits[rank].state}), "
+                                  f"in the interpreter's teardown")
+                return rank, self._death_reason(rank, codes.get(rank))
+        return None
 
+    def _death_reason(self, rank: int, code: int | None) -> str:
+        """Why a rank that left no exit record ended, as far as its exit code (from torchrun's
+        report, when it wrote one) and the steps logged tell."""
+        if code is None:
+            how = "killed by a signal without a Python error (SIGKILL, the out-of-memory killer or a native abort)"
+        else:
+            how = f"{_exit_words(code)} without a Python error"
+        if self.steps is not None and steps_done(self.run_dir) >= self.steps:
+            how += f", in teardown after the last step ({self.steps})"
+        return how
+
+
+def _exit_words(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+_REPORT_ENTRY = re.compile(r"^\s*rank\s*:\s*(\d+)\b.*\n\s*exitcode\s*:\s*(-?\d+)", re.M)
+
+
+def torchrun_failures(log: Path) -> tuple[int | None, dict[int, int]]:
+    """From the failure report torchrun prints when a worker exits non-zero ("Root Cause
+    (first observed failure)" and "Failures", each entry with ``rank : R`` and ``exitcode : C``):
+    the root cause's rank and every reported rank's exit code (negative: killed by that signal).
+    ``(None, {})`` when the log holds no report (torchrun was stopped, or every rank exited 0)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))  # the report is at the end
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None, {}
+    codes = {int(r): int(c) for r, c in _REPORT_ENTRY.findall(text)}
+    cut = text.rfind("Root Cause")
+    first = _REPORT_ENTRY.search(text, cut) if cut >= 0 else None
+    return (int(first.group(1)) if first else None), codes
