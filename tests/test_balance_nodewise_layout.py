@@ -204,3 +204,17 @@ def test_large_rounds_take_the_greedy_placement_and_never_move_more(arch, metas)
         assert rec["method"] == ["greedy"]
         assert rec["cross_node_bytes"][1] < rec["cross_node_bytes"][0]
     assert _cross_total(plan, layout, costs, 8) < _cross_total(plan, layout, costs, 8, permuted=False)
+
+
+def test_padded_fast_fills_every_rank_when_it_can():
+    from loom.balance.assignment import padded_loads
+    from loom.balance.padded import padded_balance, padded_balance_fast
+
+    rng = np.random.default_rng(8)
+    for n, d in [(3, 5), (10, 10), (64, 64), (100, 60), (3000, 64)]:
+        lengths = rng.integers(1, 300, n)
+        fast = padded_balance_fast(lengths, d, 1.5, 0.01)
+        counts = np.bincount(fast.rank_of_sample, minlength=d)
+        assert (counts == 0).sum() == max(d - n, 0)
+        assert np.allclose(fast.loads, padded_loads(lengths, fast.rank_of_sample, d, 1.5, 0.01))
+        assert fast.max_load <= padded_balance(lengths, d, 1.5, 0.01).max_load * (1 + 1e-3) + 1e-9
