@@ -496,11 +496,6 @@ class _BatchedRecurrence:
         self.b_pos = np.empty((self.l, self.p, len(rows)))
         self.q = 0
 
-    def expand(self, lanes: np.ndarray) -> None:
-        """Continue with lanes ``lanes`` of the current state (repeats allowed)."""
-        self.rows = self.rows[lanes]
-        self.f_end, self.b_end, self.b_pos = self.f_end[:, :, lanes], self.b_end[:, :, lanes], self.b_pos[:, :, lanes]
-
     def place(self, j: np.ndarray) -> None:
         """Append microbatch ``j[lane]`` at the next position of every lane."""
         q, p, warm = self.q, self.p, self.warm
@@ -528,15 +523,19 @@ class _BatchedRecurrence:
                 np.add(up[s - 1], f[s], out=up[s])
             else:
                 np.maximum(prev, up[s - 1], out=up[s])
-                up[s] += f[s]
+                np.add(up[s], f[s], out=up[s])
         # steady-phase backwards B(s, q - w_s): each waits for F(s, q) and for B(s+1, q - w_s),
         # which position q - 1 fixed (w_{s+1} = w_s - 1), or F(p-1, q) on the last stage
         s0 = int(np.count_nonzero(warm > q))  # stages s0.. have w_s <= q
         if s0 < p:
             s = np.arange(s0, p)
             k = q - warm[s]
-            dep = np.concatenate([b_end[k[:-1], s[:-1] + 1], up[p - 1:]])
-            b_end[k, s] = np.maximum(up[s], dep) + self.b_pos[k, s]
+            dep = np.empty((p - s0, up.shape[1]))
+            dep[:-1] = b_end[k[:-1], s[:-1] + 1]
+            dep[-1] = up[p - 1]
+            np.maximum(up[s0:], dep, out=dep)
+            dep += self.b_pos[k, s]
+            b_end[k, s] = dep
 
     def finish(self) -> np.ndarray:
         """Drain backwards (those no placement fixed), k ascending and stages descending as
@@ -621,14 +620,18 @@ def reorder_microbatches_batched(
     first = by_size[:, 0]
     rear = by_size[:, 1:p]
     pool = _BatchedPool(by_size[:, p:], enc)
-    # Lanes 0..g-1 build Algorithm 3's order; with never_worse, lanes g..2g-1 play the given
-    # order 0..l-1 alongside (one recurrence for both, so one NumPy call per stage and
-    # position serves every candidate).
-    extra = 2 if never_worse else 1
-    rec = _BatchedRecurrence(fwd, bwd, np.concatenate([rows] * extra))
+    # Lanes 0..g-1 and g..2g-1 build Algorithm 3's order (they part at the rear group, placed
+    # descending in the first and ascending in the second); with never_worse, lanes 2g..3g-1
+    # play the given order 0..l-1 alongside: one recurrence for every candidate, so one NumPy
+    # call per stage and position serves them all.
+    n_cand = 3 if never_worse else 2
+    rec = _BatchedRecurrence(fwd, bwd, np.concatenate([rows] * n_cand))
 
-    def place(j: np.ndarray) -> None:
-        rec.place(np.concatenate([j, np.full(g, rec.q)]) if never_worse else j)
+    def place(j: np.ndarray, j_asc: np.ndarray | None = None) -> None:
+        lanes = [j, j if j_asc is None else j_asc]
+        if never_worse:
+            lanes.append(np.full(g, rec.q))
+        rec.place(np.concatenate(lanes))
 
     ret = [first]
     place(first)
@@ -653,13 +656,8 @@ def reorder_microbatches_batched(
     # the rear group in both directions: descending by (size, index) with ties in ascending
     # index (`_interreorder`), and ascending
     rear_desc = np.take_along_axis(rear, np.lexsort((rear, -np.take_along_axis(size, rear, axis=1)), axis=1), axis=1)
-    # lanes now: [descending rear | ascending rear | given order]
-    keep = np.concatenate([rows, rows] + ([rows + g] if never_worse else []))
-    n_cand = 3 if never_worse else 2
-    rec.expand(keep)
     for c in range(rear.shape[1]):
-        q = rec.q
-        rec.place(np.concatenate([rear_desc[:, c], rear[:, c]] + ([np.full(g, q)] if never_worse else [])))
+        place(rear_desc[:, c], rear[:, c])
     times = rec.finish().reshape(n_cand, g)
     prefix = np.stack(ret, axis=1)
     candidates = [np.concatenate([prefix, rear_desc], axis=1), np.concatenate([prefix, rear], axis=1)]
