@@ -1,25 +1,35 @@
-"""Pipeline overhead: loom's 1F1B executor against ``torch.distributed.pipelining.Schedule1F1B``.
+"""Pipeline overhead: loom's production step against ``torch.distributed.pipelining.Schedule1F1B``.
 
 Both sides train the same 2-stage LLM-only model (the zoo ``LlamaForCausalLM`` in a
 ``MultimodalModel`` with no encoders) on 2 gloo processes with one thread each: the same
-initial weights (same seed), the same layer boundaries, the same microbatches (fixed-length
-random token ids, so torch's static-shape pipelining applies), the same loss (summed token
-cross-entropy over the global batch's target-token count; torch runs with
+initial weights (same seed), the same layer boundaries, the same global batches of
+fixed-length text samples (so torch's static-shape pipelining applies), the same loss (summed
+token cross-entropy over the global batch's target-token count; torch runs with
 ``scale_grads=False`` so nothing else rescales it) and the same optimizer (AdamW; its step is
-*included* in the timed step on both sides: loom runs it as the schedule's ``optimizer_step``
-action, torch right after ``Schedule1F1B.step``).
+*included* in the timed step on both sides).
 
-Each side runs in its own pair of fresh processes (its own gloo group), so each side's peak RSS
-is its own. Both pairs start together and then take turns step by step (loom, torch, torch,
-loom, ...): one pair computes while the other waits on a queue, so slow phases of a shared
-machine hit both sides alike. A timed step runs from a barrier to a barrier. The first step's
-loss must agree between the sides (a speed comparison of different work would be worthless);
-the script fails otherwise.
+Each side does per step what its user does:
+- loom runs exactly what `loom train` runs: the `Dispatcher` (each rank loads its loader shard
+  of the global batch, metadata all-gathered, the layout of policy ``none`` from
+  `make_layout`, the payload all-to-all, collation) and then ``engine.step`` with that layout
+  and its `RowMap`; the optimizer step is the schedule's ``optimizer_step`` action;
+- torch: every rank reads and collates the same microbatches itself and runs
+  ``Schedule1F1B.step``, then the optimizer.
 
-    python benchmarks/pipeline_overhead.py [--steps 20 --warmup 3 --microbatches 8 ...]
+Two configurations run in one invocation: ``default`` (figure ``step_time_ratio``) and
+``small``, the overhead-dominated model of issue 8 point 9 (figure ``step_time_ratio_small``).
+Each side of each configuration runs in its own pair of fresh processes (its own gloo group),
+so each side's peak RSS is its own. The two pairs of a configuration take turns step by step
+(loom, torch, torch, loom, ...): one pair computes while the other waits on a queue, so slow
+phases of a shared machine hit both sides alike. A timed step runs from a barrier to a barrier.
+The figure is the median over the timed steps of the paired ratio loom / torch of neighbouring
+steps, with its interquartile range; lower is better, targets at most 1.10 (default) and 1.15
+(small). The first step's loss must agree between the sides (a speed comparison of different
+work would be worthless); the script fails otherwise.
 
-Prints a table and the ratio loom/torch of the median step times (the target is at most 1.10),
-and writes ``benchmarks/results/pipeline_overhead.json`` (DESIGN.md, "Benchmarks").
+    python benchmarks/pipeline_overhead.py [--only small] [--steps 20 --warmup 3 --hidden 64 ...]
+
+Writes ``benchmarks/results/pipeline_overhead.json`` (DESIGN.md, "Benchmarks").
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import argparse
 import cProfile
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` importable
@@ -38,26 +48,29 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import (WorkerGroup, figure, format_table, machine_info, median, peak_rss_mb,
+from benchmarks.common import (WorkerGroup, figure, format_table, median, peak_rss_mb, start_run, summarize,
                                write_result)
-from loom.data.sample import Batch
+from loom.balance.policy import BalanceConfig
+from loom.cost.arch_from_model import arch_from_model
+from loom.data.collate import collate, split_microbatches
+from loom.data.sample import Batch, Sample, SampleMeta
+from loom.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from loom.model.layers import Layer, run_layers
-from loom.model.multimodal import IGNORE_INDEX, MultimodalModel, loss_sum
+from loom.model.multimodal import MultimodalModel, loss_sum
 from loom.model.zoo import LlamaConfig, LlamaForCausalLM
 from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.runtime.dispatch import Dispatcher
 from loom.runtime.engine import ParallelEngine
 
 NAME = "pipeline_overhead"
 SIDES = ("loom", "torch")
 WORLD_SIZE = 2
 LOSS_RTOL = 1e-4
-TARGET_RATIO = 1.10
+BATCHES = 4  # distinct global batches, used in turn
 
 
 @dataclass
 class BenchConfig:
-    steps: int = 20  # timed steps per side
-    warmup: int = 3  # untimed steps per side before them
     microbatches: int = 8
     microbatch_size: int = 2  # sequences per microbatch
     seq_len: int = 128
@@ -69,6 +82,20 @@ class BenchConfig:
     vocab: int = 512
     lr: float = 1e-3
     seed: int = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.microbatches * self.microbatch_size
+
+
+# the configurations of one run: figure name -> (configuration, target ratio)
+CONFIGS = {
+    "default": (BenchConfig(), 1.10),
+    # issue 8 point 9: compute so small that the per-action overhead is what shows
+    "small": (BenchConfig(microbatches=32, microbatch_size=1, seq_len=16, hidden=64, layers=2, heads=4,
+                          kv_heads=2, intermediate=172, vocab=256), 1.15),
+}
+FIGURE = {"default": "step_time_ratio", "small": "step_time_ratio_small"}
 
 
 # ---- the shared model, plan and data -------------------------------------------------------
@@ -87,18 +114,29 @@ def build_plan(cfg: BenchConfig, model: MultimodalModel) -> Plan:
     return plan.resolve(model.layer_counts(), WORLD_SIZE)
 
 
-def build_microbatches(cfg: BenchConfig) -> tuple[list[Batch], int]:
-    """Text-only microbatches of random ids; ``labels`` are the next ids (the last position
-    predicts nothing). Returns them and the global target-token count."""
-    gen = torch.Generator().manual_seed(cfg.seed + 1)
-    batches = []
-    for j in range(cfg.microbatches):
-        ids = torch.randint(0, cfg.vocab, (cfg.microbatch_size, cfg.seq_len), generator=gen)
-        labels = torch.full_like(ids, IGNORE_INDEX)
-        labels[:, :-1] = ids[:, 1:]
-        sample_ids = list(range(j * cfg.microbatch_size, (j + 1) * cfg.microbatch_size))
-        batches.append(Batch(input_ids=ids, labels=labels, modality_inputs={}, sample_ids=sample_ids))
-    return batches, sum(b.num_targets for b in batches)
+class TextDataset:
+    """``BATCHES`` global batches of text samples of exactly ``seq_len`` token ids (BOS, random
+    words, EOS): a random-access dataset, as the `Dispatcher` reads one."""
+
+    def __init__(self, cfg: BenchConfig):
+        words = [f"w{i}" for i in range(cfg.vocab - len(SPECIAL_TOKENS))]
+        self.tokenizer = Tokenizer(words)
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.samples = []
+        for i in range(BATCHES * cfg.global_batch):
+            picks = torch.randint(0, len(words), (cfg.seq_len - 2,), generator=gen).tolist()
+            self.samples.append(Sample(SampleMeta(i, cfg.seq_len, segments=("text",)), " ".join(words[w] for w in picks)))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.samples[index]
+
+
+def batch_indices(cfg: BenchConfig, step: int) -> list[int]:
+    first = (step % BATCHES) * cfg.global_batch
+    return list(range(first, first + cfg.global_batch))
 
 
 def make_optimizer(cfg: BenchConfig):
@@ -154,48 +192,59 @@ def build_torch_pipeline(cfg: BenchConfig, model: MultimodalModel, plan: Plan, r
 # ---- one side, on each of its ranks --------------------------------------------------------
 def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: list, replies, profile_dir: str | None) -> None:
     """Build the side, then run one step per command from the driver on ``commands[rank]``
-    (``None`` ends) and reply with its time and loss; the driver makes the two sides take turns."""
+    (``None`` ends) and reply with its time, loss and (loom) dispatch time; the driver makes
+    the two sides take turns."""
+    warmup = cfg_dict.pop("_warmup")
     cfg = BenchConfig(**cfg_dict)
     model = build_model(cfg)
     plan = build_plan(cfg, model)
-    batches, num_targets = build_microbatches(cfg)
+    data = TextDataset(cfg)
+    num_targets = cfg.global_batch * (cfg.seq_len - 1)  # every position but the last predicts
 
     if side == "loom":
         engine = ParallelEngine.create(model, plan, torch.device("cpu"), optimizer_factory=make_optimizer(cfg))
-        mine = {j: batches[j] for j in engine.microbatches_to_load()}
+        dispatcher = Dispatcher(plan, data, data.tokenizer, {}, arch_from_model(model), BalanceConfig(),
+                                torch.device("cpu"))
 
-        def step(i: int) -> float:
-            return engine.step(mine, num_targets, step=i).loss
+        def step(i: int) -> tuple[float, float]:
+            t0 = time.perf_counter()
+            got = dispatcher.dispatch(batch_indices(cfg, i))
+            t1 = time.perf_counter()
+            result = engine.step(got.batches, got.num_targets, i, exact_timing=False, layout=got.layout, rows=got.rows)
+            return result.loss, t1 - t0
     else:
         schedule, optimizer = build_torch_pipeline(cfg, model, plan, rank, num_targets)
-        all_ids = torch.cat([b.input_ids for b in batches])  # split back into the same microbatches
-        all_labels = torch.cat([b.labels for b in batches])
 
-        def step(i: int) -> float:
+        def step(i: int) -> tuple[float, float]:
+            samples = [data[k] for k in batch_indices(cfg, i)]
+            parts = split_microbatches(samples, cfg.microbatches)
+            batches = [collate(p, data.tokenizer, {}) for p in parts]
             losses: list[torch.Tensor] = []
             if rank == 0:
-                schedule.step(all_ids, return_outputs=False)
+                schedule.step(torch.cat([b.input_ids for b in batches]), return_outputs=False)
             else:
-                schedule.step(target=all_labels, losses=losses, return_outputs=False)
+                schedule.step(target=torch.cat([b.labels for b in batches]), losses=losses, return_outputs=False)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            return float(sum(float(l.detach()) for l in losses))
+            return float(sum(float(l.detach()) for l in losses)), 0.0
 
-    del model, batches
+    del model
     profiler = cProfile.Profile() if profile_dir is not None else None
     replies.put(("ready", rank))
     while (i := commands[rank].get()) is not None:
-        timed = i >= cfg.warmup
+        timed = i >= warmup
         dist.barrier()
         if timed and profiler is not None:
             profiler.enable()
         start = time.perf_counter()
-        loss = step(i)
+        loss, dispatch_s = step(i)
         dist.barrier()
         elapsed = time.perf_counter() - start
         if timed and profiler is not None:
             profiler.disable()
-        replies.put(("step", rank, i, elapsed, loss))
+        replies.put(("step", rank, i, elapsed, loss, dispatch_s))
+    if side == "loom":
+        engine.close()
     if profiler is not None:
         profiler.dump_stats(str(Path(profile_dir) / f"{side}_rank{rank}.prof"))
     replies.put(("done", rank, peak_rss_mb()))
@@ -204,77 +253,53 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
 class Side(WorkerGroup):
     """A side's pair of processes and the queues that drive them."""
 
-    def __init__(self, side: str, cfg: BenchConfig, profile_dir: str | None):
-        super().__init__(side, _worker, WORLD_SIZE, asdict(cfg), extra=(profile_dir,))
-        self.times: list[float] = []
+    def __init__(self, side: str, cfg: BenchConfig, warmup: int, profile_dir: str | None):
+        super().__init__(side, _worker, WORLD_SIZE, {**asdict(cfg), "_warmup": warmup}, extra=(profile_dir,))
         self.losses: list[float] = []
+        self.dispatch: list[float] = []
         self.peak_rss_mb = 0.0
 
     def step(self, i: int) -> float:
         got = self.command(i)
         elapsed = max(r[3] for r in got)  # both ranks leave at the closing barrier: the slower clock
         self.losses.append(got[-1][4])  # the last stage computes the loss
+        self.dispatch.append(max(r[5] for r in got))
         return elapsed
 
     def finish(self) -> None:
         self.peak_rss_mb = max(self.close())
 
 
-# ---- main ----------------------------------------------------------------------------------
-def parse_args(argv: list[str] | None = None) -> tuple[BenchConfig, argparse.Namespace]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    defaults = BenchConfig()
-    for name, value in asdict(defaults).items():
-        parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value, help=" ")
-    parser.add_argument("--out", type=Path, default=None, help="results directory; None: benchmarks/results")
-    parser.add_argument("--profile", type=Path, default=None,
-                        help="write cProfile stats of every rank's timed steps into this directory")
-    args = parser.parse_args(argv)
-    cfg = BenchConfig(**{name: getattr(args, name) for name in asdict(defaults)})
-    if cfg.microbatches < WORLD_SIZE:
-        parser.error(f"--microbatches {cfg.microbatches}: Schedule1F1B needs at least {WORLD_SIZE} (one per stage)")
-    if cfg.steps < 1 or cfg.warmup < 1:
-        parser.error("--steps and --warmup must be at least 1 (the first step also sets torch's stage up)")
-    return cfg, args
-
-
-def main(argv: list[str] | None = None) -> dict:
-    cfg, args = parse_args(argv)
+def run_config(name: str, cfg: BenchConfig, steps: int, warmup: int, profile: Path | None) -> dict:
+    """Both sides of one configuration, taking turns; returns their per-step times and more."""
     model = build_model(cfg)
     plan = build_plan(cfg, model)
     bounds = plan.spec(LLM).stage_boundaries
     params = sum(p.numel() for p in model.parameters())
     del model
-    print(f"{NAME}: 2-stage LLM ({params / 1e6:.2f} M parameters, layer boundaries {bounds}), "
-          f"{cfg.microbatches} microbatches x {cfg.microbatch_size} x {cfg.seq_len} tokens, "
-          f"2 gloo processes x 1 thread per side")
-    print(f"{cfg.warmup} warmup + {cfg.steps} timed steps per side, the sides taking turns step by step "
-          f"(AdamW step included)")
-
+    print(f"[{name}] 2-stage LLM ({params / 1e6:.2f} M parameters, layer boundaries {bounds}), "
+          f"{cfg.microbatches} microbatches x {cfg.microbatch_size} x {cfg.seq_len} tokens; "
+          f"{warmup} warmup + {steps} timed steps per side")
     profile_dir = None
-    if args.profile is not None:
-        args.profile.mkdir(parents=True, exist_ok=True)
-        profile_dir = str(args.profile)
+    if profile is not None:
+        (profile / name).mkdir(parents=True, exist_ok=True)
+        profile_dir = str(profile / name)
     t0 = time.perf_counter()
-    sides = {name: Side(name, cfg, profile_dir) for name in SIDES}
-    times: dict[str, list[float]] = {name: [] for name in SIDES}
+    sides = {side: Side(side, cfg, warmup, profile_dir) for side in SIDES}
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
     try:
         for side in sides.values():
             side.wait_ready()
-        print(f"  both sides set up in {time.perf_counter() - t0:.1f} s")
-        for i in range(cfg.warmup + cfg.steps):
+        for i in range(warmup + steps):
             # one side's pair of processes runs while the other's waits on its queue; the order
             # alternates (ABBA...) so neither side always follows the other
-            order = SIDES if i % 2 == 0 else SIDES[::-1]
-            for name in order:
-                elapsed = sides[name].step(i)
-                if i >= cfg.warmup:
-                    times[name].append(elapsed)
-            if i < cfg.warmup or (i - cfg.warmup + 1) % 5 == 0 or i + 1 == cfg.warmup + cfg.steps:
-                kind = "warmup" if i < cfg.warmup else "step"
-                print(f"  {kind} {i + 1:3d}: loss loom {sides['loom'].losses[-1]:.6f} torch {sides['torch'].losses[-1]:.6f}"
-                      + (f"; time loom {times['loom'][-1] * 1e3:.1f} ms, torch {times['torch'][-1] * 1e3:.1f} ms"
-                         if i >= cfg.warmup else ""))
+            for side in (SIDES if i % 2 == 0 else SIDES[::-1]):
+                elapsed = sides[side].step(i)
+                if i >= warmup:
+                    times[side].append(elapsed)
+            if i >= warmup and ((i - warmup + 1) % 10 == 0 or i + 1 == warmup + steps):
+                print(f"  step {i + 1:3d}: loss loom {sides['loom'].losses[-1]:.6f} torch {sides['torch'].losses[-1]:.6f}; "
+                      f"time loom {times['loom'][-1] * 1e3:.1f} ms, torch {times['torch'][-1] * 1e3:.1f} ms")
         for side in sides.values():
             side.finish()
     finally:
@@ -282,42 +307,87 @@ def main(argv: list[str] | None = None) -> dict:
             for p in side.procs:
                 if p.is_alive():
                     p.terminate()
-
     # the same work on both sides: the same loss on the first step (and, as a check of the
     # optimizer step, on the later ones)
     loom_losses, torch_losses = sides["loom"].losses, sides["torch"].losses
     rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(loom_losses, torch_losses)]
-    print(f"first-step loss: loom {loom_losses[0]:.6f}, torch {torch_losses[0]:.6f} "
-          f"(relative difference {rel[0]:.2e}; largest over all {len(rel)} steps {max(rel):.2e})")
+    print(f"  first-step loss: loom {loom_losses[0]:.6f}, torch {torch_losses[0]:.6f} (relative difference "
+          f"{rel[0]:.2e}; largest over all {len(rel)} steps {max(rel):.2e}); {time.perf_counter() - t0:.0f} s")
     if rel[0] > LOSS_RTOL:
-        raise SystemExit(f"loom and torch compute different losses on the first step ({loom_losses[0]} vs "
+        raise SystemExit(f"[{name}] loom and torch compute different losses on the first step ({loom_losses[0]} vs "
                          f"{torch_losses[0]}): the sides do not do the same work, the timing would be meaningless")
+    return {"times": times, "ratios": [a / b for a, b in zip(times["loom"], times["torch"])],
+            "dispatch": sides["loom"].dispatch[warmup:], "rss": {s: sides[s].peak_rss_mb for s in SIDES},
+            "bounds": bounds, "first_step_loss": {"loom": loom_losses[0], "torch": torch_losses[0]}}
 
-    step_ms = {name: median(times[name]) * 1e3 for name in SIDES}
-    rss = {name: sides[name].peak_rss_mb for name in SIDES}
-    ratio = step_ms["loom"] / step_ms["torch"]
-    # the ratio of neighbouring steps cancels slow drifts of the machine's speed
-    paired = median([a / b for a, b in zip(times["loom"], times["torch"])])
+
+# ---- main ----------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--only", choices=list(CONFIGS), default=None, help="run one configuration (default: both)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side and configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side before them")
+    for f in fields(BenchConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None,
+                            help="override this field in every configuration run")
+    parser.add_argument("--out", type=Path, default=None, help="results directory; default benchmarks/results")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="write cProfile stats of every rank's timed steps into this directory")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1 (the first step also sets torch's stage up)")
+    args.configs = {}
+    for name in [args.only] if args.only else list(CONFIGS):
+        cfg = replace(CONFIGS[name][0], **{f.name: getattr(args, f.name) for f in fields(BenchConfig)
+                                           if getattr(args, f.name) is not None})
+        if cfg.microbatches < WORLD_SIZE:
+            parser.error(f"--microbatches {cfg.microbatches}: Schedule1F1B needs at least {WORLD_SIZE} (one per stage)")
+        if cfg.seq_len < 3 or cfg.vocab <= len(SPECIAL_TOKENS):
+            parser.error(f"--seq-len {cfg.seq_len} / --vocab {cfg.vocab}: need at least 3 tokens per sample and more "
+                         f"than {len(SPECIAL_TOKENS)} ids (the tokenizer's specials)")
+        args.configs[name] = cfg
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    start_run()
+    print(f"{NAME}: loom (Dispatcher + engine.step with the layout) vs torch Schedule1F1B, 2 gloo processes x "
+          f"1 thread per side, the sides taking turns step by step (AdamW step included)")
+    t0 = time.perf_counter()
+    runs = {name: run_config(name, cfg, args.steps, args.warmup, args.profile) for name, cfg in args.configs.items()}
+
+    figures, rows, config = {}, [], {"world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo",
+                                     "schedule": "1f1b", "steps": args.steps, "warmup": args.warmup,
+                                     "optimizer": "AdamW, step included in the timed step",
+                                     "loom_path": "Dispatcher.dispatch (policy none) + engine.step(layout=, rows=)",
+                                     "torch_path": "each rank collates the microbatches, Schedule1F1B.step",
+                                     "timing": "barrier to barrier per step; the sides take turns step by step; "
+                                               "figure = median of the paired per-step ratios loom / torch, spread IQR",
+                                     "configurations": {}}
     print()
-    print(format_table(["side", "median step (ms)", "min step (ms)", "peak RSS (MB)"],
-                       [[n, step_ms[n], min(times[n]) * 1e3, rss[n]] for n in SIDES]))
-    verdict = "within" if ratio <= TARGET_RATIO else "ABOVE"
-    print(f"\nstep_time_ratio (loom / torch, median step times) = {ratio:.3f}  ({verdict} the target {TARGET_RATIO:.2f})")
-    print(f"median of the step-by-step ratios = {paired:.3f}; total {time.perf_counter() - t0:.0f} s")
-
-    figures = {
-        "step_time_ratio": figure(ratio, "ratio"),
-        "loom_peak_rss_mb": figure(rss["loom"], "MB", 1),
-        "torch_peak_rss_mb": figure(rss["torch"], "MB", 1),
-        "loom_step_ms": figure(step_ms["loom"], "ms", 2),
-        "torch_step_ms": figure(step_ms["torch"], "ms", 2),
-    }
-    config = {**asdict(cfg), "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo",
-              "schedule": "1f1b", "stage_boundaries": bounds, "optimizer": "AdamW, step included in the timed step",
-              "timing": "median over timed steps, barrier to barrier; the sides take turns step by step",
-              "paired_step_time_ratio": round(paired, 4),
-              "first_step_loss": {"loom": loom_losses[0], "torch": torch_losses[0]}}
-    path = write_result(NAME, figures, config, machine_info(), args.out)
+    for name, run in runs.items():
+        suffix = "" if name == "default" else f"_{name}"
+        target = CONFIGS[name][1]
+        ratio = summarize(run["ratios"], "ratio", better="lower")
+        figures[FIGURE[name]] = ratio
+        figures[f"loom_step_ms{suffix}"] = summarize([t * 1e3 for t in run["times"]["loom"]], "ms", better="lower", digits=2)
+        figures[f"torch_step_ms{suffix}"] = summarize([t * 1e3 for t in run["times"]["torch"]], "ms", better="lower", digits=2)
+        figures[f"loom_dispatch_ms{suffix}"] = summarize([t * 1e3 for t in run["dispatch"]], "ms", better="lower", digits=2)
+        figures[f"loom_peak_rss_mb{suffix}"] = figure(run["rss"]["loom"], "MB", better="lower", digits=1)
+        figures[f"torch_peak_rss_mb{suffix}"] = figure(run["rss"]["torch"], "MB", better="lower", digits=1)
+        for side in SIDES:
+            rows.append([f"{name}: {side}", median(run["times"][side]) * 1e3, min(run["times"][side]) * 1e3,
+                         median(run["dispatch"]) * 1e3 if side == "loom" else "-", run["rss"][side]])
+        verdict = "within" if ratio["value"] <= target else "ABOVE"
+        print(f"{FIGURE[name]} (loom / torch, paired median) = {ratio['value']:.3f}, IQR {ratio['spread']} "
+              f"({verdict} the target {target:.2f})")
+        config["configurations"][name] = {**asdict(args.configs[name]), "target": target,
+                                          "stage_boundaries": run["bounds"], "first_step_loss": run["first_step_loss"]}
+    print()
+    print(format_table(["configuration: side", "median step (ms)", "min step (ms)", "dispatch (ms)", "peak RSS (MB)"], rows))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    path = write_result(NAME, figures, config, results_dir=args.out)
     print(f"wrote {path}")
     return {"figures": figures, "config": config}
 

@@ -4,15 +4,16 @@ Per iteration (orchmllm.md §2.2, "adopted"; DESIGN.md principle 4):
 
 1. every rank reads the samples of its *loader shard* (a contiguous share of the global batch,
    as a distributed data loader would give it) and checks each payload against its metadata;
-2. the metadata alone (and any payload error) is all-gathered, so every rank knows the whole
-   batch's shapes without having seen its pixels;
+2. the metadata alone (and any payload error) is all-gathered as one int tensor
+   (`loom.runtime.metadata`), so every rank knows the whole batch's shapes without having
+   seen its pixels;
 3. every rank runs the same deterministic balancing policy (`loom.balance.policy.make_layout`)
    and gets the same `BatchLayout`;
-4. one ``all_to_all_single`` per phase (each encoder, then the LLM) moves each sample's
-   payload for that phase from its loader rank straight to the ranks that run it there: the
-   items' pixels or waveforms to every stage of the encoder replica holding the sample, the
-   text ids to every stage of the LLM replica holding it. Split sizes come from metadata, so
-   no size exchange is needed.
+4. one ``all_to_all_single`` for all phases at once moves each sample's payload for each
+   phase from its loader rank straight to the ranks that run it there: the items' pixels or
+   waveforms to every stage of the encoder replica holding the sample, the text ids to every
+   stage of the LLM replica holding it. Split sizes come from metadata, so no size exchange is
+   needed; when every payload is already where it runs, the collective is skipped.
 
 Encoder outputs then travel along the schedule's routed edges straight to the LLM microbatch
 of their sample (OrchMLLM's rearrangement composition), and their gradients back along the
@@ -39,6 +40,7 @@ from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, collate_id
 from loom.data.sample import Batch, Sample, SampleMeta
 from loom.data.tokenizer import Tokenizer
 from loom.plan.plan import LLM, Plan
+from loom.runtime.metadata import all_gather_metadata
 from loom.runtime.rows import RowMap
 
 
@@ -98,8 +100,7 @@ class Dispatcher:
         shards = loader_shards(len(indices), self.world_size)
         mine = shards[self.rank]
         samples, text_ids, error = self._load(indices, mine)
-        gathered: list = [None] * self.world_size
-        dist.all_gather_object(gathered, ([s.meta for s in samples], error), group=self.group)
+        gathered = all_gather_metadata([s.meta for s in samples], error, len(indices), self.device, self.group)
         errors = [e for _, e in gathered if e]
         if errors:
             raise DispatchError(errors[0])
@@ -110,11 +111,7 @@ class Dispatcher:
         rows = RowMap(layout, {e: [c[e] for c in counts] for e in self.plan.encoder_names},
                       {e: [len(getattr(m, SAMPLE_FIELDS[e])) for m in metas] for e in self.plan.encoder_names})
 
-        received: dict[int, list[torch.Tensor] | list[int]] = {}
-        for phase in self.plan.module_names:
-            got = self._exchange(phase, layout, metas, shards, dict(zip(mine, samples)), dict(zip(mine, text_ids)))
-            if phase == self.module:
-                received = got
+        received = self._exchange(layout, metas, shards, dict(zip(mine, samples)), dict(zip(mine, text_ids)))
         batches = self._microbatches(layout, metas, received)
         return Dispatched(layout, rows, batches, sum(target_count(m) for m in metas), metas, costs)
 
@@ -144,52 +141,68 @@ class Dispatcher:
         return {s: [self.plan.rank_of(phase, st, j % spec.data_parallel) for st in range(spec.num_stages)]
                 for s, j in layout.slot_of(phase).items()}
 
-    def _numel(self, phase: str, meta: SampleMeta) -> int:
+    def _nbytes(self, phase: str, meta: SampleMeta) -> int:
         if phase == LLM:
-            return meta.text_tokens
+            return 8 * meta.text_tokens  # int64 ids
         items = getattr(meta, SAMPLE_FIELDS[phase])
-        return sum(3 * m.height * m.width if phase == "vision" else m.num_samples for m in items)
+        return 4 * sum(3 * m.height * m.width if phase == "vision" else m.num_samples for m in items)  # float32
 
-    def _exchange(self, phase, layout, metas, shards, local_samples, local_ids) -> dict[int, list]:
-        """One ``all_to_all_single`` moving every sample's ``phase`` payload to its ranks;
-        returns, on this rank, position -> payload (item tensors, or text ids)."""
-        dest = self._destinations(phase, layout)
-        dtype = torch.long if phase == LLM else torch.float32
+    def _exchange(self, layout, metas, shards, local_samples, local_ids) -> dict[int, list]:
+        """One ``all_to_all_single`` for every phase at once: rank ``d`` gets the payloads of
+        its own module's phase (as bytes: pixels and waveforms in float32, ids in int64) of the
+        samples it runs; returns, on this rank, position -> payload (item tensors, or text ids).
+        Byte counts come from metadata on both sides. When no payload has to leave the rank that
+        loaded it (every rank runs exactly what it loaded), every rank knows so from the same
+        layout and the collective is skipped."""
+        world, me = self.world_size, self.rank
+        dests = {phase: self._destinations(phase, layout) for phase in self.plan.module_names}
+        owner = {p: r for r, shard in enumerate(shards) for p in shard}
+        if all(d == owner[p] for dest in dests.values() for p, ranks in dest.items() for d in ranks):
+            return {p: self._unflat(self.module, metas[p], self._flat(self.module, local_samples[p], local_ids[p]))
+                    for p in shards[me] if p in dests[self.module]}
+        phase_of = [self.plan.role_of(d)[0] for d in range(world)]
         send: list[torch.Tensor] = []
-        in_splits = [0] * self.world_size
-        for d in range(self.world_size):
-            for p in shards[self.rank]:
+        in_splits = [0] * world
+        for d in range(world):
+            dest = dests[phase_of[d]]
+            for p in shards[me]:
                 if d in dest[p]:
-                    send.append(self._flat(phase, local_samples[p], local_ids[p], dtype))
+                    send.append(self._flat(phase_of[d], local_samples[p], local_ids[p]))
                     in_splits[d] += send[-1].numel()
-        wanted = [[p for p in shards[src] if self.rank in dest[p]] for src in range(self.world_size)]
-        out_splits = [sum(self._numel(phase, metas[p]) for p in w) for w in wanted]
-        payload = torch.cat(send) if send else torch.empty(0, dtype=dtype)
-        out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
+        mine = dests[self.module]
+        wanted = [[p for p in shards[src] if me in mine[p]] for src in range(world)]
+        out_splits = [sum(self._nbytes(self.module, metas[p]) for p in w) for w in wanted]
+        payload = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
+        out = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
         dist.all_to_all_single(out, payload.to(self.device), out_splits, in_splits, group=self.group)
         out = out.cpu()
         result: dict[int, list] = {}
         offset = 0
         for p in (p for w in wanted for p in w):
-            n = self._numel(phase, metas[p])
-            result[p] = self._unflat(phase, metas[p], out[offset:offset + n])
+            n = self._nbytes(self.module, metas[p])
+            result[p] = self._unflat(self.module, metas[p], out[offset:offset + n])
             offset += n
         return result
 
-    def _flat(self, phase: str, sample: Sample, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def _flat(self, phase: str, sample: Sample, ids: list[int]) -> torch.Tensor:
+        """A sample's ``phase`` payload as bytes (`_unflat` reads them back)."""
         if phase == LLM:
-            return torch.tensor(ids, dtype=dtype)
+            return torch.tensor(ids, dtype=torch.long).view(torch.uint8)
         items = getattr(sample, SAMPLE_FIELDS[phase])
-        return torch.cat([t.reshape(-1).to(dtype) for t in items]) if items else torch.empty(0, dtype=dtype)
+        if not items:
+            return torch.empty(0, dtype=torch.uint8)
+        return torch.cat([t.reshape(-1).to(torch.float32) for t in items]).view(torch.uint8)
 
     def _unflat(self, phase: str, meta: SampleMeta, flat: torch.Tensor) -> list:
+        # a copy: the slice of the received buffer may not be aligned for the wider dtype
         if phase == LLM:
-            return flat.tolist()
+            return flat.clone().view(torch.long).tolist()
+        values = flat.clone().view(torch.float32)
         items, offset = [], 0
         for m in getattr(meta, SAMPLE_FIELDS[phase]):
             shape = (3, m.height, m.width) if phase == "vision" else (m.num_samples,)
             n = int(np.prod(shape))
-            items.append(flat[offset:offset + n].reshape(shape).clone())
+            items.append(values[offset:offset + n].reshape(shape).clone())
             offset += n
         return items
 

@@ -12,8 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from loom.schedule.layout import BatchLayout, identity_layout
-from loom.data.collate import split_microbatches
+from loom.schedule.layout import BatchLayout, contiguous_layout
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import Plan, PlanError
@@ -91,8 +90,7 @@ class ParallelEngine:
         if batch_size < self.plan.num_microbatches:
             raise ValueError(f"a global batch of {batch_size} samples cannot fill plan.num_microbatches = "
                              f"{self.plan.num_microbatches}; use at least that many samples")
-        return identity_layout(split_microbatches(list(range(batch_size)), self.plan.num_microbatches),
-                               self.plan.module_names)
+        return contiguous_layout(batch_size, self.plan.num_microbatches, self.plan.module_names)
 
     def step(
         self,

@@ -48,10 +48,26 @@ Edge = tuple[StageId, StageId]
 _ActShape = tuple[torch.dtype, tuple[int, ...]]
 
 
-@dataclass
 class StepResult:
-    loss: float  # this rank's share of the global mean loss (0 unless it computes the loss)
-    timeline: list[TimelineEvent] = field(default_factory=list)
+    """``loss``: this rank's share of the global mean loss (0 unless it computes the loss);
+    ``timeline``: one `TimelineEvent` per action that ran, built on first access (the training
+    loop keeps only the last step's)."""
+
+    __slots__ = ("loss", "_rank", "_step", "_plan", "_times", "_timeline")
+
+    def __init__(self, loss: float, rank: int, step: int, plan: "ActionPlan", times: list[float]):
+        self.loss = loss
+        self._rank, self._step, self._plan, self._times = rank, step, plan, times
+        self._timeline: list[TimelineEvent] | None = None
+
+    @property
+    def timeline(self) -> list[TimelineEvent]:
+        if self._timeline is None:
+            t, rank, step = self._times, self._rank, self._step
+            self._timeline = [TimelineEvent(rank, a.kind.value, label, a.module, a.stage, a.microbatch,
+                                            t[2 * i], t[2 * i + 1], step)
+                              for i, (a, label) in enumerate(zip(self._plan.actions, self._plan.labels))]
+        return self._timeline
 
 
 @dataclass
@@ -177,10 +193,7 @@ class PipelineExecutor:
             times.append(start)
             times.append(clock())
         self.comm.wait_sends()
-        events = [TimelineEvent(self.rank, a.kind.value, label, a.module, a.stage, a.microbatch,
-                                times[2 * i], times[2 * i + 1], step)
-                  for i, (a, label) in enumerate(zip(plan.actions, plan.labels))]
-        return StepResult(float(it.loss_total), events)
+        return StepResult(float(it.loss_total), self.rank, step, plan, times)
 
     def close(self) -> None:
         """Wait for every send still in flight, so the process group can be destroyed safely
@@ -313,7 +326,8 @@ class PipelineExecutor:
         j = a.microbatch
         st = it.states[j]
         out = st.output
-        grad = None if self.stage.computes_loss else st.out_grad
+        # each part consumes the gradient rows received since the previous part
+        grad, st.out_grad = (None if self.stage.computes_loss else st.out_grad), None
         st.backward_left -= 1
         last_part = st.backward_left == 0
         # An output can be independent of everything trainable for one microbatch (a frozen LLM
