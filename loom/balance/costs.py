@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loom.balance.payload import sample_payload_bytes
-from loom.cost.arch import ModelArch
+from loom.cost.arch import ModelArch, ModuleArch
 from loom.cost.flops import attention_flops, gemm_flops
 from loom.cost.model import Workload
 from loom.cost.workload import MetadataArrays, sample_tokens
@@ -69,9 +69,20 @@ class SampleCosts:
 def module_coefficients(arch: ModelArch, name: str) -> tuple[float, float]:
     """Forward FLOPs of module ``name`` per token and per attention length² (both are linear
     in a `Workload`'s ``tokens`` and ``attn_sq``, so two evaluations give every sample's cost)."""
-    layers = arch.module(name).layers
-    return (sum(gemm_flops(l, Workload(tokens=1)).forward for l in layers),
-            sum(attention_flops(l, Workload(attn_sq=1)).forward for l in layers))
+    # every step costs the same modules: keep each (frozen) module's coefficients, a walk over
+    # every layer's FLOP formulas (~1 ms a module), keyed by the module object itself
+    module = arch.module(name)
+    held, coefficients = _COEFFICIENTS.get(id(module), (None, (0.0, 0.0)))
+    if held is not module:
+        if len(_COEFFICIENTS) > 64:
+            _COEFFICIENTS.clear()
+        coefficients = (sum(gemm_flops(l, Workload(tokens=1)).forward for l in module.layers),
+                        sum(attention_flops(l, Workload(attn_sq=1)).forward for l in module.layers))
+        _COEFFICIENTS[id(module)] = (module, coefficients)
+    return coefficients
+
+
+_COEFFICIENTS: dict[int, tuple[ModuleArch, tuple[float, float]]] = {}
 
 
 def sample_costs(arch: ModelArch, metas: MetadataArrays | Sequence[SampleMeta]) -> SampleCosts:
