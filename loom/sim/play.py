@@ -104,8 +104,10 @@ class Play:
         """``FORWARD`` / ``BACKWARD``: the microbatch's workload of the module, or one part of a
         split backward: its own samples' work."""
         w = self.works[a.microbatch].get(a.module, EMPTY) if a.samples is None else self.part_work(a.module, a.samples)
-        d = self.stage_time(a.module, a.stage, _NAME[a.kind], w)
-        self.events[u].append(self._event(u, a, t, t + d))
+        name = _NAME[a.kind]
+        d = self.stage_time(a.module, a.stage, name, w)
+        self.events[u].append(TimelineEvent(self.first_rank[u], name, a.short(), a.module, a.stage, a.microbatch, t,
+                                            t + d, self.step))
         self.compute[u] += d
         return t + d
 
@@ -128,11 +130,16 @@ class Play:
         # (direction, sender, receiver, sender's microbatch, receiver's microbatch, stages, samples)
         key = (a.kind is SEND_GRAD, u, a.peer, a.microbatch, other, a.module, a.stage, a.peer_module, a.peer_stage,
                a.samples)
-        self.messages.setdefault(key, []).append(start + d)
+        posted = self.messages.get(key)
+        if posted is None:
+            self.messages[key] = [start + d]
+        else:
+            posted.append(start + d)
         woken = self.waiting.pop(key, None)
         if woken is not None:
             self.ready.append(woken)
-        self.events[u].append(self._event(u, a, t, t))
+        self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
+                                            a.microbatch, t, t, self.step))
         return t
 
     def _receive(self, u: int, a: Action, t: float) -> float | None:
@@ -149,7 +156,8 @@ class Play:
         if not posted:
             del self.messages[key]
         end = arrival if arrival > t else t
-        self.events[u].append(self._event(u, a, t, end))
+        self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
+                                            a.microbatch, t, end, self.step))
         return end
 
     def _grad_sync(self, u: int, a: Action, t: float) -> float | None:
