@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from loom.balance.costs import sample_costs
-from loom.balance.policy import BalanceConfig, critical_load, make_layout
+from loom.balance.policy import BalanceConfig, make_layout
+from loom.balance.predict import predict_steps
 from loom.cost.model_configs import load_model_arch
 from loom.cost.model import Workload
 from loom.cost.workload import MetadataArrays, sample_tokens, sample_work
@@ -71,8 +72,8 @@ def test_policy_keeps_the_given_layout_when_its_gain_is_too_small(arch) -> None:
     costs = sample_costs(vision_arch, metas)
     for policy in ("orchmllm", "disttrain", "entrain"):
         layout = make_layout(BalanceConfig(default=policy, min_gain=0.0), plan, costs)
-        before = sum(critical_load(make_layout(BalanceConfig(), plan, costs), plan, costs).values())
-        after = sum(critical_load(layout, plan, costs).values())
+        given = make_layout(BalanceConfig(), plan, costs)
+        before, after = (p.step for p in predict_steps([given, layout], plan, costs))
         assert after <= before * (1 + 1e-12), policy  # never slower than none by its own model
         assert layout.predicted_gain["total"] == pytest.approx((before - after) / before, abs=1e-6)
         kept = make_layout(BalanceConfig(default=policy, min_gain=0.999), plan, costs)

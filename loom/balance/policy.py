@@ -25,8 +25,9 @@ DistTrain's Algorithm 3; ``disttrain`` and ``entrain`` bring their own order.
 
 Per-sample cost is the module's forward FLOPs (`loom.balance.costs`, arrays from metadata
 arrays). A policy never makes a step slower than ``none`` by its own cost model: where the
-predicted gain in critical load (`critical_load`) is below ``balance.min_gain`` of the given
-layout's, the given layout is kept and the layout says so (``kept_given``, ``predicted_gain``).
+predicted gain in step time (`loom.balance.predict`: the layout's 1F1B pipeline over every
+replica) is below ``balance.min_gain`` of the given layout's, the given layout is kept and the
+layout says so (``kept_given``, ``predicted_gain``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from loom.balance.costs import SampleCosts, sample_costs
 from loom.balance.disttrain_policy import disttrain_layout
 from loom.balance.entrain_policy import entrain_layout
 from loom.balance.orchmllm import orchmllm_layout
+from loom.balance.predict import predict_steps
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean
 
@@ -76,13 +78,12 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     layout.check(n, phases)
     layout.check_routes(plan)
     # never slower than `none` by the policy's own cost model (issue 8): keep the given layout
-    # where the predicted gain does not pay for the decision and the exchange
-    before = critical_load(given, plan, costs, padded)
-    after = critical_load(layout, plan, costs, padded)
-    total = sum(before.values())
-    gain = (total - sum(after.values())) / total if total > 0 else 0.0
+    # where the predicted gain does not pay for the decision and the exchange; the model is the
+    # layout's 1F1B step time (`loom.balance.predict`), per phase its busiest stage's compute
+    before, after = predict_steps([given, layout], plan, costs, padded, eager=config.eager_forward)
+    gain = (before.step - after.step) / before.step if before.step > 0 else 0.0
     layout.predicted_gain = {"total": round(gain, 6)} | {
-        p: round((before[p] - after[p]) / before[p], 6) if before[p] > 0 else 0.0 for p in phases}
+        p: round((before.busy[p] - after.busy[p]) / before.busy[p], 6) if before.busy[p] > 0 else 0.0 for p in phases}
     if gain < config.min_gain:
         given.policy = dict(chosen)
         given.kept_given = True
@@ -92,11 +93,11 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
 
 
 def critical_load(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> dict[str, float]:
-    """Per phase, the policy's cost model of a layout: the sum over rounds (one microbatch of
-    every replica, which the replicas run in step) of the round's slowest slot, a slot costing
-    the sum of its samples' costs, or for a right-padded LLM its row count times its longest
-    row's cost. Deferral and K_eff change which slots exist, so this compares any two layouts
-    of one batch."""
+    """Per phase, the sum over rounds (one microbatch of every replica, which the replicas run
+    in step) of the round's slowest slot, a slot costing the sum of its samples' costs, or for a
+    right-padded LLM its row count times its longest row's cost. A load measure: with one
+    replica it is the phase's total work whatever the layout, so `make_layout` compares layouts
+    by their predicted step time (`loom.balance.predict`) instead."""
     m = layout.num_microbatches
     out = {}
     for phase in layout.arrays:

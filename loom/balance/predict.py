@@ -1,0 +1,225 @@
+"""Predicted step time of a layout: the policies' own cost model of one iteration.
+
+`make_layout` keeps the given layout unless a policy's layout is predicted faster by more than
+``balance.min_gain`` (issue 8). Summing each round's slowest slot (`critical_load`) cannot tell
+two layouts apart when a module has one replica: the sum is then the module's total work
+whatever the layout. What a layout changes there is how the encoders' and the LLM's work pair
+up microbatch by microbatch in the pipeline, so the prediction plays the 1F1B pipeline itself.
+
+The model, per data-parallel replica of the LLM (a *lane*):
+
+- the stages are the encoders' stages (each encoder a chain, the encoders in parallel) feeding
+  the LLM's first stage, then the LLM's stages (cornstarch.md §3.1, as `build_schedule` lays
+  them out); microbatch slot ``k`` of every phase sits in lane ``k % dp_llm`` at position
+  ``k // dp_llm`` (the plan's round-robin rule, `Plan.replica_of_microbatch`);
+- a slot's forward time on a stage is its phase's cost of the slot's samples (`SampleCosts`:
+  summed for packed phases, row count x longest row for right-padded LLM rows) split evenly
+  over the module's stages; an encoder's is scaled by ``dp_llm / dp_enc``, the share of an
+  encoder replica one LLM replica uses (DistTrain's objective, disttrain.md §3.1 eq. 1-2);
+  backward is ``backward_ratio`` x forward;
+- each rank runs loom's 1F1B order (`loom.schedule.generators`: warmup from `_lookahead`, one
+  forward / one backward, drain), and every operation ends at ``max(end of the rank's previous
+  operation, end of its dependency) + its own time``: DistTrain's GETINTERVAL recurrence
+  ``E[s][j] = max(E[s][j-1], E[s-1][j]) + t[s][j]`` with 1F1B's backward flow added
+  (disttrain.md §3.4, digest gap 6). The LLM's first stage waits for the latest encoder
+  forward that feeds the slot (through a layout's routes: OrchMLLM's rearrangement, Entrain's
+  one-round deferral); an encoder's backward waits for its aligned LLM slot's;
+- the step is the latest lane's end: gradient synchronisation waits for the slowest replica.
+  With the LLM the bottleneck this is Entrain's objective, the largest per-microbatch LLM time
+  T* times the pipeline's length (entrain.md §3.5.2), and with equal microbatches it is
+  DistTrain's ``T_warmup + T_steady``.
+
+Communication, gradient synchronisation and the optimizer are left out (they do not depend on
+the layout, or are priced by the dispatcher's own cost). Routes that reach a later position of
+a lane (rounds longer than ``dp_llm``) are read at the current position: an estimate, not a
+simulation (`loom.sim` is the simulation). Loops run over positions and stages only; every
+operation is one NumPy operation over the lanes (and over several layouts at once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from loom.balance.costs import SampleCosts
+from loom.plan.plan import LLM, Plan
+from loom.schedule.generators import _lookahead
+from loom.schedule.layout import BatchLayout, round_size
+
+__all__ = ["Prediction", "predict_step", "predict_steps", "slot_costs", "pipeline_times"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """``step``: the predicted step time (cost units of `SampleCosts`); ``lanes``: each LLM
+    replica's end; ``busy``: per phase, the compute (forward + backward) of its busiest stage
+    replica, the phase's share of the step."""
+
+    step: float
+    lanes: np.ndarray
+    busy: dict[str, float]
+
+
+def slot_costs(layout: BatchLayout, costs: SampleCosts, llm_padded: bool = True) -> dict[str, np.ndarray]:
+    """Per phase, each slot's forward cost: the sum of its samples' costs, or for a right-padded
+    LLM (``llm_padded``) its row count times its longest row's cost."""
+    out = {}
+    for phase, (order, bounds) in layout.arrays.items():
+        starts = bounds[:-1]
+        if phase == LLM and llm_padded:
+            w = costs.llm_padded_weight()[order]
+            out[phase] = np.maximum.reduceat(w, starts) * np.diff(bounds) if w.size else np.zeros(len(starts))
+        else:
+            w = costs.work[phase][order]
+            out[phase] = np.add.reduceat(w, starts) if w.size else np.zeros(len(starts))
+    return out
+
+
+def _grid(per_slot: np.ndarray, lanes: int, positions: int) -> np.ndarray:
+    """Slot ``k`` at ``[k // lanes, k % lanes]``; missing slots (uneven counts) cost 0."""
+    g = np.zeros(positions * lanes)
+    g[:per_slot.size] = per_slot
+    return g.reshape(positions, lanes)
+
+
+def _feeders(layout: BatchLayout, encoder: str, lanes: int) -> np.ndarray | None:
+    """For each sample in LLM slot order, the flat grid index (``position * lanes + lane``) of
+    the encoder slot it comes from, read no later than its LLM slot's position; None when the
+    encoder's slots are the LLM's (then slot ``k`` waits for encoder slot ``k`` only)."""
+    order, bounds = layout.arrays[LLM]
+    e_order, e_bounds = layout.arrays[encoder]
+    if np.array_equal(order, e_order) and np.array_equal(bounds, e_bounds):
+        return None
+    enc_slot = layout.slot_index(encoder)[order]
+    llm_slot = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    pos = np.minimum(enc_slot // lanes, llm_slot // lanes)
+    return pos * lanes + enc_slot % lanes
+
+
+def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio: float = 2.0,
+                   extra_warmup: int = 0, routed: bool = False,
+                   feeders: "dict[str, np.ndarray | None] | None" = None,
+                   llm_bounds: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, float]]:
+    """The 1F1B recurrence over the lanes of one or more layouts of ``plan``.
+
+    ``forward[phase]``: ``(positions, lanes)`` grids of per-stage forward times (lanes of several
+    layouts side by side). ``routed``: the schedule is a layout's (encoders look ``2 (R - 1)``
+    slots further ahead, `_lookahead`); ``extra_warmup``: Entrain's eager forward.
+    ``feeders[e]`` / ``llm_bounds``: the routes of `_feeders` (one layout only). Returns each
+    lane's end and per phase the compute of its busiest stage replica."""
+    names = plan.module_names
+    encoders = [m for m in names if m != LLM]
+    positions, lanes = forward[LLM].shape
+    look = _lookahead(plan, "1f1b", 2 * (round_size(plan) - 1) if routed else 0, extra_warmup)
+    # nodes in topological order: every encoder's stages, then the LLM's
+    nodes: list[tuple[str, int]] = [(m, s) for m in encoders + [LLM] for s in range(plan.spec(m).num_stages)]
+    warm = [min(int(look[n] // plan.spec(n[0]).data_parallel), positions) for n in nodes]
+    fwd = [forward[m] for m, _ in nodes]
+    bwd = [backward_ratio * f for f in fwd]
+    last = {m: max(i for i, n in enumerate(nodes) if n[0] == m) for m in names}
+    llm0 = nodes.index((LLM, 0))
+    # forward predecessors: the stage before in the module; the LLM's first: every encoder's last
+    f_dep = [[i - 1] if s > 0 else ([last[e] for e in encoders] if m == LLM else []) for i, (m, s) in enumerate(nodes)]
+    # backward dependency: the next stage of the module; an encoder's last: the LLM's first
+    b_dep = [i + 1 if i != last[m] else (llm0 if m != LLM else None) for i, (m, _) in enumerate(nodes)]
+    f_end = [np.empty((positions, lanes)) for _ in nodes]
+    b_end = [np.empty((positions, lanes)) for _ in nodes]
+    feeders = feeders or {}
+
+    def ready(i: int, q: int) -> np.ndarray | None:
+        deps = f_dep[i]
+        if not deps:
+            return None
+        if i != llm0:
+            return f_end[deps[0]][q]
+        out = None
+        for e, d in zip(encoders, deps):
+            idx = feeders.get(e)
+            if idx is None:
+                r = f_end[d][q]
+            else:  # the latest feeding encoder slot of each LLM slot at position q
+                lo, hi = llm_bounds[q * lanes], llm_bounds[min((q + 1) * lanes, len(llm_bounds) - 1)]
+                r = np.zeros(lanes)
+                if hi > lo:
+                    starts = llm_bounds[q * lanes:(q + 1) * lanes] - lo
+                    r[:starts.size] = np.maximum.reduceat(f_end[d].reshape(-1)[idx[lo:hi]], starts)
+            out = r if out is None else np.maximum(out, r)
+        return out
+
+    for q in range(positions):
+        for i in range(len(nodes)):
+            w = warm[i]
+            prev = None if q == 0 else (f_end[i][q - 1] if q <= w else b_end[i][q - w - 1])
+            up = ready(i, q)
+            if prev is None and up is None:
+                f_end[i][q] = fwd[i][q]
+            else:
+                t = prev if up is None else (up if prev is None else np.maximum(prev, up))
+                np.add(t, fwd[i][q], out=f_end[i][q])
+        for i in reversed(range(len(nodes))):  # steady-phase backwards B(i, q - w_i)
+            k = q - warm[i]
+            if k < 0:
+                continue
+            d = b_dep[i]
+            dep = f_end[i][q] if d is None else b_end[d][k]
+            np.maximum(f_end[i][q], dep, out=b_end[i][k])
+            b_end[i][k] += bwd[i][k]
+    for k in range(positions):  # drain backwards, in order, downstream first
+        for i in reversed(range(len(nodes))):
+            if k <= positions - 1 - warm[i]:
+                continue
+            prev = b_end[i][k - 1] if k > 0 else f_end[i][positions - 1]
+            d = b_dep[i]
+            dep = f_end[i][k] if d is None else b_end[d][k]
+            np.maximum(prev, dep, out=b_end[i][k])
+            b_end[i][k] += bwd[i][k]
+    ends = np.max([b[positions - 1] for b in b_end], axis=0) if positions else np.zeros(lanes)
+    busy = {m: float(max((1 + backward_ratio) * fwd[i].sum(axis=0).max(initial=0.0)
+                         for i, n in enumerate(nodes) if n[0] == m)) for m in names}
+    return ends, busy
+
+
+def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts, llm_padded: bool = True, *,
+                  backward_ratio: float = 2.0, eager: int = 0) -> list[Prediction]:
+    """`predict_step` of several layouts of one batch; layouts with the same slot count and
+    aligned routes run in one recurrence, side by side over their lanes."""
+    lanes = plan.spec(LLM).data_parallel
+    out: list[Prediction | None] = [None] * len(layouts)
+    groups: dict[tuple, list[int]] = {}
+    for n, layout in enumerate(layouts):
+        aligned = layout.is_identity()
+        key = (layout.num_microbatches, aligned) if aligned else (n,)
+        groups.setdefault(key, []).append(n)
+    for members in groups.values():
+        first = layouts[members[0]]
+        positions = -(-first.num_microbatches // lanes)
+        grids: dict[str, list[np.ndarray]] = {m: [] for m in plan.module_names}
+        for n in members:
+            per_slot = slot_costs(layouts[n], costs, llm_padded)
+            for m in plan.module_names:
+                spec = plan.spec(m)
+                scale = (lanes / spec.data_parallel if m != LLM else 1.0) / spec.num_stages
+                grids[m].append(_grid(per_slot[m] * scale, lanes, positions))
+        forward = {m: np.concatenate(g, axis=1) for m, g in grids.items()}
+        routed = not first.is_identity() or first.num_microbatches != plan.num_microbatches
+        feeders, bounds = None, None
+        if not first.is_identity():
+            feeders = {e: _feeders(first, e, lanes) for e in first.encoders}
+            bounds = first.arrays[LLM][1]
+        ends, busy = pipeline_times(plan, forward, backward_ratio=backward_ratio, extra_warmup=eager,
+                                    routed=routed, feeders=feeders, llm_bounds=bounds)
+        for g, n in enumerate(members):
+            mine = ends[g * lanes:(g + 1) * lanes]
+            phase_busy = {m: float((1 + backward_ratio) * forward[m][:, g * lanes:(g + 1) * lanes].sum(axis=0).max())
+                          for m in plan.module_names} if len(members) > 1 else busy
+            out[n] = Prediction(float(mine.max()), mine, phase_busy)
+    return out  # type: ignore[return-value]
+
+
+def predict_step(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool = True, *,
+                 backward_ratio: float = 2.0, eager: int = 0) -> Prediction:
+    """The predicted step time of ``layout`` (see the module docstring): what `make_layout`
+    compares between the given layout and a policy's."""
+    return predict_steps([layout], plan, costs, llm_padded, backward_ratio=backward_ratio, eager=eager)[0]
