@@ -110,7 +110,7 @@ def _reference(case: str):
 
 CASES = {
     "pipe2-none": 2,
-    "pipe2-entrain": 2,
+    "pipe2packed-entrain": 2,  # packed LLM rows: deferral pays (padded rows: it raises the padded cost)
     "pipe2-disttrain": 2,
     "dp2-orchmllm": 2,
     "pipe2dp2-none": 4,
@@ -119,7 +119,7 @@ CASES = {
     "pipe2dp2-entrain": 4,
     "mixed-orchmllm": 4,
     "omni-entrain": 4,
-    "deep-entrain": 4,
+    "deeppacked-entrain": 4,
     "pipe2dp2packed-orchmllm": 4,  # the reference stays padded: packing must not change the math
     "pipe2eager-entrain": 2,  # Entrain's eager forward (a deeper encoder warmup)
 }
@@ -147,14 +147,14 @@ def test_balancing_really_rearranges(tmp_path: Path) -> None:
     unbalanced layout; on the skewed batch the balanced ones do move samples."""
     from loom.balance.policy import make_layout, sample_costs
 
-    for case, expect_routes in [("pipe2dp2-orchmllm", True), ("pipe2-entrain", True), ("pipe2dp2-disttrain", False),
-                                ("mixed-orchmllm", True), ("deep-entrain", True), ("omni-entrain", True)]:
+    for case, expect_routes in [("pipe2dp2-orchmllm", True), ("pipe2packed-entrain", True), ("pipe2dp2-disttrain", False),
+                                ("mixed-orchmllm", True), ("deeppacked-entrain", True), ("omni-entrain", True)]:
         cfg, balance = _config(case)
         tokenizer, dataset = build_data(cfg)
         model = build_model(cfg.model, tokenizer, seed=SEED)
         cfg.plan.resolve(model.layer_counts())
         costs = sample_costs(arch_from_model(model), [dataset.meta(i) for i in range(GLOBAL_BATCH)])
-        layout = make_layout(balance, cfg.plan, costs)
+        layout = make_layout(balance, cfg.plan, costs, "packed" if cfg.data.pack_sequences else "padded")
         unbalanced = make_layout(BalanceConfig(), cfg.plan, costs)
         assert layout.slots != unbalanced.slots, case
         assert (not layout.is_identity()) == expect_routes, case
