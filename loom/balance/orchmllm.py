@@ -66,8 +66,9 @@ def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: in
         np.maximum.at(peak, bins, w)
         return bins, np.bincount(bins, minlength=num_bins) * peak
     cost = costs.work[phase][lo:hi]
-    bins = nonempty_bins(quantised_lpt(cost, num_bins).rank_of_sample, cost, num_bins)
-    return bins, np.bincount(bins, weights=cost, minlength=num_bins)
+    a = quantised_lpt(cost, num_bins)
+    bins = nonempty_bins(a.rank_of_sample, cost, num_bins)
+    return bins, a.loads if bins is a.rank_of_sample else np.bincount(bins, weights=cost, minlength=num_bins)
 
 
 def place_bins(loads: np.ndarray, dp: int, carried: np.ndarray) -> np.ndarray:
