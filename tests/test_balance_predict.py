@@ -1,0 +1,169 @@
+"""The predicted step time of a layout (`loom.balance.predict`): exact values on small pipelines
+worked by hand, agreement with the reference 1F1B simulator, and `make_layout`'s rule that keeps
+the given layout unless a policy's is predicted faster by ``balance.min_gain``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loom.balance.costs import SampleCosts
+from loom.balance.disttrain import simulate_1f1b
+from loom.balance.policy import BalanceConfig, critical_load, make_layout
+from loom.balance.predict import pipeline_times, predict_step, predict_steps, slot_costs
+from loom.plan.plan import ModuleSpec, Plan
+from loom.schedule.layout import BatchLayout, contiguous_layout, identity_layout
+
+
+def _plan(m: int, llm_stages: int = 1, dp: int = 1, encoders: tuple[str, ...] = ("vision",)) -> Plan:
+    mods = [ModuleSpec(e, data_parallel=dp) for e in encoders] + [
+        ModuleSpec("llm", data_parallel=dp, num_stages=llm_stages)]
+    return Plan(mods, num_microbatches=m).resolve({**{e: 4 for e in encoders}, "llm": 4})
+
+
+def _costs(vision, llm, lengths=None, **more) -> SampleCosts:
+    """Hand-made costs: ``llm`` is each sample's packed cost; padded rows cost ``lengths``
+    (alpha 1, beta 0) per row."""
+    lengths = np.asarray(llm if lengths is None else lengths, dtype=np.int64)
+    return SampleCosts({"vision": vision, "llm": llm, **more}, lengths, 1.0, 0.0)
+
+
+def test_two_stage_pipeline_by_hand() -> None:
+    # vision forwards 3 then 1, the LLM 1 then 3; backward 2x. Encoder (warmup 1): F0 0-3, F1
+    # 3-4; LLM: F0 3-4, B0 4-6, F1 6-9, B1 9-15; encoder B0 max(4, 6)+6 = 12, B1 max(12, 15)+2 = 17
+    plan = _plan(2)
+    layout = identity_layout([[0], [1]], plan.module_names)
+    assert predict_step(layout, plan, _costs([3.0, 1.0], [1.0, 3.0]), llm_padded=False).step == 17.0
+    # the other pairing: F0 0-1, F1 1-4; LLM F0 1-4, B0 4-10, F1 10-11, B1 11-13; encoder B0 12, B1 19
+    assert predict_step(layout, plan, _costs([1.0, 3.0], [3.0, 1.0]), llm_padded=False).step == 19.0
+
+
+def test_encoders_in_parallel_feed_the_llm() -> None:
+    # vision 2 and audio 3 in parallel; the LLM starts at 3: F 3-4, B 4-6; vision B 6-10, audio B 6-12
+    plan = _plan(1, encoders=("vision", "audio"))
+    layout = identity_layout([[0]], plan.module_names)
+    costs = _costs([2.0], [1.0], audio=[3.0])
+    assert predict_step(layout, plan, costs, llm_padded=False).step == 12.0
+
+
+def test_equal_microbatches_give_the_pipeline_formula() -> None:
+    # encoder + a 2-stage LLM, every stage 1 forward / 2 backward: (M + p - 1) x 3 with p = 3
+    plan = _plan(4, llm_stages=2)
+    costs = _costs([1.0] * 4, [2.0] * 4)  # the LLM's 2 split over its 2 stages
+    layout = contiguous_layout(4, 4, plan.module_names)
+    assert predict_step(layout, plan, costs, llm_padded=False).step == 18.0
+
+
+@pytest.mark.parametrize("llm_stages", [1, 2, 3])
+def test_agrees_with_the_reference_1f1b_simulator(llm_stages: int) -> None:
+    rng = np.random.default_rng(llm_stages)
+    m = 6
+    plan = _plan(m, llm_stages=llm_stages)
+    for _ in range(20):
+        enc, llm = rng.lognormal(0, 0.8, m), rng.lognormal(0, 0.5, m)
+        ends, _ = pipeline_times(plan, {"vision": enc[:, None], "llm": (llm / llm_stages)[:, None]})
+        ref = simulate_1f1b(range(m), enc.tolist(), (llm / llm_stages).tolist(), 1 + llm_stages)
+        assert ends[0] == pytest.approx(ref, rel=1e-12)
+
+
+def test_the_slowest_replica_sets_the_step() -> None:
+    # DP 2, slots 0 and 2 on replica 0 (all costs 1: (2 + 1) x 3 = 9), slots 1 and 3 on replica 1
+    # (vision 1, LLM 3: F0 0-1, F1 1-2; LLM F0 1-4, B0 4-10, F1 10-13, B1 13-19; vision B1 19-21)
+    plan = _plan(4, dp=2)
+    layout = contiguous_layout(4, 4, plan.module_names)
+    got = predict_step(layout, plan, _costs([1.0] * 4, [1.0, 3.0, 1.0, 3.0]), llm_padded=False)
+    assert got.lanes.tolist() == [9.0, 21.0]
+    assert got.step == 21.0
+
+
+def test_padded_rows_cost_count_times_longest() -> None:
+    # a free encoder: the step is 3 x the LLM's summed forward; slots [0, 1] and [2, 3]
+    plan = _plan(2)
+    costs = _costs([0.0] * 4, [4.0, 1.0, 1.0, 1.0])
+    layout = contiguous_layout(4, 2, plan.module_names)
+    assert slot_costs(layout, costs, llm_padded=True)["llm"].tolist() == [8.0, 2.0]
+    assert predict_step(layout, plan, costs, llm_padded=True).step == 30.0  # 3 x (2 x 4 + 2 x 1)
+    assert predict_step(layout, plan, costs, llm_padded=False).step == 21.0  # 3 x (5 + 2)
+
+
+def test_evening_out_the_encoder_llm_coupling_is_predicted_faster() -> None:
+    # two samples heavy in both phases (3, 3) and two light (1, 1). Together: vision [6, 2], LLM
+    # [6, 2] (F0 0-6, F1 6-8; LLM F0 6-12, B0 12-24, F1 24-26, B1 26-30; vision B0 24-36, B1
+    # 36-40); one of each per microbatch: every stage 4 forward, (2 + 1) x 12 = 36
+    plan = _plan(2)
+    costs = _costs([3.0, 3.0, 1.0, 1.0], [3.0, 3.0, 1.0, 1.0])
+    together = identity_layout([[0, 1], [2, 3]], plan.module_names)
+    mixed = identity_layout([[0, 2], [1, 3]], plan.module_names)
+    a, b = predict_steps([together, mixed], plan, costs, llm_padded=False)
+    assert (a.step, b.step) == (40.0, 36.0)
+    # the per-round critical load cannot tell them apart at data-parallel degree 1
+    assert critical_load(together, plan, costs, False) == critical_load(mixed, plan, costs, False)
+
+
+def test_spreading_long_padded_rows_is_predicted_slower() -> None:
+    # two long rows (8) and six short (1), 2 microbatches, a free encoder. Kept together:
+    # padded [4 x 8, 4 x 1] = 36; spread: [4 x 8, 4 x 8] = 64. Packed they cost the same (22, 22).
+    plan = _plan(2)
+    lengths = [8.0, 8.0] + [1.0] * 6
+    costs = _costs([0.0] * 8, lengths)
+    kept = identity_layout([[0, 1, 2, 3], [4, 5, 6, 7]], plan.module_names)
+    spread = identity_layout([[0, 2, 3, 4], [1, 5, 6, 7]], plan.module_names)
+    k, s = predict_steps([kept, spread], plan, costs, llm_padded=True)
+    assert (k.step, s.step) == (3 * 36.0, 3 * 64.0)
+    kp, sp = predict_steps([kept, spread], plan, costs, llm_padded=False)
+    assert kp.step == sp.step == 3 * 22.0
+
+
+def test_layouts_side_by_side_match_one_by_one() -> None:
+    rng = np.random.default_rng(3)
+    plan = _plan(8, llm_stages=2, dp=2)
+    n = 32
+    costs = _costs(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n), lengths=rng.integers(1, 50, n))
+    layouts = [identity_layout(np.array_split(rng.permutation(n), 8), plan.module_names) for _ in range(3)]
+    together = predict_steps(layouts, plan, costs)
+    for layout, got in zip(layouts, together):
+        alone = predict_step(layout, plan, costs)
+        assert got.step == alone.step and np.array_equal(got.lanes, alone.lanes)
+        assert got.busy == alone.busy
+
+
+def test_deferred_samples_wait_for_their_encoder_slot() -> None:
+    # encoder slots [0, 1], [2]; LLM slots [0], [1, 2] (sample 1 deferred one microbatch):
+    # vision F0 0-2, F1 2-3; LLM F0 2-4, B0 4-8, F1 max(8, 3)+2 = 10, B1 10-14; vision B0 8-12, B1 14-16
+    plan = _plan(2)
+    layout = BatchLayout({"vision": ((0, 1), (2,)), "llm": ((0,), (1, 2))})
+    costs = _costs([1.0, 1.0, 1.0], [2.0, 1.0, 1.0])
+    assert predict_step(layout, plan, costs, llm_padded=False).step == 16.0
+    # a route to an LLM slot whose encoder slot comes later makes the LLM wait for it
+    late = BatchLayout({"vision": ((1,), (0, 2)), "llm": ((0, 1), (2,))})
+    aligned = identity_layout([[0, 1], [2]], plan.module_names)
+    assert predict_step(late, plan, costs, llm_padded=False).step >= predict_step(aligned, plan, costs, False).step
+
+
+def _coupled_batch() -> tuple[Plan, SampleCosts]:
+    """8 microbatches of 2 at data-parallel degree 1; the first half of the batch is heavy in
+    both phases, so the given contiguous layout pairs heavy with heavy."""
+    rng = np.random.default_rng(0)
+    n = 16
+    heavy = np.arange(n) < n // 2
+    vision = np.where(heavy, 5.0, 1.0) * rng.uniform(0.9, 1.1, n)
+    llm = np.where(heavy, 5.0, 1.0) * rng.uniform(0.9, 1.1, n)
+    return _plan(8), SampleCosts({"vision": vision, "llm": llm}, np.round(llm * 10).astype(np.int64), 0.1, 0.0)
+
+
+@pytest.mark.parametrize("policy", ["disttrain", "entrain"])
+def test_make_layout_uses_the_policy_layout_only_above_min_gain(policy: str) -> None:
+    plan, costs = _coupled_batch()
+    given = make_layout(BalanceConfig(), plan, costs, llm_batching="packed")
+    own = make_layout(BalanceConfig(default=policy, min_gain=-1.0), plan, costs, llm_batching="packed")
+    gain = own.predicted_gain["total"]
+    before, after = predict_steps([given, own], plan, costs, llm_padded=False)
+    assert gain == pytest.approx((before.step - after.step) / before.step, abs=1e-6)
+    assert gain > 0.05, own.slots  # the policy pairs heavy with light: a real predicted gain
+    used = make_layout(BalanceConfig(default=policy, min_gain=gain / 2), plan, costs, llm_batching="packed")
+    assert not used.kept_given and used == own
+    kept = make_layout(BalanceConfig(default=policy, min_gain=min(gain + 0.01, 0.99)), plan, costs,
+                       llm_batching="packed")
+    assert kept.kept_given and kept.is_identity()
+    assert kept.predicted_gain["total"] == pytest.approx(gain)
+    assert kept.arrays["llm"][0].tolist() == given.arrays["llm"][0].tolist()
