@@ -34,7 +34,8 @@ class SimResult:
       and only during the forward on a stage without backward);
     - ``timeline``: one `TimelineEvent` per action, ``rank`` = the unit's first rank; sends are
       instantaneous, a receive spans its wait, a grad sync spans the wait plus the collective
-      (as the executor records them).
+      (as the executor records them); with a dispatch, its parts come first on every unit as
+      ``dispatch`` events (microbatch -1).
     """
 
     schedule_kind: str
