@@ -26,17 +26,39 @@ def start_long_run(tmp_path: Path, name: str) -> tuple[subprocess.Popen, Path]:
     return proc, tmp_path / name
 
 
+def diagnose(run_dir: Path, lines: int = 15) -> str:
+    """The run directory's account of a run (status, exit records, the ends of torchrun's and
+    every rank's log), for a failing assertion's message: a failure under load shows its cause."""
+    out = [f"status: {read_status(run_dir)}"]
+    for path in sorted((run_dir / "logs").glob("*")) if (run_dir / "logs").is_dir() else []:
+        if path.suffix in (".log", ".json"):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+    return "\n".join(out)
+
+
 def wait_for_training(proc: subprocess.Popen, run_dir: Path, world: int = 4) -> dict[int, int]:
     """Wait until a step is logged and every rank wrote its pid; returns rank -> pid."""
     for _ in range(1200):  # polls, not a time limit on the code under test
         if proc.poll() is not None:
-            raise AssertionError(f"the run ended early: {proc.communicate()}")
+            raise AssertionError(f"the run ended early: {proc.communicate()}\n{diagnose(run_dir)}")
         metrics = run_dir / "metrics.jsonl"
         if metrics.is_file() and metrics.read_text().strip() and len(read_pids(run_dir)) == world:
             return read_pids(run_dir)
         time.sleep(0.25)
     proc.kill()
-    raise AssertionError("no training step within the wait")
+    raise AssertionError(f"no training step within the wait\n{diagnose(run_dir)}")
+
+
+def finish(proc: subprocess.Popen, run_dir: Path, timeout: float) -> str:
+    """``loom train``'s stderr once it exits within ``timeout`` s; else it is killed and the
+    assertion says what the run directory shows."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError(f"loom train still running {timeout} s later: {proc.communicate()}\n"
+                             f"{diagnose(run_dir)}") from None
 
 
 def alive_at(pids, deadline: float) -> list[int]:
@@ -54,16 +76,14 @@ def test_signal_stops_every_worker_and_marks_the_run(tmp_path, sig):
     pids = wait_for_training(proc, run_dir)
     proc.send_signal(sig)
     deadline = time.monotonic() + 10  # the issue's bound, from the signal
-    try:
-        _, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    assert alive_at(pids.values(), deadline) == [], "workers alive 10 s after the signal"
-    assert proc.returncode == 128 + sig
+    err = finish(proc, run_dir, 120)
+    why = f"stderr: {err!r}\n{diagnose(run_dir)}"
+    assert alive_at(pids.values(), deadline) == [], "workers alive 10 s after the signal\n" + why
+    assert proc.returncode == 128 + sig, why
     status = read_status(run_dir)
-    assert status is not None and status.startswith("interrupted at step "), status
+    assert status is not None and status.startswith("interrupted at step "), why
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("loom: interrupted at step "), err
+    assert len(lines) == 1 and lines[0].startswith("loom: interrupted at step "), why
     assert int(status.split()[-1]) >= 1  # a step was logged before the signal
 
 
@@ -73,14 +93,12 @@ def test_a_killed_rank_ends_the_run_with_one_line_naming_it(tmp_path):
     pids = wait_for_training(proc, run_dir)
     os.kill(pids[2], signal.SIGKILL)
     deadline = time.monotonic() + 10
-    try:
-        _, err = proc.communicate(timeout=10)  # the issue's bound: the run ends within 10 s of the kill
-    finally:
-        proc.kill()
-    assert alive_at(pids.values(), deadline) == []
-    assert proc.returncode == 1
+    err = finish(proc, run_dir, 10)  # the issue's bound: the run ends within 10 s of the kill
+    why = f"stderr: {err!r}\n{diagnose(run_dir)}"
+    assert alive_at(pids.values(), deadline) == [], why
+    assert proc.returncode == 1, why
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("loom: failed on rank 2 (llm stage 0 replica 0): killed"), err
+    assert len(lines) == 1 and lines[0].startswith("loom: failed on rank 2 (llm stage 0 replica 0): killed"), why
     assert read_status(run_dir).startswith("failed on rank 2: killed")
     assert (run_dir / "logs" / "rank0.log").is_file()
 
