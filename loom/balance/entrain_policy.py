@@ -364,9 +364,20 @@ def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> t
         ok = ((match >= 0) | ~critical).all(axis=1)
         return ok, critical, match - np.arange(rows)[:, None] * n_ul
 
-    hi = np.isfinite(cand).sum(axis=1) - 1  # the largest candidate >= every L: nothing critical
-    # T* is at least what lets every overloaded microbatch run somewhere, alone or paired: start
-    # the search there, and probe that bound first (it is usually T* itself)
+    # T* is at most what a greedy pairing reaches (heaviest first, each alone or with its
+    # cheapest free partner), a feasible threshold by construction ...
+    used = np.zeros((rows, n_ul), dtype=bool)
+    reached = floor.copy()
+    lanes = np.arange(rows)
+    for a in range(half):
+        cost = np.where(used, np.inf, v[:, a])
+        j = cost.argmin(axis=1)
+        paired = cost[lanes, j] < l_ol[:, a]
+        used[lanes[paired], j[paired]] = True
+        reached = np.maximum(reached, np.where(paired, cost[lanes, j], l_ol[:, a]))
+    hi = np.count_nonzero(cand < reached[:, None], axis=1)
+    # ... and at least what lets every overloaded microbatch run somewhere, alone or paired:
+    # search between the two, probing the lower bound first (it is usually T* itself)
     bound = np.minimum(l_ol, v.min(axis=2)).max(axis=1)
     lo = np.minimum(np.count_nonzero(cand < bound[:, None], axis=1), hi)
     ok, _, _ = feasible(cand[np.arange(rows), lo])
