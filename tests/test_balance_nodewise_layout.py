@@ -74,14 +74,15 @@ def _cross_total(plan, layout, costs, rpn, permuted=True) -> float:
                for p in plan.module_names)
 
 
-@pytest.mark.parametrize("shape", [(8, 8, 1, 16), (4, 8, 1, 16), (8, 8, 2, 8)])
+@pytest.mark.parametrize("shape", [(8, 8, 1, 16, "given"), (4, 8, 1, 16, "given"), (8, 8, 2, 8, "given"),
+                                   (8, 8, 1, 32, "disttrain")])
 def test_permuted_layout_is_valid_and_never_moves_more_cross_node_bytes(arch, metas, shape):
-    vision_dp, llm_dp, stages, m = shape
+    vision_dp, llm_dp, stages, m, order = shape
     plan = _plan(arch, vision_dp, llm_dp, stages, m)
     rpn = 4
     costs = sample_costs(arch, metas[:160])
-    plain = make_layout(BalanceConfig(default="orchmllm", min_gain=-1.0), plan, costs)
-    cfg = BalanceConfig(default="orchmllm", min_gain=-1.0, ranks_per_node=rpn)
+    plain = make_layout(BalanceConfig(default="orchmllm", min_gain=-1.0, order=order), plan, costs)
+    cfg = BalanceConfig(default="orchmllm", min_gain=-1.0, ranks_per_node=rpn, order=order)
     layout = make_layout(cfg, plan, costs)
     layout.check(costs.num_samples, plan.module_names)
     layout.check_routes(plan)
