@@ -482,26 +482,33 @@ class _BatchedRecurrence:
     every end time, and every decision built on them, is bit-identical to running the lanes one
     by one (the tests check it)."""
 
-    def __init__(self, fwd: np.ndarray, bwd: np.ndarray, rows: np.ndarray):
-        # fwd, bwd: (chains, p, l) per-stage times of each chain's microbatches; lane i plays
-        # chain rows[i]
-        _, self.p, self.l = fwd.shape
-        self.fwd, self.bwd = fwd, bwd
+    def __init__(self, fwd: np.ndarray, bwd: np.ndarray, stage_kind: list[int], rows: np.ndarray):
+        # fwd, bwd: (chains, kinds, l) times of each chain's microbatches per kind of stage;
+        # stage s runs kind stage_kind[s] (the LLM's stages share one); lane i plays chain rows[i]
+        self.kinds, self.l = fwd.shape[1], fwd.shape[2]
+        self.p = len(stage_kind)
+        self.kind = np.asarray(stage_kind)
+        self.kind_list = list(stage_kind)
+        self.fwd = [np.ascontiguousarray(fwd[:, c]).ravel() for c in range(self.kinds)]
+        self.bwd = [np.ascontiguousarray(bwd[:, c]).ravel() for c in range(self.kinds)]
         self.warm = np.array([min(self.p - s - 1, self.l) for s in range(self.p)])
         self.rows = rows
-        # per position q and stage s, over the lanes: end of F(s, q), of B(s, q), and the
-        # backward time of the microbatch at position q (every entry is written before it is read)
+        # per position q and stage s, over the lanes: end of F(s, q), of B(s, q); per position
+        # and kind, the backward time of its microbatch (every entry is written before it is read)
         self.f_end = np.empty((self.l, self.p, len(rows)))
         self.b_end = np.empty((self.l, self.p, len(rows)))
-        self.b_pos = np.empty((self.l, self.p, len(rows)))
+        self.b_pos = np.empty((self.l, self.kinds, len(rows)))
         self.q = 0
 
     def place(self, j: np.ndarray) -> None:
         """Append microbatch ``j[lane]`` at the next position of every lane."""
         q, p, warm = self.q, self.p, self.warm
         self.q += 1
-        f = self.fwd[self.rows, :, j].T  # (p, lanes)
-        self.b_pos[q] = self.bwd[self.rows, :, j].T
+        at = self.rows * self.l + j
+        by_kind = [t.take(at) for t in self.fwd]
+        f = [by_kind[c] for c in self.kind_list]
+        for c in range(self.kinds):
+            self.bwd[c].take(at, out=self.b_pos[q, c])
         f_end, b_end = self.f_end, self.b_end
         # F(s, q) = max(op before it on stage s, F(s-1, q)) + t: the op before is F(s, q-1) in
         # warm-up, else B(s, q - w_s - 1)
@@ -534,7 +541,7 @@ class _BatchedRecurrence:
             dep[:-1] = b_end[k[:-1], s[:-1] + 1]
             dep[-1] = up[p - 1]
             np.maximum(up[s0:], dep, out=dep)
-            dep += self.b_pos[k, s]
+            dep += self.b_pos[k, self.kind[s]]
             b_end[k, s] = dep
 
     def finish(self) -> np.ndarray:
@@ -548,7 +555,7 @@ class _BatchedRecurrence:
                 prev = b_end[k - 1, s] if k > 0 else self.f_end[l - 1, s]
                 dep = self.f_end[k, s] if s == p - 1 else b_end[k, s + 1]
                 np.maximum(prev, dep, out=b_end[k, s])
-                b_end[k, s] += b_pos[k, s]
+                b_end[k, s] += b_pos[k, self.kind[s]]
         return b_end[l - 1, 0].copy()
 
 
@@ -625,7 +632,8 @@ def reorder_microbatches_batched(
     # play the given order 0..l-1 alongside: one recurrence for every candidate, so one NumPy
     # call per stage and position serves them all.
     n_cand = 3 if never_worse else 2
-    rec = _BatchedRecurrence(fwd, bwd, np.concatenate([rows] * n_cand))
+    rec = _BatchedRecurrence(np.stack([enc, llm], axis=1), ratio * np.stack([enc, llm], axis=1), [0] + [1] * (p - 1),
+                             np.concatenate([rows] * n_cand))
 
     def place(j: np.ndarray, j_asc: np.ndarray | None = None) -> None:
         lanes = [j, j if j_asc is None else j_asc]
