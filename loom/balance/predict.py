@@ -115,7 +115,10 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
     look = _lookahead(plan, "1f1b", 2 * (round_size(plan) - 1) if routed else 0, extra_warmup)
     # nodes in topological order: every encoder's stages, then the LLM's
     nodes: list[tuple[str, int]] = [(m, s) for m in encoders + [LLM] for s in range(plan.spec(m).num_stages)]
-    warm = [min(int(look[n] // plan.spec(n[0]).data_parallel), positions) for n in nodes]
+    # warmup in lane positions: a lookahead of D slots is D / dp_llm positions of a lane (for an
+    # encoder with other replicas too: its lane stands for the share of it the lane uses)
+    dp = plan.spec(LLM).data_parallel
+    warm = [min(int(look[n] // dp), positions) for n in nodes]
     fwd = [forward[m] for m, _ in nodes]
     bwd = [backward_ratio * f for f in fwd]
     last = {m: max(i for i, n in enumerate(nodes) if n[0] == m) for m in names}
@@ -148,11 +151,13 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
             out = r if out is None else np.maximum(out, r)
         return out
 
+    # the forward dependency of a stage inside its module, read without a call
+    chained = [f_end[d[0]] if d and i != llm0 else None for i, d in enumerate(f_dep)]
     for q in range(positions):
         for i in range(len(nodes)):
             w = warm[i]
             prev = None if q == 0 else (f_end[i][q - 1] if q <= w else b_end[i][q - w - 1])
-            up = ready(i, q)
+            up = chained[i][q] if chained[i] is not None else (ready(i, q) if i == llm0 else None)
             if prev is None and up is None:
                 f_end[i][q] = fwd[i][q]
             else:
@@ -163,8 +168,10 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
             if k < 0:
                 continue
             d = b_dep[i]
-            dep = f_end[i][q] if d is None else b_end[d][k]
-            np.maximum(f_end[i][q], dep, out=b_end[i][k])
+            if d is None:  # the LLM's last stage: its backward follows its own forward
+                np.add(f_end[i][q], bwd[i][k], out=b_end[i][k])
+                continue
+            np.maximum(f_end[i][q], b_end[d][k], out=b_end[i][k])
             b_end[i][k] += bwd[i][k]
     for k in range(positions):  # drain backwards, in order, downstream first
         for i in reversed(range(len(nodes))):
