@@ -133,6 +133,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         for t in range(rounds):
             lo, hi = int(bounds[t * r]), int(bounds[(t + 1) * r])
             bins, loads = balance_round(phase, costs, lo, hi, r, llm_padded)
+            carried_before = carried.copy() if nodewise else carried
             slot_of_bin = place_bins(loads, dp, carried)
             if nodewise:
                 got = rearrange_round(bins, slot_of_bin, loader[lo:hi], costs.payload_bytes[phase][lo:hi],
@@ -143,6 +144,8 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
                 stats += (got.cross_before, got.cross_after, got.max_send_before, got.max_send_after)
                 methods.add(got.method)
                 applied += got.applied
+                if got.applied:  # later rounds balance against the replicas' loads as placed
+                    carried[:] = carried_before + np.bincount(got.slot_of_bin % dp, weights=loads, minlength=dp)
                 slot_of_bin = got.slot_of_bin
             idx[lo:hi] = t * r + slot_of_bin[bins]
         slot_of[phase] = idx
