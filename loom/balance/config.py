@@ -39,9 +39,9 @@ class BalanceConfig:
     # seconds node-wise rearrangement may take per step, over every round and balanced phase (the
     # heuristic always runs; the MILP gets what is left, orchmllm.md §3.10)
     nodewise_time_limit: float = 0.05
-    # the smallest predicted gain (a fraction of the given layout's critical load, by the policy's
-    # own cost model) worth a rearranged layout: below it the decision, the payload exchange and
-    # the routed rows cost more than they save, and the given (identity) layout is kept
+    # the smallest predicted gain (a fraction of the given layout's step time, by the policies' own
+    # cost model, loom.balance.predict) worth a rearranged layout: below it the decision, the
+    # payload exchange and the routed rows cost more than they save, and the given layout is kept
     min_gain: float = 0.01
 
     def policy_of(self, phase: str) -> str:
@@ -71,8 +71,8 @@ class BalanceConfig:
             raise BalanceError(f"balance.nodewise_time_limit = {self.nodewise_time_limit!r}: use a positive number of "
                                f"seconds (0.05 by default) for node-wise rearrangement per step")
         if isinstance(self.min_gain, bool) or not isinstance(self.min_gain, (int, float)) or not self.min_gain < 1:
-            raise BalanceError(f"balance.min_gain = {self.min_gain!r}: use a fraction below 1 of the step's critical "
-                               f"load (0.01 by default; negative accepts layouts predicted slower)")
+            raise BalanceError(f"balance.min_gain = {self.min_gain!r}: use a fraction below 1 of the predicted step "
+                               f"time (0.01 by default; negative accepts layouts predicted slower)")
         if phases is not None:
             unknown = sorted(set(self.policy) - set(phases) - {"encoders"})
             if unknown:
