@@ -103,7 +103,10 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     (node-wise rearrangement, orchmllm.md §3.10, `loom.balance.rearrange`), within
     ``nodewise_time_limit`` seconds for the whole layout. The layout records it:
     ``unpermuted_slot[phase][j]`` is the slot whose samples slot ``j`` holds without the
-    permutation, ``nodewise[phase]`` the cross-node bytes before and after (JSON-ready)."""
+    permutation, ``nodewise[phase]`` the cross-node bytes before and after (JSON-ready). Undone,
+    the permutation gives exactly the layout made without it: later rounds' replica placement
+    (`place_bins`) still balances against the unpermuted placement, so the per-replica totals
+    over several rounds may pair up differently (each round's slowest slot is unchanged)."""
     start = time.perf_counter()
     n, m = costs.num_samples, plan.num_microbatches
     r = round_size(plan)
@@ -133,7 +136,6 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         for t in range(rounds):
             lo, hi = int(bounds[t * r]), int(bounds[(t + 1) * r])
             bins, loads = balance_round(phase, costs, lo, hi, r, llm_padded)
-            carried_before = carried.copy() if nodewise else carried
             slot_of_bin = place_bins(loads, dp, carried)
             if nodewise:
                 got = rearrange_round(bins, slot_of_bin, loader[lo:hi], costs.payload_bytes[phase][lo:hi],
@@ -144,8 +146,6 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
                 stats += (got.cross_before, got.cross_after, got.max_send_before, got.max_send_after)
                 methods.add(got.method)
                 applied += got.applied
-                if got.applied:  # later rounds balance against the replicas' loads as placed
-                    carried[:] = carried_before + np.bincount(got.slot_of_bin % dp, weights=loads, minlength=dp)
                 slot_of_bin = got.slot_of_bin
             idx[lo:hi] = t * r + slot_of_bin[bins]
         slot_of[phase] = idx
