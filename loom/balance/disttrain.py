@@ -576,9 +576,10 @@ class _BatchedPool:
         """`_SortedPool.pop_closest` on every row: the largest key below the target and the
         smallest at or above it (bisection's two neighbours), the lower one when it is at
         least as close, then the first member with that key (the lowest index)."""
-        keys, rows, t = self.keys, self.rows, target[:, None]
-        below = np.where(keys < t, keys, -np.inf).max(axis=1)
-        above = np.where(keys >= t, keys, np.inf).min(axis=1)  # +inf: none left above
+        keys, rows = self.keys, self.rows
+        less = keys < target[:, None]
+        below = np.where(less, keys, -np.inf).max(axis=1)
+        above = np.where(less, np.inf, keys).min(axis=1)  # +inf: none left above
         lower = (above == np.inf) | ((below > -np.inf) & (target - below <= above - target))
         value = np.where(lower, below, above)
         i = (keys == value[:, None]).argmax(axis=1)  # sorted: the first member with that key

@@ -94,21 +94,28 @@ def replicas_by_rounds(enc: np.ndarray, llm: np.ndarray, dp: int) -> np.ndarray:
 
     Samples by encoder work descending (ties: lower position) form rounds of ``dp``; in each
     round the samples by LLM work descending (ties: earlier in the round) go to the replicas by
-    LLM load so far ascending (ties: lower replica)."""
+    LLM load so far ascending (ties: the order they had, lower replica first at the start)."""
     n = enc.size
     order = np.argsort(-enc, kind="stable").reshape(-1, dp)
     within = np.argsort(-llm[order], axis=1, kind="stable")
     rounds = np.take_along_axis(order, within, axis=1)
     work = llm[rounds]
-    replica = np.empty(rounds.shape, dtype=np.int64)
+    # the replicas kept sorted by load (``perm``, their loads ``load``): a round adds its
+    # samples, heaviest first, to the replicas lightest first, then re-sorts (stable: equal
+    # loads keep their order, replica order at the start)
+    perm = np.arange(dp)
     load = np.zeros(dp)
+    taken = []
     for t in range(rounds.shape[0]):
-        lightest = np.argsort(load, kind="stable")
-        replica[t] = lightest
-        load[lightest] += work[t]
+        taken.append(perm)
+        load = load + work[t]
+        again = np.argsort(load, kind="stable")
+        perm, load = perm[again], load[again]
+    replica = np.stack(taken)
     rep = np.empty(n, dtype=np.int64)
     rep[rounds.ravel()] = replica.ravel()
-    return np.argsort(rep, kind="stable").reshape(dp, -1)
+    small = np.int16 if dp < 2**15 else np.int64  # a stable sort of 16-bit keys is a radix sort
+    return np.argsort(rep.astype(small), kind="stable").reshape(dp, -1)
 
 
 # ---- 2-3. K_eff and stratified assignment (§3.5.1) -------------------------------------------
@@ -203,7 +210,7 @@ def pairwise_deferral(mb: np.ndarray, llm: np.ndarray, k: int,
         position[:] = 0
         return position, defer
     # members of each microbatch as a (rows * k, width) matrix, -1 padded
-    order = np.argsort(flat.ravel(), kind="stable")
+    order = np.argsort(flat.ravel().astype(np.int16 if rows * k < 2**15 else np.int64), kind="stable")
     counts = np.bincount(flat.ravel(), minlength=rows * k)
     width = int(counts.max())
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
