@@ -12,7 +12,7 @@ progress lines and one line at the end.
 
 If ``loom train`` itself dies without a chance to stop them (SIGKILL, a crash), its workers die
 with it: torchrun asks the kernel (``prctl(PR_SET_PDEATHSIG)``, Linux) for SIGKILL when
-``loom train`` dies, and each worker asks the same for when torchrun dies (`die_with_parent`,
+``loom train`` dies (`exec_dying_with_parent` makes the request, then execs torchrun), and each worker asks the same for when torchrun dies (`die_with_parent`,
 called first thing in `loom.train.main`). The run's ``status`` then still says ``running``;
 ``logs/loom.pid`` holds ``loom train``'s pid, so the next ``loom train`` on that run directory
 can tell the run is gone.
@@ -150,14 +150,15 @@ class Supervisor:
         write_status(self.run_dir, "running")
         (logs / SUPERVISOR_PID).write_text(f"{os.getpid()}\n")
         me = os.getpid()
-        _libc()  # loaded here: the child between fork and exec only calls it
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             with open(logs / "torchrun.log", "ab") as log:
-                # torchrun dies with us (a SIGKILL of `loom train` leaves nothing running)
-                self.proc = subprocess.Popen(self.cmd, env={**self.env, SUPERVISOR_ENV: str(me)}, stderr=log,
-                                             stdin=subprocess.DEVNULL, start_new_session=True,
-                                             preexec_fn=lambda: die_with_parent(me))
+                # torchrun dies with us (a SIGKILL of `loom train` leaves nothing running): started
+                # through `exec_dying_with_parent` (this module's __main__), which makes the request
+                # and execs it; no preexec_fn, which is unsafe in a process with threads (torch's)
+                self.proc = subprocess.Popen([sys.executable, "-m", __name__, str(me), *self.cmd],
+                                             env={**self.env, SUPERVISOR_ENV: str(me)}, stderr=log,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
                 outcome = self._watch()
         finally:
             for s, h in old.items():
@@ -343,3 +344,18 @@ def torchrun_failures(log: Path) -> tuple[int | None, dict[int, int]]:
     cut = text.rfind("Root Cause")
     first = _REPORT_ENTRY.search(text, cut) if cut >= 0 else None
     return (int(first.group(1)) if first else None), codes
+
+
+def exec_dying_with_parent(argv: list[str]) -> None:
+    """``python -m loom.train.launch PARENT_PID CMD...``: ask to die with the parent (which must
+    be ``PARENT_PID``, else it is already gone: exit), then become ``CMD`` (the request survives
+    ``exec``)."""
+    parent, cmd = int(argv[0]), argv[1:]
+    die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+    os.execv(cmd[0], cmd)
+
+
+if __name__ == "__main__":
+    exec_dying_with_parent(sys.argv[1:])
