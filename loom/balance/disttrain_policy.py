@@ -59,7 +59,7 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
         sizes = np.bincount(group_of, minlength=dp)
     # members of each group, heaviest first (ties: lower position), as a (dp, width) matrix
     # padded with -1
-    order = np.lexsort((np.arange(n), -total, group_of))
+    order = _by_group_then_descending(group_of, total, dp)
     width = int(sizes.max())
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     rank_in_group = np.arange(n) - np.repeat(starts, sizes)
@@ -73,13 +73,12 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
     enc_total = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n))
     p_llm = plan.spec(LLM).num_stages
     enc, llm = [], []
+    weight = costs.llm_padded_weight() if llm_padded else None
     for cand in candidates:
         mb = group_of * k + cand  # global microbatch id, group-major
         enc.append(np.bincount(mb, weights=enc_total, minlength=dp * k).reshape(dp, k))
         if llm_padded:
-            peak = np.zeros(dp * k)
-            np.maximum.at(peak, mb, costs.llm_padded_weight())
-            llm.append((np.bincount(mb, minlength=dp * k) * peak).reshape(dp, k) / p_llm)
+            llm.append((np.bincount(mb, minlength=dp * k) * _peak(mb, weight, dp * k)).reshape(dp, k) / p_llm)
         else:
             llm.append(np.bincount(mb, weights=costs.work[LLM], minlength=dp * k).reshape(dp, k) / p_llm)
     # every candidate of every group in one lockstep run
@@ -97,6 +96,25 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
     slot = position[group_of, chosen] * dp + group_of
     return BatchLayout.from_slot_index({p: slot for p in plan.module_names}, m,
                                        {p: "disttrain" for p in plan.module_names})
+
+
+def _by_group_then_descending(group: np.ndarray, value: np.ndarray, groups: int) -> np.ndarray:
+    """Positions ordered by group, then value descending, then position (two stable sorts; the
+    second on 16-bit keys is a radix sort)."""
+    by_value = np.argsort(-value, kind="stable")
+    small = np.int16 if groups < 2**15 else np.int64
+    return by_value[np.argsort(group[by_value].astype(small), kind="stable")]
+
+
+def _peak(slot: np.ndarray, value: np.ndarray, slots: int) -> np.ndarray:
+    """Largest value per slot (0 for an empty one), by one sort and a segmented maximum."""
+    order = np.argsort(slot.astype(np.int16) if slots < 2**15 else slot, kind="stable")
+    counts = np.bincount(slot, minlength=slots)
+    peak = np.zeros(slots)
+    full = counts > 0
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    peak[full] = np.maximum.reduceat(value[order], starts[full])
+    return peak
 
 
 def _lockstep_lpt(members: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
@@ -144,7 +162,7 @@ def _sorted_runs(group_of: np.ndarray, sizes: np.ndarray, weight: np.ndarray, k:
     ``k`` contiguous runs of equal count (the larger runs first): similar lengths share a
     microbatch, so right-padding adds the least."""
     n = group_of.size
-    order = np.lexsort((np.arange(n), -weight, group_of))
+    order = _by_group_then_descending(group_of, weight, int(sizes.size))
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
     rank = np.arange(n) - np.repeat(starts, sizes)
     size_g = sizes[group_of[order]]
