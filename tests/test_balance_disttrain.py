@@ -377,3 +377,28 @@ def test_batched_reorder_bad_input():
         reorder_microbatches_batched(np.ones((2, 3)), np.ones((2, 3)), 1)
     with pytest.raises(ValueError, match=r"finite and non-negative"):
         reorder_microbatches_batched(-np.ones((2, 3)), np.ones((2, 3)), 4)
+
+
+def test_policy_lockstep_lpt_is_balance_dp_groups_per_group():
+    """The disttrain policy's microbatch LPT runs every group in lockstep; per group it must be
+    `balance_dp_groups` itself (same order, same float sums), zero costs and ties included."""
+    from loom.balance.disttrain_policy import _by_group_then_descending, _lockstep_lpt
+
+    rng = np.random.default_rng(16)
+    for trial in range(30):
+        groups, k = int(rng.integers(1, 5)), int(rng.integers(1, 6))
+        group_of = np.concatenate([np.full(int(rng.integers(k, 3 * k + 1)), g) for g in range(groups)])
+        rng.shuffle(group_of)
+        n = group_of.size
+        cost = rng.integers(0, 4, n).astype(float) if trial % 2 else rng.lognormal(0, 1, n)
+        sizes = np.bincount(group_of, minlength=groups)
+        order = _by_group_then_descending(group_of, cost, groups)
+        members = np.full((groups, int(sizes.max())), -1)
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        members[group_of[order], np.arange(n) - np.repeat(starts, sizes)] = order
+        mb_of = _lockstep_lpt(members, cost, k)
+        for g in range(groups):
+            mine = np.flatnonzero(group_of == g)
+            expected = balance_dp_groups(cost[mine].tolist(), k)
+            got = [sorted(np.flatnonzero(mb_of[mine] == b).tolist()) for b in range(k)]
+            assert got == expected

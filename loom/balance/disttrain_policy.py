@@ -128,7 +128,14 @@ def _lockstep_lpt(members: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
     rows = np.arange(groups)
     w = np.where(members >= 0, cost[np.maximum(members, 0)], 0.0)
     chosen = np.empty((groups, width), dtype=np.int64)
-    for t in range(width):
+    start = 0
+    if width >= k and np.all(w[:, :k - 1] > 0):
+        # while a microbatch is empty the least-loaded one is the first empty one: with positive
+        # costs the first k samples go to microbatches 0..k-1 in turn (the loop's own choices)
+        chosen[:, :k] = np.arange(k)
+        loads[:] = w[:, :k]
+        start = k
+    for t in range(start, width):
         b = loads.argmin(axis=1)
         chosen[:, t] = b
         loads[rows, b] += w[:, t]
