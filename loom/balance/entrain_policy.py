@@ -360,16 +360,18 @@ def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> t
     cand = np.where(cand >= floor[:, None], cand, np.inf)
     cand.sort(axis=1)
 
-    def feasible(threshold: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        critical = l_ol > threshold[:, None]
-        edges = critical[:, :, None] & (v <= threshold[:, None, None])
+    def feasible(threshold: np.ndarray, which: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Probe ``threshold[i]`` for replica ``which[i]`` (only the replicas still searching)."""
+        m = which.size
+        critical = l_ol[which] > threshold[:, None]
+        edges = critical[:, :, None] & (v[which] <= threshold[:, None, None])
         r, a, b = np.nonzero(edges)  # row-major: the CSR order of the block-diagonal graph
         indptr = np.concatenate(([0], np.cumsum(edges.sum(axis=2).ravel())))
         graph = csr_matrix((np.ones(r.size, dtype=np.int8), (r * n_ul + b).astype(np.int32), indptr.astype(np.int32)),
-                           shape=(rows * half, rows * n_ul))
-        match = maximum_bipartite_matching(graph, perm_type="column").reshape(rows, half)
+                           shape=(m * half, m * n_ul))
+        match = maximum_bipartite_matching(graph, perm_type="column").reshape(m, half)
         ok = ((match >= 0) | ~critical).all(axis=1)
-        return ok, critical, match - np.arange(rows)[:, None] * n_ul
+        return ok, critical, match - np.arange(m)[:, None] * n_ul
 
     # T* is at most what a greedy pairing reaches (heaviest first, each alone or with its
     # cheapest free partner), a feasible threshold by construction ...
@@ -387,16 +389,16 @@ def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> t
     # search between the two, probing the lower bound first (it is usually T* itself)
     bound = np.minimum(l_ol, v.min(axis=2)).max(axis=1)
     lo = np.minimum(np.count_nonzero(cand < bound[:, None], axis=1), hi)
-    ok, _, _ = feasible(cand[np.arange(rows), lo])
+    ok, _, _ = feasible(cand[lanes, lo], lanes)
     hi = np.where(ok, lo, hi)
     lo = np.where(ok, lo, lo + 1)
     while np.any(lo < hi):
-        mid = (lo + hi) // 2
-        ok, _, _ = feasible(cand[np.arange(rows), mid])
-        active = lo < hi
-        hi = np.where(active & ok, mid, hi)
-        lo = np.where(active & ~ok, mid + 1, lo)
-    ok, critical, match = feasible(cand[np.arange(rows), lo])
+        active = np.flatnonzero(lo < hi)
+        mid = (lo[active] + hi[active]) // 2
+        ok, _, _ = feasible(cand[active, mid], active)
+        hi[active] = np.where(ok, mid, hi[active])
+        lo[active] = np.where(ok, lo[active], mid + 1)
+    ok, critical, match = feasible(cand[lanes, lo], lanes)
     # non-critical overloaded microbatches (heaviest first) take the lightest leftover partners
     partner = np.where(critical, match, -1)
     used = np.zeros((rows, n_ul), dtype=bool)
