@@ -129,11 +129,12 @@ def test_layouts_side_by_side_match_one_by_one() -> None:
 
 def test_deferred_samples_wait_for_their_encoder_slot() -> None:
     # encoder slots [0, 1], [2]; LLM slots [0], [1, 2] (sample 1 deferred one microbatch):
-    # vision F0 0-2, F1 2-3; LLM F0 2-4, B0 4-8, F1 max(8, 3)+2 = 10, B1 10-14; vision B0 8-12, B1 14-16
+    # vision F0 0-2, F1 2-3; LLM F0 2-4, B0 4-8, F1 max(8, 3)+2 = 10, B1 10-14; vision B0 of
+    # sample 0 8-10, then (split backward) sample 1's part and B1 after LLM B1: 14-16-18
     plan = _plan(2)
     layout = BatchLayout({"vision": ((0, 1), (2,)), "llm": ((0,), (1, 2))})
     costs = _costs([1.0, 1.0, 1.0], [2.0, 1.0, 1.0])
-    assert predict_step(layout, plan, costs, llm_padded=False).step == 16.0
+    assert predict_step(layout, plan, costs, llm_padded=False).step == 18.0 == _play(plan, layout, costs)
     # a route to an LLM slot whose encoder slot comes later makes the LLM wait for it
     late = BatchLayout({"vision": ((1,), (0, 2)), "llm": ((0, 1), (2,))})
     aligned = identity_layout([[0, 1], [2]], plan.module_names)
@@ -167,3 +168,98 @@ def test_make_layout_uses_the_policy_layout_only_above_min_gain(policy: str) -> 
     assert kept.kept_given and kept.is_identity()
     assert kept.predicted_gain["total"] == pytest.approx(gain)
     assert kept.arrays["llm"][0].tolist() == given.arrays["llm"][0].tolist()
+
+
+# ---- against a play of the schedule loom really runs ----------------------------------------
+def _play(plan: Plan, layout: BatchLayout, costs: SampleCosts, ratio: float = 2.0) -> float:
+    """An independent oracle: play `build_schedule`'s actions for ``layout`` (every rank, real
+    replicas, routed edges, split backwards), compute costing a slot's packed per-sample costs
+    per stage, communication free. Returns the latest rank's end."""
+    from loom.schedule.generators import build_schedule
+    from loom.schedule.ir import ActionKind as K
+
+    sched = build_schedule(plan, layout=layout)
+    slots = layout.slots
+    clock = {u: 0.0 for u in sched.actions}
+    ptr = {u: 0 for u in sched.actions}
+    posted: dict[tuple, float] = {}
+
+    def key(a, sending: bool) -> tuple:
+        mine = (a.module, a.stage, a.microbatch)
+        theirs = (a.peer_module, a.peer_stage, a.other_microbatch)
+        pair = (mine, theirs) if sending else (theirs, mine)
+        return ("act" if a.kind in (K.SEND_ACT, K.RECV_ACT) else "grad",) + pair
+
+    def work(a) -> float:
+        samples = slots[a.module][a.microbatch] if a.samples is None else a.samples
+        return float(costs.work[a.module][list(samples)].sum()) / plan.spec(a.module).num_stages
+
+    left = sum(len(v) for v in sched.actions.values())
+    while left:
+        moved = False
+        for u, acts in sched.actions.items():
+            while ptr[u] < len(acts):
+                a = acts[ptr[u]]
+                if a.kind in (K.RECV_ACT, K.RECV_GRAD):
+                    k = key(a, False)
+                    if k not in posted:
+                        break
+                    clock[u] = max(clock[u], posted[k])
+                elif a.kind in (K.SEND_ACT, K.SEND_GRAD):
+                    posted[key(a, True)] = clock[u]
+                elif a.kind is K.FORWARD:
+                    clock[u] += work(a)
+                elif a.kind is K.BACKWARD:
+                    clock[u] += ratio * work(a)
+                ptr[u] += 1
+                left -= 1
+                moved = True
+        assert moved, "the oracle's play deadlocked"
+    return max(clock.values())
+
+
+@pytest.mark.parametrize("dp,llm_stages", [(1, 1), (1, 2), (2, 1), (2, 2)])
+def test_identity_layouts_match_a_play_of_the_real_schedule(dp: int, llm_stages: int) -> None:
+    rng = np.random.default_rng(10 * dp + llm_stages)
+    m, n = 8, 24
+    plan = _plan(m, llm_stages=llm_stages, dp=dp)
+    costs = _costs(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))
+    for _ in range(5):
+        layout = identity_layout(np.array_split(rng.permutation(n), m), plan.module_names)
+        assert predict_step(layout, plan, costs, llm_padded=False).step == pytest.approx(_play(plan, layout, costs))
+
+
+@pytest.mark.parametrize("policy", ["orchmllm", "disttrain", "entrain"])
+@pytest.mark.parametrize("dp", [1, 2, 4])
+def test_policy_layouts_match_a_play_of_the_real_schedule(policy: str, dp: int) -> None:
+    """Routed layouts (rearranged rounds, deferral, split backwards) at equal data-parallel
+    degrees: the prediction is the play's step time."""
+    rng = np.random.default_rng(5 + dp)
+    plan = _plan(8, llm_stages=2, dp=dp)
+    for _ in range(4):
+        n = 48
+        costs = _costs(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))
+        given = make_layout(BalanceConfig(), plan, costs, llm_batching="packed")
+        own = make_layout(BalanceConfig(default=policy, min_gain=-1.0), plan, costs, llm_batching="packed")
+        p_given, p_own = predict_steps([given, own], plan, costs, llm_padded=False)
+        t_given, t_own = _play(plan, given, costs), _play(plan, own, costs)
+        assert p_given.step == pytest.approx(t_given)
+        assert p_own.step == pytest.approx(t_own)
+
+
+def test_unequal_degrees_are_estimated() -> None:
+    """Vision on 2 replicas, the LLM on 1: the lane's encoder is both replicas at the pace of the
+    slower, an estimate (within 25 % of the play) that orders OrchMLLM's layouts as the play does."""
+    rng = np.random.default_rng(11)
+    plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2)],
+                num_microbatches=8).resolve({"vision": 4, "llm": 4})
+    for _ in range(4):
+        n = 48
+        costs = _costs(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))
+        given = make_layout(BalanceConfig(), plan, costs, llm_batching="packed")
+        own = make_layout(BalanceConfig(default="orchmllm", min_gain=-1.0), plan, costs, llm_batching="packed")
+        p_given, p_own = predict_steps([given, own], plan, costs, llm_padded=False)
+        t_given, t_own = _play(plan, given, costs), _play(plan, own, costs)
+        assert p_given.step == pytest.approx(t_given, rel=0.25) and p_own.step == pytest.approx(t_own, rel=0.25)
+        if abs(t_own - t_given) > 0.05 * t_given:
+            assert (p_own.step < p_given.step) == (t_own < t_given)

@@ -15,7 +15,8 @@ The model, per data-parallel replica of the LLM (a *lane*):
 - a slot's forward time on a stage is its phase's cost of the slot's samples (`SampleCosts`:
   summed for packed phases, row count x longest row for right-padded LLM rows) split evenly
   over the module's stages; an encoder's is scaled by ``dp_llm / dp_enc``, the share of an
-  encoder replica one LLM replica uses (DistTrain's objective, disttrain.md §3.1 eq. 1-2);
+  encoder replica one LLM replica uses (DistTrain's objective, disttrain.md §3.1 eq. 1-2), and
+  where one lane uses several encoder replicas, by their max-over-mean load (the slowest paces);
   backward is ``backward_ratio`` x forward;
 - each rank runs loom's 1F1B order (`loom.schedule.generators`: warmup from `_lookahead`, one
   forward / one backward, drain), and every operation ends at ``max(end of the rank's previous
@@ -23,16 +24,21 @@ The model, per data-parallel replica of the LLM (a *lane*):
   ``E[s][j] = max(E[s][j-1], E[s-1][j]) + t[s][j]`` with 1F1B's backward flow added
   (disttrain.md §3.4, digest gap 6). The LLM's first stage waits for the latest encoder
   forward that feeds the slot (through a layout's routes: OrchMLLM's rearrangement, Entrain's
-  one-round deferral); an encoder's backward waits for its aligned LLM slot's;
+  one-round deferral), an encoder's backward for the LLM slots its samples went to in the
+  round, and the part of it whose gradients come from a later round runs before the replica's
+  next backward (the split backward of entrain.md §3.6, as `build_schedule` lays it out);
 - the step is the latest lane's end: gradient synchronisation waits for the slowest replica.
-  With the LLM the bottleneck this is Entrain's objective, the largest per-microbatch LLM time
-  T* times the pipeline's length (entrain.md §3.5.2), and with equal microbatches it is
-  DistTrain's ``T_warmup + T_steady``.
+  With the LLM the bottleneck, its steady phase is paced by the per-microbatch LLM times whose
+  largest, T*, Entrain's deferral minimises (entrain.md §3.5.2); with equal microbatches the
+  step is DistTrain's ``T_warmup + T_steady`` (disttrain.md §3.1, eq. 1-2).
 
 Communication, gradient synchronisation and the optimizer are left out (they do not depend on
-the layout, or are priced by the dispatcher's own cost). Routes that reach a later position of
-a lane (rounds longer than ``dp_llm``) are read at the current position: an estimate, not a
-simulation (`loom.sim` is the simulation). Loops run over positions and stages only; every
+the layout, or are priced by the dispatcher's own cost). With equal data-parallel degrees this
+is exactly a play of the schedule loom runs with free communication (the tests play it, for
+every policy's layouts); with unequal ones, routes that reach a later position of a lane
+(rounds longer than ``dp_llm``) are read at the current position, and an encoder is one lane's
+share of it: an estimate (within ~15 % of the play in the tests' mixed plans), not a simulation
+(`loom.sim` is the simulation). Loops run over positions and stages only; every
 operation is one NumPy operation over the lanes (and over several layouts at once).
 """
 
@@ -98,29 +104,62 @@ def _feeders(layout: BatchLayout, encoder: str, lanes: int) -> np.ndarray | None
     return pos * lanes + enc_slot % lanes
 
 
+def _consumers(layout: BatchLayout, encoder: str, lanes: int, plan: Plan) -> np.ndarray:
+    """For each sample in ``encoder`` slot order, the flat grid index of the LLM slot whose
+    backward its gradient comes from, read no later than its encoder slot's position; a sample
+    deferred to a later round counts at its own slot's aligned LLM slot (its gradient is waited
+    for by the split part, `_split_backward`)."""
+    order, bounds = layout.arrays[encoder]
+    r = round_size(plan)
+    enc_slot = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+    llm_slot = layout.slot_index(LLM)[order]
+    llm_slot = np.where(llm_slot // r > enc_slot // r, enc_slot, llm_slot)
+    pos = np.minimum(llm_slot // lanes, enc_slot // lanes)
+    return pos * lanes + llm_slot % lanes
+
+
+def _split_backward(layout: BatchLayout, encoder: str, work: np.ndarray, plan: Plan) -> np.ndarray:
+    """Per slot of ``encoder``, the forward-cost units its backward actions cover: the part of
+    a slot whose samples reach a later round's LLM slot (Entrain's deferral) runs just before
+    the replica's next backward, as `build_schedule`'s split backward does (entrain.md §3.6),
+    so it is counted there (at the slot itself for a replica's last one)."""
+    order, bounds = layout.arrays[encoder]
+    m = len(bounds) - 1
+    r = round_size(plan)
+    enc_slot = layout.slot_index(encoder)
+    later = layout.slot_index(LLM) // r > enc_slot // r
+    dp = plan.spec(encoder).data_parallel
+    target = np.where(later & (enc_slot + dp < m), enc_slot + dp, enc_slot)
+    return np.bincount(target, weights=work, minlength=m)
+
+
 def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio: float = 2.0,
                    extra_warmup: int = 0, routed: bool = False,
                    feeders: "dict[str, np.ndarray | None] | None" = None,
-                   llm_bounds: np.ndarray | None = None) -> tuple[np.ndarray, dict[str, float]]:
+                   llm_bounds: np.ndarray | None = None,
+                   backward: dict[str, np.ndarray] | None = None,
+                   consumers: "dict[str, tuple[np.ndarray, np.ndarray]] | None" = None) -> tuple[np.ndarray, dict[str, float]]:
     """The 1F1B recurrence over the lanes of one or more layouts of ``plan``.
 
     ``forward[phase]``: ``(positions, lanes)`` grids of per-stage forward times (lanes of several
     layouts side by side). ``routed``: the schedule is a layout's (encoders look ``2 (R - 1)``
     slots further ahead, `_lookahead`); ``extra_warmup``: Entrain's eager forward.
-    ``feeders[e]`` / ``llm_bounds``: the routes of `_feeders` (one layout only). Returns each
-    lane's end and per phase the compute of its busiest stage replica."""
+    ``feeders[e]`` / ``llm_bounds``: the routes of `_feeders` (one layout only). ``backward``:
+    per phase, grids of backward times where they are not ``backward_ratio`` x forward (split
+    backwards, `_split_backward`); ``consumers[e]``: `_consumers` and the encoder's slot
+    bounds (one layout only). Returns each lane's end and per phase the compute of its
+    busiest stage replica."""
     names = plan.module_names
     encoders = [m for m in names if m != LLM]
     positions, lanes = forward[LLM].shape
     look = _lookahead(plan, "1f1b", 2 * (round_size(plan) - 1) if routed else 0, extra_warmup)
     # nodes in topological order: every encoder's stages, then the LLM's
     nodes: list[tuple[str, int]] = [(m, s) for m in encoders + [LLM] for s in range(plan.spec(m).num_stages)]
-    # warmup in lane positions: a lookahead of D slots is D / dp_llm positions of a lane (for an
-    # encoder with other replicas too: its lane stands for the share of it the lane uses)
-    dp = plan.spec(LLM).data_parallel
-    warm = [min(int(look[n] // dp), positions) for n in nodes]
+    # warmup in lane positions: a lookahead of D slots is D / dp_llm positions of a lane
+    warm = [min(int(look[n] // plan.spec(LLM).data_parallel), positions) for n in nodes]
     fwd = [forward[m] for m, _ in nodes]
-    bwd = [backward_ratio * f for f in fwd]
+    backward = backward or {}
+    bwd = [backward[m] if m in backward else backward_ratio * forward[m] for m, _ in nodes]
     last = {m: max(i for i, n in enumerate(nodes) if n[0] == m) for m in names}
     llm0 = nodes.index((LLM, 0))
     # forward predecessors: the stage before in the module; the LLM's first: every encoder's last
@@ -153,6 +192,22 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
 
     # the forward dependency of a stage inside its module, read without a call
     chained = [f_end[d[0]] if d and i != llm0 else None for i, d in enumerate(f_dep)]
+    consumers = consumers or {}
+    enc_of = {last[e]: e for e in encoders if e in consumers}
+
+    def grad_ready(i: int, k: int) -> np.ndarray:
+        """When the gradients for position ``k`` of node ``i`` have all arrived."""
+        d = b_dep[i]
+        if i not in enc_of:
+            return b_end[d][k]
+        idx, eb = consumers[enc_of[i]]
+        lo, hi = eb[k * lanes], eb[min((k + 1) * lanes, len(eb) - 1)]
+        out = np.zeros(lanes)
+        if hi > lo:
+            starts = eb[k * lanes:(k + 1) * lanes] - lo
+            out[:starts.size] = np.maximum.reduceat(b_end[d].reshape(-1)[idx[lo:hi]], starts)
+        return out
+
     for q in range(positions):
         for i in range(len(nodes)):
             w = warm[i]
@@ -171,7 +226,7 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
             if d is None:  # the LLM's last stage: its backward follows its own forward
                 np.add(f_end[i][q], bwd[i][k], out=b_end[i][k])
                 continue
-            np.maximum(f_end[i][q], b_end[d][k], out=b_end[i][k])
+            np.maximum(f_end[i][q], grad_ready(i, k), out=b_end[i][k])
             b_end[i][k] += bwd[i][k]
     for k in range(positions):  # drain backwards, in order, downstream first
         for i in reversed(range(len(nodes))):
@@ -179,11 +234,11 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
                 continue
             prev = b_end[i][k - 1] if k > 0 else f_end[i][positions - 1]
             d = b_dep[i]
-            dep = f_end[i][k] if d is None else b_end[d][k]
+            dep = f_end[i][k] if d is None else grad_ready(i, k)
             np.maximum(prev, dep, out=b_end[i][k])
             b_end[i][k] += bwd[i][k]
     ends = np.max([b[positions - 1] for b in b_end], axis=0) if positions else np.zeros(lanes)
-    busy = {m: float(max((1 + backward_ratio) * fwd[i].sum(axis=0).max(initial=0.0)
+    busy = {m: float(max((fwd[i] + bwd[i]).sum(axis=0).max(initial=0.0)
                          for i, n in enumerate(nodes) if n[0] == m)) for m in names}
     return ends, busy
 
@@ -203,25 +258,40 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
         first = layouts[members[0]]
         positions = -(-first.num_microbatches // lanes)
         grids: dict[str, list[np.ndarray]] = {m: [] for m in plan.module_names}
+        scales: dict[str, float] = {}
         for n in members:
             per_slot = slot_costs(layouts[n], costs, llm_padded)
             for m in plan.module_names:
                 spec = plan.spec(m)
-                scale = (lanes / spec.data_parallel if m != LLM else 1.0) / spec.num_stages
+                scale = lanes / spec.data_parallel / spec.num_stages
+                if spec.data_parallel > lanes:  # a lane's share of several encoder replicas runs
+                    # at the pace of the slowest of them (max over mean of their loads)
+                    load = np.bincount(np.arange(per_slot[m].size) % spec.data_parallel, weights=per_slot[m])
+                    scale *= load.max() / load.mean() if load.mean() > 0 else 1.0
+                scales[m] = scale
                 grids[m].append(_grid(per_slot[m] * scale, lanes, positions))
         forward = {m: np.concatenate(g, axis=1) for m, g in grids.items()}
         routed = not first.is_identity() or first.num_microbatches != plan.num_microbatches
-        feeders, bounds = None, None
+        feeders, bounds, backward, consumers = None, None, None, None
         if not first.is_identity():
             feeders = {e: _feeders(first, e, lanes) for e in first.encoders}
+            consumers = {e: (_consumers(first, e, lanes, plan), first.arrays[e][1]) for e in first.encoders
+                         if feeders[e] is not None}
             bounds = first.arrays[LLM][1]
-        ends, busy = pipeline_times(plan, forward, backward_ratio=backward_ratio, extra_warmup=eager,
-                                    routed=routed, feeders=feeders, llm_bounds=bounds)
+            backward = {}
+            for e in first.encoders:
+                split = _split_backward(first, e, costs.work[e], plan)
+                backward[e] = _grid(split * (backward_ratio * scales[e]), lanes, positions)
+        ends, _ = pipeline_times(plan, forward, backward_ratio=backward_ratio, extra_warmup=eager,
+                                 routed=routed, feeders=feeders, llm_bounds=bounds, backward=backward,
+                                 consumers=consumers)
+        # per phase, each lane's compute on one stage (the stages of a module cost alike)
+        per_lane = {m: (forward[m] + (backward[m] if backward and m in backward else backward_ratio * forward[m])).sum(axis=0)
+                    for m in plan.module_names}
         for g, n in enumerate(members):
-            mine = ends[g * lanes:(g + 1) * lanes]
-            phase_busy = {m: float((1 + backward_ratio) * forward[m][:, g * lanes:(g + 1) * lanes].sum(axis=0).max())
-                          for m in plan.module_names} if len(members) > 1 else busy
-            out[n] = Prediction(float(mine.max()), mine, phase_busy)
+            cols = slice(g * lanes, (g + 1) * lanes)
+            mine = ends[cols]
+            out[n] = Prediction(float(mine.max()), mine, {m: float(v[cols].max()) for m, v in per_lane.items()})
     return out  # type: ignore[return-value]
 
 
