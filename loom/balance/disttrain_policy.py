@@ -94,8 +94,16 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
     position = np.empty_like(order_g)
     np.put_along_axis(position, order_g, np.arange(k)[None, :].repeat(dp, axis=0), axis=1)
     slot = position[group_of, chosen] * dp + group_of
-    return BatchLayout.from_slot_index({p: slot for p in plan.module_names}, m,
-                                       {p: "disttrain" for p in plan.module_names})
+    return _shared_layout(slot, m, plan.module_names, "disttrain")
+
+
+def _shared_layout(slot: np.ndarray, m: int, phases: list[str], policy: str) -> BatchLayout:
+    """`BatchLayout.from_slot_index` for phases that share one slot array: the sort is done
+    once (positions ascending inside a slot)."""
+    small = slot.astype(np.int16) if m < 2**15 else slot
+    order = np.argsort(small, kind="stable")
+    bounds = np.concatenate(([0], np.cumsum(np.bincount(slot, minlength=m))))
+    return BatchLayout(None, {p: policy for p in phases}, arrays={p: (order, bounds) for p in phases})
 
 
 def _by_group_then_descending(group: np.ndarray, value: np.ndarray, groups: int) -> np.ndarray:

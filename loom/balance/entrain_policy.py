@@ -82,10 +82,15 @@ def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> B
     enc_slot = position[np.arange(dp)[:, None], mb] * dp + np.arange(dp)[:, None]
     llm_slot = enc_slot + defer * dp  # a deferred sample's LLM work runs one position later
     llm_slot = _keep_llm_nonempty(enc_slot, llm_slot, k * dp, dp)
-    slot_of = {name: np.empty(n, dtype=np.int64) for name in plan.module_names}
-    for name in plan.module_names:
-        slot_of[name][members] = llm_slot if name == LLM else enc_slot
-    return BatchLayout.from_slot_index(slot_of, k * dp, {p: "entrain" for p in plan.module_names})
+    arrays = {}
+    for phase, slots in ((LLM, llm_slot), ("encoders", enc_slot)):
+        slot = np.empty(n, dtype=np.int64)
+        slot[members] = slots
+        order = np.argsort(slot.astype(np.int16) if k * dp < 2**15 else slot, kind="stable")
+        arrays[phase] = (order, np.concatenate(([0], np.cumsum(np.bincount(slot, minlength=k * dp)))))
+    # every encoder holds the same slots (the "unified encoder" of entrain.md §2.3)
+    return BatchLayout(None, {p: "entrain" for p in plan.module_names},
+                       arrays={p: arrays[LLM if p == LLM else "encoders"] for p in plan.module_names})
 
 
 # ---- 1. DP-level assignment (§3.4) -----------------------------------------------------------
