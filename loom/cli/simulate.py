@@ -138,9 +138,10 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
     ``plan``; under policies the first is the ``none`` baseline in the given order."""
     from loom.balance.policy import JOINT, BalanceConfig
 
-    if policies is None:
-        return [(None, "", scenario.run(plan, scenario.microbatch_work(metas, plan.num_microbatches)), None)]
+    # every run pays the dispatcher (metadata all-gather, decision, payload all-to-all), as `loom train` does
     base = scenario.run_balanced(plan, BalanceConfig("none", order="given"), metas=metas)
+    if policies is None:
+        return [(None, "", base.result, None)]
     runs = [("none", ".none", base.result, base)]
     for name in policies:
         own_order = "given" if name in JOINT else order  # DistTrain and Entrain bring their own order
@@ -225,15 +226,17 @@ def print_table(scenario, rows: list[dict], policies: list[str] | None, out_dir:
         return f"{r['peak_memory_gib']:.1f}" + ("" if r["fits_memory"] else " OOM")
 
     def common(r: dict) -> tuple[str, ...]:
-        return f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%", peak(r)
+        return (f"{100 * (r['mfu'] or 0):.1f}%", f"{100 * r['bubble_fraction']:.1f}%", peak(r),
+                f"{1000 * r['dispatch_s']:.1f}")
 
     if policies is None:
-        header = ("plan", "layout (stages x DP x TP x CP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB")
+        header = ("plan", "layout (stages x DP x TP x CP)", "iter s", "samples/s", "MFU", "bubble", "peak GiB",
+                  "dispatch ms")
         table = [header] + [(r["plan"], r["layout"], f"{r['iteration_time_s']:.3f}", f"{r['samples_per_s']:.1f}",
                              *common(r)) for r in rows]
     else:
         phases = list(rows[0]["load_max_over_mean"]["dp"])
-        header = (("plan", "policy", "iter s", "vs none", "MFU", "bubble", "peak GiB")
+        header = (("plan", "policy", "iter s", "vs none", "MFU", "bubble", "peak GiB", "dispatch ms")
                   + tuple(f"{p} DP" for p in phases) + tuple(f"{p} mb" for p in phases))
         table = [header] + [(
             r["plan"], r["policy_label"], f"{r['iteration_time_s']:.3f}",
@@ -249,6 +252,8 @@ def print_table(scenario, rows: list[dict], policies: list[str] | None, out_dir:
     if policies is not None:
         print("DP / mb: max / mean of each phase's simulated compute across data-parallel replicas / microbatches "
               "(1 = balanced); vs none: iteration time against the unbalanced layout")
+    print("dispatch ms: the dispatcher's metadata all-gather, layout decision and payload all-to-all, "
+          "included in iter s")
     print(f"timelines (Chrome trace, open in https://ui.perfetto.dev) and Gantt charts in {out_dir}/")
 
 
