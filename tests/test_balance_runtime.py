@@ -87,8 +87,13 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     engine.eager_forward = balance.eager_forward
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, token_counters(model), arch, balance, torch.device("cpu"),
                             pack=cfg.data.pack_sequences)
-    got = dispatcher.dispatch(list(range(GLOBAL_BATCH)))
-    result = engine.step(got.batches, got.num_targets, layout=got.layout, rows=got.rows)
+    # two steps on the same batch without an optimizer: the first sets each channel's shape rule
+    # (messages with a header), the second sends activations and gradients without headers
+    for step in range(2):
+        for p in engine.stage.named_parameters().values():
+            p.grad = None
+        got = dispatcher.dispatch(list(range(GLOBAL_BATCH)))
+        result = engine.step(got.batches, got.num_targets, step, layout=got.layout, rows=got.rows)
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(),

@@ -84,8 +84,12 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     counters = token_counters(model)
     batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters)
                for j in engine.microbatches_to_load()}
-    # the unbalanced layout, as the Dispatcher gives it under policy "none"
-    result = engine.step(batches, targets, layout=engine.identity_layout(GLOBAL_BATCH))
+    # the unbalanced layout, as the Dispatcher gives it under policy "none"; two steps without an
+    # optimizer: the second sends what the first taught both sides of a channel without headers
+    for step in range(2):
+        for p in engine.stage.named_parameters().values():
+            p.grad = None
+        result = engine.step(batches, targets, step, layout=engine.identity_layout(GLOBAL_BATCH))
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters())

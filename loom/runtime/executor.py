@@ -43,8 +43,8 @@ from loom.schedule.timeline import TimelineEvent
 
 StageId = tuple[str, int]
 Edge = tuple[StageId, StageId]
-# an edge whose activation shape is the microbatch's ``input_ids`` shape plus fixed trailing
-# dims (the LLM's hidden states), learned from the first message on it: (dtype, trailing dims)
+# a channel whose activation shape is leading dims both sides derive from metadata plus fixed
+# trailing dims, learned from the first message on it: (dtype, trailing dims)
 _ActShape = tuple[torch.dtype, tuple[int, ...]]
 
 
@@ -150,9 +150,10 @@ class PipelineExecutor:
             ActionKind.OPTIMIZER_STEP: self._optimizer_step,
         }
         self._plans: dict[int, tuple[Schedule, ActionPlan]] = {}
-        # activation shapes of LLM-to-LLM edges, learned from their first message (see _ActShape);
-        # None: that edge's shapes do not follow the rule, its messages keep their header
-        self._act_shapes: dict[Edge, _ActShape | None] = {}
+        # per channel (edge and peer rank), the activation's trailing dims, learned from its first
+        # message (see _lead_dims); None: the channel's shapes do not follow the rule, its
+        # messages keep their header
+        self._act_shapes: dict[tuple[StageId, StageId, int], _ActShape | None] = {}
         self._grad_mode = self.needs_backward[self.me]
 
     # ---- one iteration -------------------------------------------------------------------
@@ -247,16 +248,16 @@ class PipelineExecutor:
     # ---- one handler per action kind -----------------------------------------------------
     def _recv_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         src = (a.peer_module, a.peer_stage)
-        edge = (src, self.me)
-        ids = self._ids_shape(it, a.microbatch) if self.me[0] == LLM and src[0] == LLM else None
-        known = self._act_shapes.get(edge) if ids is not None else None
+        channel = (src, self.me, a.peer)
+        lead = self._lead_dims(it, src, self.me, a.other_microbatch, a.microbatch, a.samples)
+        known = self._act_shapes.get(channel) if lead is not None else None
         if known is not None:
-            x = self.comm.recv_shaped((*ids, *known[1]), known[0], a.peer, tag)
+            x = self.comm.recv_shaped((*lead, *known[1]), known[0], a.peer, tag)
         else:
             x = self.comm.recv(a.peer, tag)
-            if ids is not None and edge not in self._act_shapes:
-                self._act_shapes[edge] = _learn(x, ids)
-        if edge in self.grad_edges:
+            if lead is not None and channel not in self._act_shapes:
+                self._act_shapes[channel] = _learn(x, lead)
+        if (src, self.me) in self.grad_edges:
             x.requires_grad_(True)
         it.state(a.microbatch).inputs[(a.peer_module, a.other_microbatch)] = x
 
@@ -293,16 +294,15 @@ class PipelineExecutor:
         if a.samples is not None:  # a routed edge: only the rows of the named samples
             out = out.detach().index_select(0, it.rows.index(self.stage.module, j, a.samples, out.device))
         header = True
-        if self.me[0] == LLM and a.peer_module == LLM:
-            edge = (self.me, (a.peer_module, a.peer_stage))
-            ids = tuple(st.batch.input_ids.shape)
-            if edge not in self._act_shapes:
-                self._act_shapes[edge] = _learn(out, ids)  # the receiver learns the same from this message
-            else:
-                known = self._act_shapes[edge]
-                if known is not None:
-                    _check_shape(out, ids, known, edge)
-                    header = False
+        dst = (a.peer_module, a.peer_stage)
+        lead = self._lead_dims(it, self.me, dst, j, a.other_microbatch, a.samples)
+        if lead is not None:
+            channel = (self.me, dst, a.peer)
+            if channel not in self._act_shapes:
+                self._act_shapes[channel] = _learn(out, lead)  # the receiver learns the same from this message
+            elif self._act_shapes[channel] is not None:
+                _check_shape(out, lead, self._act_shapes[channel], channel)
+                header = False
         self.comm.send(out, a.peer, tag, header=header)
         self.comm.release_completed()
         if not self._grad_mode and i == it.plan.last_send[j]:
@@ -373,10 +373,21 @@ class PipelineExecutor:
             self.optimizer.zero_grad(set_to_none=True)
 
     # ---- helpers -------------------------------------------------------------------------
-    def _ids_shape(self, it: _Iteration, j: int) -> tuple[int, ...]:
-        st = it.states.get(j)
-        batch = st.batch if st is not None and st.batch is not None else self._microbatch(it.microbatches, j)
-        return tuple(batch.input_ids.shape)
+    def _lead_dims(self, it: _Iteration, src: StageId, dst: StageId, src_mb: int, dst_mb: int,
+                   samples: tuple[int, ...] | None) -> tuple[int, ...] | None:
+        """The leading dims of the activation on edge ``src -> dst`` that both sides derive from
+        metadata, or None where they cannot: between LLM stages the microbatch's ``input_ids``
+        shape; from an encoder to the LLM (with the layout's `RowMap`) the message's row count,
+        the tokens of its samples. The trailing dims are learned from the edge's first message."""
+        if src[0] == LLM:
+            st = it.states.get(src_mb)
+            batch = st.batch if st is not None and st.batch is not None else self._microbatch(it.microbatches, src_mb)
+            return tuple(batch.input_ids.shape)
+        if dst[0] == LLM and it.rows is not None:
+            tokens = it.rows.tokens[src[0]]
+            members = samples if samples is not None else it.rows.layout.slot(src[0], src_mb)
+            return (sum(tokens[s] for s in members),)
+        return None
 
     def _stage_input(self, received: dict[tuple[str, int], torch.Tensor], j: int, rows: RowMap | None) -> Any:
         if self.stage.is_first and self.stage.module != LLM:
@@ -439,19 +450,21 @@ class PipelineExecutor:
 
 
 def _learn(x: torch.Tensor, ids: tuple[int, ...]) -> _ActShape | None:
-    """The shape rule of an LLM-to-LLM edge from its first message: the microbatch's
-    ``input_ids`` shape, then fixed trailing dims; None when ``x`` does not start with it."""
+    """The shape rule of a channel from its first message: the leading dims both sides derive
+    (`PipelineExecutor._lead_dims`), then fixed trailing dims; None when ``x`` does not start
+    with them (the channel's messages then keep their header)."""
     if tuple(x.shape[:len(ids)]) != ids or x.dim() <= len(ids):
         return None
     return x.dtype, tuple(x.shape[len(ids):])
 
 
-def _check_shape(out: torch.Tensor, ids: tuple[int, ...], known: _ActShape, edge: Edge) -> None:
-    if out.dtype != known[0] or tuple(out.shape) != (*ids, *known[1]):
+def _check_shape(out: torch.Tensor, lead: tuple[int, ...], known: _ActShape, channel: tuple) -> None:
+    if out.dtype != known[0] or tuple(out.shape) != (*lead, *known[1]):
         raise RuntimeError(
-            f"stage {edge[0]} sends a {out.dtype} activation of shape {tuple(out.shape)} to {edge[1]}, but the "
-            f"first message on that edge set the rule input_ids shape + {known[1]} ({known[0]}): the receiver "
-            f"allocates by that rule, so the LLM's inter-stage activations must keep it"
+            f"stage {channel[0]} sends a {out.dtype} activation of shape {tuple(out.shape)} to {channel[1]} on rank "
+            f"{channel[2]}, but the first message on that edge set the rule {lead} + {known[1]} ({known[0]}): the "
+            f"receiver allocates by that rule, so the stage's output must keep it (leading dims from the "
+            f"microbatch's metadata, fixed trailing dims)"
         )
 
 
