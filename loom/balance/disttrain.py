@@ -474,6 +474,11 @@ def reorder_microbatches(
 
 
 # ---- many pipelines at once: Algorithm 3 in lockstep (§3.5 runs it per DP group) ----------
+# per chain shape (depth, microbatches, stage kinds): what each position's placement reads and
+# writes (`_BatchedRecurrence._plan`), shared by every call of that shape
+_PLACEMENT_PLANS: dict[tuple, dict[int, tuple]] = {}
+
+
 class _BatchedRecurrence:
     """`_OneFOneBRecurrence` for many chains of one shape (``lanes``) in lockstep: the same
     position is placed in every lane at once, each stage's forward update is one NumPy
@@ -499,49 +504,59 @@ class _BatchedRecurrence:
         self.b_end = np.empty((self.l, self.p, len(rows)))
         self.b_pos = np.empty((self.l, self.kinds, len(rows)))
         self.q = 0
+        self._plans = _PLACEMENT_PLANS.setdefault((self.p, self.l, tuple(stage_kind)), {})
+
+    def _plan(self, q: int) -> tuple:
+        """What placing position ``q`` reads and writes, the same for every lane (cached): per
+        stage, the op before F(s, q) (F(s, q-1) in warm-up, else B(s, q - w_s - 1), none at q = 0);
+        then the steady-phase backwards B(s, q - w_s) fixed here, with their dependencies."""
+        if q not in self._plans:
+            p, warm = self.p, self.warm.tolist()
+            before = []
+            for s in range(p):
+                w = warm[s]
+                before.append(None if q == 0 else (0, q - 1) if q <= w else (1, q - w - 1))
+            s0 = sum(w > q for w in warm)  # stages s0.. have w_s <= q
+            s = np.arange(s0, p)
+            k = q - self.warm[s]
+            self._plans[q] = (before, s0, s, k, k[:-1], s[:-1] + 1, self.kind[s])
+        return self._plans[q]
 
     def place(self, j: np.ndarray) -> None:
         """Append microbatch ``j[lane]`` at the next position of every lane."""
-        q, p, warm = self.q, self.p, self.warm
+        q, p = self.q, self.p
         self.q += 1
+        before, s0, s, k, k_dep, s_dep, kind_s = self._plan(q)
         at = self.rows * self.l + j
         by_kind = [t.take(at) for t in self.fwd]
         f = [by_kind[c] for c in self.kind_list]
         for c in range(self.kinds):
             self.bwd[c].take(at, out=self.b_pos[q, c])
         f_end, b_end = self.f_end, self.b_end
-        # F(s, q) = max(op before it on stage s, F(s-1, q)) + t: the op before is F(s, q-1) in
-        # warm-up, else B(s, q - w_s - 1)
+        # F(s, q) = max(op before it on stage s, F(s-1, q)) + t
         up = f_end[q]
-        for s in range(p):
-            w = int(warm[s])
-            if q == 0:
-                prev = None
-            elif q <= w:
-                prev = f_end[q - 1, s]
-            else:
-                prev = b_end[q - w - 1, s]
-            if s == 0:
+        ends = (f_end, b_end)
+        for st in range(p):
+            where = before[st]
+            prev = None if where is None else ends[where[0]][where[1], st]
+            if st == 0:
                 if prev is None:
                     np.add(f[0], 0.0, out=up[0])
                 else:
                     np.add(prev, f[0], out=up[0])
             elif prev is None:
-                np.add(up[s - 1], f[s], out=up[s])
+                np.add(up[st - 1], f[st], out=up[st])
             else:
-                np.maximum(prev, up[s - 1], out=up[s])
-                np.add(up[s], f[s], out=up[s])
+                np.maximum(prev, up[st - 1], out=up[st])
+                np.add(up[st], f[st], out=up[st])
         # steady-phase backwards B(s, q - w_s): each waits for F(s, q) and for B(s+1, q - w_s),
         # which position q - 1 fixed (w_{s+1} = w_s - 1), or F(p-1, q) on the last stage
-        s0 = int(np.count_nonzero(warm > q))  # stages s0.. have w_s <= q
         if s0 < p:
-            s = np.arange(s0, p)
-            k = q - warm[s]
             dep = np.empty((p - s0, up.shape[1]))
-            dep[:-1] = b_end[k[:-1], s[:-1] + 1]
+            dep[:-1] = b_end[k_dep, s_dep]
             dep[-1] = up[p - 1]
             np.maximum(up[s0:], dep, out=dep)
-            dep += self.b_pos[k, self.kind[s]]
+            dep += self.b_pos[k, kind_s]
             b_end[k, s] = dep
 
     def finish(self) -> np.ndarray:
