@@ -90,47 +90,35 @@ def _grid(per_slot: np.ndarray, lanes: int, positions: int) -> np.ndarray:
     return g.reshape(positions, lanes)
 
 
-def _feeders(layout: BatchLayout, encoder: str, lanes: int) -> np.ndarray | None:
-    """For each sample in LLM slot order, the flat grid index (``position * lanes + lane``) of
-    the encoder slot it comes from, read no later than its LLM slot's position; None when the
-    encoder's slots are the LLM's (then slot ``k`` waits for encoder slot ``k`` only)."""
+def _routes(layout: BatchLayout, encoder: str, lanes: int, plan: Plan,
+            llm_index: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An encoder's routes to the LLM on the lanes' grid (flat index ``position * lanes +
+    lane`` = slot), from the slot of every sample in each phase (``llm_index``: the LLM's):
+
+    - feeders: for each sample in LLM slot order, the encoder slot it comes from, read no later
+      than its LLM slot's position (the LLM's forward waits for the latest of them);
+    - consumers: for each sample in encoder slot order, the LLM slot whose backward sends its
+      gradient, read no later than the encoder slot's position; a sample deferred to a later
+      round counts at its own slot (its gradient is waited for by the split part);
+    - the split backward: per sample, the encoder slot whose backward covers it: the part of a
+      slot whose samples reach a later round (Entrain's deferral) runs just before the
+      replica's next backward, as `build_schedule` lays it out (entrain.md §3.6), at the slot
+      itself for a replica's last one."""
     order, bounds = layout.arrays[LLM]
     e_order, e_bounds = layout.arrays[encoder]
-    if np.array_equal(order, e_order) and np.array_equal(bounds, e_bounds):
-        return None
-    enc_slot = layout.slot_index(encoder)[order]
-    llm_slot = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
-    pos = np.minimum(enc_slot // lanes, llm_slot // lanes)
-    return pos * lanes + enc_slot % lanes
-
-
-def _consumers(layout: BatchLayout, encoder: str, lanes: int, plan: Plan) -> np.ndarray:
-    """For each sample in ``encoder`` slot order, the flat grid index of the LLM slot whose
-    backward its gradient comes from, read no later than its encoder slot's position; a sample
-    deferred to a later round counts at its own slot's aligned LLM slot (its gradient is waited
-    for by the split part, `_split_backward`)."""
-    order, bounds = layout.arrays[encoder]
-    r = round_size(plan)
-    enc_slot = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
-    llm_slot = layout.slot_index(LLM)[order]
-    llm_slot = np.where(llm_slot // r > enc_slot // r, enc_slot, llm_slot)
-    pos = np.minimum(llm_slot // lanes, enc_slot // lanes)
-    return pos * lanes + llm_slot % lanes
-
-
-def _split_backward(layout: BatchLayout, encoder: str, work: np.ndarray, plan: Plan) -> np.ndarray:
-    """Per slot of ``encoder``, the forward-cost units its backward actions cover: the part of
-    a slot whose samples reach a later round's LLM slot (Entrain's deferral) runs just before
-    the replica's next backward, as `build_schedule`'s split backward does (entrain.md §3.6),
-    so it is counted there (at the slot itself for a replica's last one)."""
-    order, bounds = layout.arrays[encoder]
-    m = len(bounds) - 1
-    r = round_size(plan)
-    enc_slot = layout.slot_index(encoder)
-    later = layout.slot_index(LLM) // r > enc_slot // r
-    dp = plan.spec(encoder).data_parallel
-    target = np.where(later & (enc_slot + dp < m), enc_slot + dp, enc_slot)
-    return np.bincount(target, weights=work, minlength=m)
+    m, r, dp = len(bounds) - 1, round_size(plan), plan.spec(encoder).data_parallel
+    enc_index = layout.slot_index(encoder)
+    enc_of = enc_index[order]
+    llm_slot = np.repeat(np.arange(m), np.diff(bounds))
+    feeders = np.minimum(enc_of // lanes, llm_slot // lanes) * lanes + enc_of % lanes
+    enc_slot = np.repeat(np.arange(m), np.diff(e_bounds))
+    to = llm_index[e_order]
+    later = to // r > enc_slot // r
+    to = np.where(later, enc_slot, to)
+    consumers = np.minimum(to // lanes, enc_slot // lanes) * lanes + to % lanes
+    deferred = llm_index // r > enc_index // r
+    split = np.where(deferred & (enc_index + dp < m), enc_index + dp, enc_index)
+    return feeders, consumers, split
 
 
 def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio: float = 2.0,
@@ -144,11 +132,10 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
     ``forward[phase]``: ``(positions, lanes)`` grids of per-stage forward times (lanes of several
     layouts side by side). ``routed``: the schedule is a layout's (encoders look ``2 (R - 1)``
     slots further ahead, `_lookahead`); ``extra_warmup``: Entrain's eager forward.
-    ``feeders[e]`` / ``llm_bounds``: the routes of `_feeders` (one layout only). ``backward``:
-    per phase, grids of backward times where they are not ``backward_ratio`` x forward (split
-    backwards, `_split_backward`); ``consumers[e]``: `_consumers` and the encoder's slot
-    bounds (one layout only). Returns each lane's end and per phase the compute of its
-    busiest stage replica."""
+    ``feeders[e]`` / ``llm_bounds`` and ``consumers[e]`` (with the encoder's slot bounds): the
+    routes of `_routes` (one layout only); ``backward``: per phase, grids of backward times
+    where they are not ``backward_ratio`` x forward (split backwards). Returns each lane's end
+    and per phase the compute of its busiest stage replica."""
     names = plan.module_names
     encoders = [m for m in names if m != LLM]
     positions, lanes = forward[LLM].shape
@@ -274,14 +261,17 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
         routed = not first.is_identity() or first.num_microbatches != plan.num_microbatches
         feeders, bounds, backward, consumers = None, None, None, None
         if not first.is_identity():
-            feeders = {e: _feeders(first, e, lanes) for e in first.encoders}
-            consumers = {e: (_consumers(first, e, lanes, plan), first.arrays[e][1]) for e in first.encoders
-                         if feeders[e] is not None}
+            feeders, consumers, backward = {}, {}, {}
             bounds = first.arrays[LLM][1]
-            backward = {}
+            llm_index = first.slot_index(LLM)
             for e in first.encoders:
-                split = _split_backward(first, e, costs.work[e], plan)
-                backward[e] = _grid(split * (backward_ratio * scales[e]), lanes, positions)
+                if np.array_equal(first.arrays[e][0], first.arrays[LLM][0]) and \
+                        np.array_equal(first.arrays[e][1], bounds):
+                    continue  # this encoder's slots are the LLM's: slot k waits for slot k
+                feeders[e], cons, split = _routes(first, e, lanes, plan, llm_index)
+                consumers[e] = (cons, first.arrays[e][1])
+                per_slot = np.bincount(split, weights=costs.work[e], minlength=first.num_microbatches)
+                backward[e] = _grid(per_slot * (backward_ratio * scales[e]), lanes, positions)
         ends, _ = pipeline_times(plan, forward, backward_ratio=backward_ratio, extra_warmup=eager,
                                  routed=routed, feeders=feeders, llm_bounds=bounds, backward=backward,
                                  consumers=consumers)
