@@ -109,13 +109,15 @@ def _routes(layout: BatchLayout, encoder: str, lanes: int, plan: Plan,
     m, r, dp = len(bounds) - 1, round_size(plan), plan.spec(encoder).data_parallel
     enc_index = layout.slot_index(encoder)
     enc_of = enc_index[order]
-    llm_slot = np.repeat(np.arange(m), np.diff(bounds))
-    feeders = np.minimum(enc_of // lanes, llm_slot // lanes) * lanes + enc_of % lanes
     enc_slot = np.repeat(np.arange(m), np.diff(e_bounds))
     to = llm_index[e_order]
-    later = to // r > enc_slot // r
-    to = np.where(later, enc_slot, to)
-    consumers = np.minimum(to // lanes, enc_slot // lanes) * lanes + to % lanes
+    to = np.where(to // r > enc_slot // r, enc_slot, to)
+    if r == lanes:  # a round is one position: routes in the round or one back need no capping
+        feeders, consumers = enc_of, to
+    else:
+        llm_slot = np.repeat(np.arange(m), np.diff(bounds))
+        feeders = np.minimum(enc_of // lanes, llm_slot // lanes) * lanes + enc_of % lanes
+        consumers = np.minimum(to // lanes, enc_slot // lanes) * lanes + to % lanes
     deferred = llm_index // r > enc_index // r
     split = np.where(deferred & (enc_index + dp < m), enc_index + dp, enc_index)
     return feeders, consumers, split
