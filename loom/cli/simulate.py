@@ -65,16 +65,9 @@ def check_scenario_tables(data: dict[str, Any]) -> None:
 
 def load_scenario_with(path: Path, overrides: list[str]):
     """The scenario of ``path`` with ``overrides`` applied, every value checked."""
-    import tomllib
+    from loom.sim.scenario import ScenarioError, read_scenario_tables, scenario_from_dict
 
-    from loom.sim.scenario import ScenarioError, scenario_from_dict
-
-    if not path.is_file():
-        raise ScenarioError(f"scenario file {str(path)!r} does not exist; see configs/sim/ for examples")
-    try:
-        data = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ScenarioError(f"scenario file {str(path)!r} is not valid TOML: {e}") from e
+    data = read_scenario_tables(path)
     for item in overrides:
         parts, value = parse_override(item)
         node = data

@@ -259,13 +259,17 @@ def load_scenario(path: str | Path) -> Scenario:
     num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size, llm_batching),
     ``[parallel]`` (`ParallelDegrees`), and optional ``[plans.<name>]`` tables in the plan format."""
     p = Path(path)
-    if not p.is_file():
-        raise ScenarioError(f"scenario file {str(p)!r} does not exist; see configs/sim/ for examples")
+    return scenario_from_dict(read_scenario_tables(p), p.stem)
+
+
+def read_scenario_tables(path: Path) -> dict[str, Any]:
+    """The parsed TOML tables of a scenario file (`load_scenario` without building it)."""
+    if not path.is_file():
+        raise ScenarioError(f"scenario file {str(path)!r} does not exist; see configs/sim/ for examples")
     try:
-        data = tomllib.loads(p.read_text())
+        return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ScenarioError(f"scenario file {str(p)!r} is not valid TOML: {e}") from e
-    return scenario_from_dict(data, p.stem)
+        raise ScenarioError(f"scenario file {str(path)!r} is not valid TOML: {e}") from e
 
 
 def scenario_from_dict(data: dict[str, Any], default_name: str) -> Scenario:
