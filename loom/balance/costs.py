@@ -94,6 +94,7 @@ def sample_costs(arch: ModelArch, metas: MetadataArrays | Sequence[SampleMeta]) 
     work = {}
     for name in arch.module_names:
         a, b = module_coefficients(arch, name)
-        work[name] = a * tok.tokens[name].astype(np.float64) + b * tok.attn_sq[name].astype(np.float64)
+        # an int64 array times a Python float is float64 already: no converted copies, same values
+        work[name] = float(a) * tok.tokens[name] + float(b) * tok.attn_sq[name]
     alpha, beta = module_coefficients(arch, LLM)
     return SampleCosts(work, tok.tokens[LLM], alpha, beta, lambda: sample_payload_bytes(arch, metas))
