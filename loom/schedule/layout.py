@@ -113,8 +113,15 @@ class BatchLayout:
     def slot_index(self, phase: str) -> np.ndarray:
         """``index[s]``: the slot of ``phase`` holding sample ``s`` (an array over positions)."""
         order, bounds = self.arrays[phase]
+        # the check, the never-slower prediction and the dispatcher all read it: computed once per
+        # (order, bounds) pair (a phase given new arrays is recomputed), read-only as it is shared
+        held = self.__dict__.setdefault("_slot_index", {}).get(phase)
+        if held is not None and held[0] is order and held[1] is bounds:
+            return held[2]
         index = np.empty(order.size, dtype=np.int64)
         index[order] = np.repeat(np.arange(len(bounds) - 1), np.diff(bounds))
+        index.flags.writeable = False
+        self._slot_index[phase] = (order, bounds, index)
         return index
 
     def slot_of(self, phase: str) -> dict[int, int]:
@@ -158,13 +165,19 @@ class BatchLayout:
         if phases is not None and sorted(phases) != sorted(self.arrays):
             raise LayoutError(f"layout phases {sorted(self.arrays)} differ from the plan's modules {sorted(phases)}")
         m = self.num_microbatches
+        checked: list[tuple[np.ndarray, np.ndarray]] = []
         for phase, (order, bounds) in self.arrays.items():
+            if any(order is o and bounds is b for o, b in checked):
+                continue  # phases sharing one (order, bounds) pair (DistTrain, Entrain): checked once
+            checked.append((order, bounds))
             if len(bounds) - 1 != m:
                 raise LayoutError(f"phase {phase!r} has {len(bounds) - 1} slots, the LLM {m}: every phase needs the same count")
             sizes = np.diff(bounds)
             if sizes.size and sizes.min() <= 0:
                 raise LayoutError(f"phase {phase!r} slot {int(np.argmin(sizes))} is empty: every microbatch needs a sample")
-            bad = np.flatnonzero((order < 0) | (order >= batch_size))
+            # two reductions first; the offending positions only on failure
+            out_of_range = order.size and (order.min() < 0 or order.max() >= batch_size)
+            bad = np.flatnonzero((order < 0) | (order >= batch_size)) if out_of_range else order[:0]
             if bad.size:
                 j = int(np.searchsorted(bounds, bad[0], side="right") - 1)
                 raise LayoutError(f"phase {phase!r} slot {j} names sample {int(order[bad[0]])}, outside 0..{batch_size - 1}")
