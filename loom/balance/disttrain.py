@@ -593,11 +593,15 @@ class _BatchedPool:
         least as close, then the first member with that key (the lowest index)."""
         keys, rows = self.keys, self.rows
         less = keys < target[:, None]
-        below = np.where(less, keys, -np.inf).max(axis=1)
-        above = np.where(less, np.inf, keys).min(axis=1)  # +inf: none left above
+        # arg-reductions give each side's first member with its key (every member with the key
+        # below the target is below it too, and those above above), so no search for the key
+        low = np.where(less, keys, -np.inf)
+        at_below = low.argmax(axis=1)
+        high = np.where(less, np.inf, keys)
+        at_above = high.argmin(axis=1)
+        below, above = low[rows, at_below], high[rows, at_above]  # +inf above: none left above
         lower = (above == np.inf) | ((below > -np.inf) & (target - below <= above - target))
-        value = np.where(lower, below, above)
-        i = (keys == value[:, None]).argmax(axis=1)  # sorted: the first member with that key
+        i = np.where(lower, at_below, at_above)
         keys[rows, i] = np.inf
         self.left -= 1
         return self.items[rows, i]
