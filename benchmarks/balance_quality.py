@@ -1,7 +1,7 @@
 """Balance quality: how much each balancing policy evens out the work and shortens the iteration,
 on skewed data mixes at cluster scale (SIMULATED), with a hook for a real 2-rank run.
 
-    python -m benchmarks.balance_quality [--steps 3] [--mixes caption,interleaved] [--no-real] [--real-repeats 5]
+    python -m benchmarks.balance_quality [--steps 3] [--mixes caption,interleaved] [--real] [--real-repeats 5]
 
 What runs (`simulated_quality`): for each skewed mix of `loom.data.synthetic.SKEWED_MIXES`
 (caption-like, multi-image, audio-heavy, interleaved documents) a scenario (`loom.sim.scenario`)
@@ -23,12 +23,12 @@ model. Per LLM batching ``<b>``, mix, policy and phase (each encoder and the LLM
 - ``<b>.<policy>.iteration_time_vs_none_mean``: the geometric mean of the ratio over the mixes.
 
 Every figure above is simulated (its unit says so; better: lower). The measured side is
-``benchmarks/balance_real.py``: `main` calls its ``real_run()`` (a real 2-rank CPU run, every
-policy against ``none``, padded and packed LLM rows, alternating repeats; ``--real-repeats``,
-``--real-steps-per-repeat``, ``--real-warmup``) and merges its figures
-(``real_step_time_ratio``, ``real_step_time_ratio_packed``: none over the best policy, better:
-higher, with their spread over the repeats). ``--no-real`` leaves ``real_step_time_ratio`` null
-with a note. Writes ``benchmarks/results/balance_quality.json``.
+``benchmarks/balance_real.py`` (a real 2-rank CPU run, every policy against ``none``, padded
+and packed LLM rows, alternating repeats), whose figures (``real_step_time_ratio``,
+``real_step_time_ratio_packed``: none over the best policy, better: higher, with their spread
+over the repeats) live in ``balance_real.json``. ``--real`` also runs it here (``--real-repeats``,
+``--real-steps-per-repeat``, ``--real-warmup``) and merges its figures. Writes
+``benchmarks/results/balance_quality.json``.
 """
 
 from __future__ import annotations
@@ -162,14 +162,12 @@ def run_real(**options: Any) -> dict[str, Any] | None:
     return real_run(**options)
 
 
-def merge_real(figures: dict[str, dict[str, Any]], real: dict[str, Any] | None, config: dict[str, Any],
-               why_missing: str = "benchmarks/balance_real.py is missing") -> None:
+def merge_real(figures: dict[str, dict[str, Any]], real: dict[str, Any] | None, config: dict[str, Any]) -> None:
     """Merge the real run's dict into the figures: ready figures (built with ``figure``) are
-    kept as they are, anything else goes to ``config["real_run"]``."""
+    kept as they are, anything else goes to ``config["real_run"]``. Without a real run the
+    measured figures live in ``balance_real.json`` alone (`loom bench balance_real`)."""
     if real is None:
-        figures["real_step_time_ratio"] = {"value": None, "unit": "ratio (measured)", "better": "higher",
-                                           "spread": None, "spread_is": None,
-                                           "note": f"filled by benchmarks/balance_real.py real_run(); not run: {why_missing}"}
+        config["real_run"] = "not run here: see benchmarks/results/balance_real.json (--real runs it here too)"
         return
     extra = {}
     for key, value in real.items():
@@ -186,7 +184,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=3, help="global batches per mix (figures are their mean)")
     ap.add_argument("--mixes", default=",".join(SKEWED_MIXES), help="comma-separated data mixes")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-real", action="store_true", help="skip benchmarks/balance_real.py even if it exists")
+    ap.add_argument("--real", action="store_true",
+                    help="also run benchmarks/balance_real.py and merge its figures (by default they live in "
+                         "balance_real.json alone, so `loom bench --all` measures them once)")
     ap.add_argument("--real-repeats", type=int, default=5, help="balance_real: timed repeats per LLM batching")
     ap.add_argument("--real-steps-per-repeat", type=int, default=3, help="balance_real: timed steps per repeat")
     ap.add_argument("--real-warmup", type=int, default=2, help="balance_real: untimed steps before the repeats")
@@ -202,10 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     for batching in LLM_BATCHING:
         print(f"{batching}: iteration time / none, geometric mean over the mixes: " + ", ".join(
             f"{p} {out['figures'][f'{batching}.{p}.iteration_time_vs_none_mean']['value']:.3f}" for p in POLICIES))
-    real = None if args.no_real else run_real(repeats=args.real_repeats, steps_per_repeat=args.real_steps_per_repeat,
+    real = None if not args.real else run_real(repeats=args.real_repeats, steps_per_repeat=args.real_steps_per_repeat,
                                               warmup=args.real_warmup)
-    merge_real(out["figures"], real, out["config"],
-               "--no-real was given" if args.no_real else "benchmarks/balance_real.py is missing")
+    merge_real(out["figures"], real, out["config"])
     if real is not None:
         for key in ("real_step_time_ratio", "real_step_time_ratio_packed"):
             if key in out["figures"]:
