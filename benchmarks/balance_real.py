@@ -38,7 +38,7 @@ semantics); the script fails otherwise.
 layout even where its cost model predicts no gain (what the layouts themselves would do; the
 figures are then not those of the default config, and ``config.min_gain`` says so).
 
-Prints a table and writes ``benchmarks/results/balance_real.json`` (DESIGN.md, "Benchmarks").
+Prints a table and writes ``benchmarks/results/balance_real.json`` (docs/architecture.md, "Benchmarks").
 `real_run` returns the figures as a dict (``benchmarks/balance_quality.py`` merges it).
 """
 

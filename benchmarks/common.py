@@ -1,5 +1,5 @@
 """What every benchmark shares: spawning gloo processes, peak memory, machine information,
-the result JSON of DESIGN.md ("Benchmarks") and a plain-text table."""
+the result JSON of docs/architecture.md ("Benchmarks") and a plain-text table."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ SPREAD_KINDS = ("iqr", "min-max")
 
 def figure(value: float, unit: str, better: str, spread: Sequence[float] | None = None,
            spread_is: str | None = None, digits: int = 4) -> dict[str, Any]:
-    """One figure of DESIGN.md's result format. ``better`` says which direction is good;
+    """One figure of docs/architecture.md's result format. ``better`` says which direction is good;
     ``spread`` is ``[lo, hi]`` over the repeats, ``spread_is`` how it was taken ("iqr" for
     the interquartile range, "min-max" for fewer than 5 repeats); ``summarize`` builds both."""
     if better not in BETTER:
@@ -196,7 +196,7 @@ def summarize(values: Sequence[float], unit: str, better: str, digits: int = 4) 
 
 def write_result(name: str, figures: dict[str, dict[str, Any]], config: dict[str, Any],
                  machine: dict[str, Any] | None = None, results_dir: Path | None = None) -> Path:
-    """Write ``<results_dir>/<name>.json`` in DESIGN.md's format; returns its path. Adds where
+    """Write ``<results_dir>/<name>.json`` in docs/architecture.md's format; returns its path. Adds where
     the result comes from: ``commit``, ``dirty``, ``date`` (UTC) and ``machine.load_avg_1m``
     as [at ``start_run()`` or import, now]."""
     for key, fig in figures.items():

@@ -29,7 +29,7 @@ work would be worthless); the script fails otherwise.
 
     python benchmarks/pipeline_overhead.py [--only small] [--steps 20 --warmup 3 --hidden 64 ...]
 
-Writes ``benchmarks/results/pipeline_overhead.json`` (DESIGN.md, "Benchmarks").
+Writes ``benchmarks/results/pipeline_overhead.json`` (docs/architecture.md, "Benchmarks").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """loom: training multimodal LLMs across many devices.
 
-See docs/ for the concepts and ../shared/DESIGN.md for the architecture.
+See docs/ for the concepts and docs/architecture.md for the architecture.
 """
 
 __version__ = "0.1.0"

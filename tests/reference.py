@@ -1,5 +1,5 @@
 """Shared by the reference-semantics tests: what a worker saves and how the parent compares it
-with the single-process model (DESIGN.md principle 1)."""
+with the single-process model (docs/architecture.md principle 1)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Balanced training keeps reference semantics (DESIGN.md principle 1).
+"""Balanced training keeps reference semantics (docs/architecture.md principle 1).
 
 Each case runs one iteration on 2 or 4 gloo processes through the production path: the
 `Dispatcher` gathers metadata, every rank computes the same `BatchLayout` under the policy,

@@ -1,4 +1,4 @@
-"""The benchmark result format (DESIGN.md, "Benchmarks"): figures with direction and spread,
+"""The benchmark result format (docs/architecture.md, "Benchmarks"): figures with direction and spread,
 and results that say which commit, tree state, date and machine load they come from."""
 
 from __future__ import annotations

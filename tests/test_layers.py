@@ -1,4 +1,4 @@
-"""The package graph matches DESIGN.md's layers: the import-linter contracts in pyproject.toml
+"""The package graph matches docs/architecture.md's layers: the import-linter contracts in pyproject.toml
 hold, and no loom module takes part in an import cycle (lazy imports inside functions count)."""
 
 import shutil

@@ -1,4 +1,4 @@
-"""Reference semantics (DESIGN.md principle 1): a parallel run on several gloo processes gives
+"""Reference semantics (docs/architecture.md principle 1): a parallel run on several gloo processes gives
 the same loss and the same gradient for every parameter as the single-process
 `MultimodalModel` on the same global batch; frozen parameters get no gradient at all.
 """

@@ -1,5 +1,5 @@
 """DistTrain disaggregated data reordering (``disttrain.md`` §3.3–§3.5): pure functions over
-per-sample and per-microbatch workloads (DESIGN.md principle 4).
+per-sample and per-microbatch workloads (docs/architecture.md principle 4).
 
 - `balance_dp_groups`: Algorithm 2 ("intra-microbatch reordering", §3.3), greedy number
   partitioning of a global batch's samples over the data-parallel groups, with the digest's two
@@ -17,7 +17,7 @@ The naming follows the digest's §7 gap 1 (and the paper's §6): *intra* = acros
 (Algorithm 2), *inter* = microbatch order in the pipeline (Algorithm 3).
 
 This module imports nothing from loom (NumPy only, for the lockstep version): `loom.balance` sits above `loom.sim` in the dependency
-order (DESIGN.md, "Layers"), so the chain simulator it needs lives here.
+order (docs/architecture.md, "Layers"), so the chain simulator it needs lives here.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def balance_dp_groups(workloads: Sequence[float], num_groups: int, equal_counts:
 
     Returns one list of sample indices per group, each in ascending index order (so a rank
     keeps the data's original order among its own samples). Every index appears exactly once.
-    The runtime then moves payloads once (DESIGN.md principle 4); the loss stays normalised by
+    The runtime then moves payloads once (docs/architecture.md principle 4); the loss stays normalised by
     the global batch, so the reassignment leaves gradients unchanged (digest §3.5).
     """
     costs = _check_costs(

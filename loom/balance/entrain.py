@@ -1,6 +1,6 @@
 """Entrain's hierarchical microbatch assignment with pairwise deferral (``entrain.md`` §3.4-§3.5).
 
-Pure, deterministic functions over per-sample workloads (DESIGN.md principle 4). A sample is an
+Pure, deterministic functions over per-sample workloads (docs/architecture.md principle 4). A sample is an
 index into ``encoder_work`` / ``llm_work``; every function returns indices, never copies of data.
 
 Pipeline of Algorithm 4 (``entrain.md`` §3.5):

@@ -1,4 +1,4 @@
-"""Balancing policies: from a global batch's metadata to a `BatchLayout` (DESIGN.md principle 4).
+"""Balancing policies: from a global batch's metadata to a `BatchLayout` (docs/architecture.md principle 4).
 
 One function, `make_layout`, is what the runtime's dispatcher, the simulator and the quality
 benchmark all call, so the three see the same decisions. Per phase (each encoder and the LLM)

@@ -1,6 +1,6 @@
 """``loom bench [NAME...]``: run benchmarks of the repository's ``benchmarks/`` (each as
 ``python -m benchmarks.<name>`` from the repository root), which regenerate
-``benchmarks/results/<name>.json`` (DESIGN.md, "Benchmarks"). Without a name, or with
+``benchmarks/results/<name>.json`` (docs/architecture.md, "Benchmarks"). Without a name, or with
 ``--list``, it lists them; ``--all`` runs every one.
 
 Benchmarks live in the repository, not in the installed package, so the command finds the

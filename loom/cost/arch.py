@@ -223,7 +223,7 @@ class ModuleArch:
 
     ``patch`` and ``merge`` (vision) or ``sample_rate``, ``hop_length`` and ``stride`` (audio)
     turn an item's metadata into the module's token count (`num_tokens`) and the LLM's
-    (`llm_tokens`), as DESIGN.md principle 4 asks.
+    (`llm_tokens`), as docs/architecture.md principle 4 asks.
     """
 
     name: str

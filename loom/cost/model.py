@@ -4,7 +4,7 @@ model, and what an analytic (hardware specs) or profiled (measured) model must a
 Everything is *per pipeline unit* (one stage replica, i.e. its TP x CP ranks together, see
 `loom.plan.plan`) and in seconds or bytes *per rank*: TP and CP scaling and the communication
 they add are inside the numbers. Costs are functions of a `Workload`, the token counts a
-microbatch gives a module, which follow from sample metadata alone (DESIGN.md principle 4).
+microbatch gives a module, which follow from sample metadata alone (docs/architecture.md principle 4).
 
 Phases follow the Zero-Bubble split used by Cornstarch's frozen-aware rule (cornstarch.md
 §3.2.2, eqs. 3.1-3.3): ``backward = backward_input + backward_weight``, where the weight part

@@ -1,5 +1,5 @@
 """The metadata-to-workload rule: what each module computes for a set of samples, from their
-metadata alone (DESIGN.md principle 4). Token counts per encoder item come from the module's
+metadata alone (docs/architecture.md principle 4). Token counts per encoder item come from the module's
 architecture; the LLM's sequence is the text plus every encoder's merged tokens.
 
 The simulator, the balancing policies and the partitioner all cost samples through this rule,

@@ -6,7 +6,7 @@ model later scatters the projected encoder outputs into those positions. How man
 encoder emits for an item is the encoder's business, so it comes in as ``token_counts``: one
 function per encoder from the item's metadata (``ImageMeta`` / ``AudioMeta``) to a count. The
 same functions drive ``count_tokens``, which the planner and balancer use on metadata alone
-(DESIGN.md principle 4); a test checks that both agree on the sequence length.
+(docs/architecture.md principle 4); a test checks that both agree on the sequence length.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ The captions are templates: the words that carry content (counts, colours, shape
 can only be inferred from the image or the clip, everything else is predictable from the
 template, so the loss on content words measures whether the encoders are being used.
 
-Metadata first (DESIGN.md principle 4): ``DemoDataset.meta(i)`` draws only the sample's
+Metadata first (docs/architecture.md principle 4): ``DemoDataset.meta(i)`` draws only the sample's
 *recipe* (sizes, shapes, tones, text), never pixels or waveforms. ``__getitem__`` draws the
 same recipe from the same random stream and then renders the payload, so the two always agree.
 """

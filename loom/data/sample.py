@@ -1,4 +1,4 @@
-"""Samples and their metadata (DESIGN.md principle 4: decide on metadata, move data once).
+"""Samples and their metadata (docs/architecture.md principle 4: decide on metadata, move data once).
 
 A sample's metadata says, before any payload is decoded, how many tokens each module will see:
 the image sizes give the vision encoder's patch count, the audio lengths give the audio

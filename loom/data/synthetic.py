@@ -1,6 +1,6 @@
 """Metadata-only samples at real-model scale, for planning and simulation.
 
-The simulator and the planners decide on metadata (DESIGN.md principle 4), so to plan a run of
+The simulator and the planners decide on metadata (docs/architecture.md principle 4), so to plan a run of
 Llama-3-70B + ViT-H/14 on 1024 GPUs they need the *shape* of the data, not pixels: how many
 images of what size, how long the audio, how many text tokens. `SyntheticMetadata` draws such
 `SampleMeta` deterministically per ``(seed, index)`` from a named mix of sample kinds whose

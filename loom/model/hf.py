@@ -1,4 +1,4 @@
-"""Layer adapters for Hugging Face models, used unmodified (DESIGN.md principle 3).
+"""Layer adapters for Hugging Face models, used unmodified (docs/architecture.md principle 3).
 
 A Hugging Face causal LM with the Llama layout
 

@@ -1,7 +1,7 @@
 """The layer-list adapter: every module as an ordered list of named layers.
 
 A pipeline stage is a contiguous slice of a module's layer list, cut at any layer boundary
-(DESIGN.md principle 3: model code stays plain, parallelism is applied from outside). The
+(docs/architecture.md principle 3: model code stays plain, parallelism is applied from outside). The
 contract is deliberately small so that an unmodified Hugging Face model fits it through a thin
 adapter (`loom.model.hf`) and the tiny zoo fits it natively (`loom.model.zoo`):
 

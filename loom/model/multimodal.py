@@ -3,7 +3,7 @@ semantics (cornstarch.md §2.2 call order, §2.4 merge, §3.1 modality paralleli
 
 A `MultimodalModel` holds named encoders (each an encoder + projector with callbacks) and an
 LLM. Run in one process it *is* the reference: a parallel run must produce the same loss and
-gradients on the same global batch (DESIGN.md principle 1). For parallel runs every module is
+gradients on the same global batch (docs/architecture.md principle 1). For parallel runs every module is
 also exposed as a flat list of layers (`module_layers`) with a context builder
 (`module_context`), so a pipeline stage is a slice of that list.
 
@@ -12,7 +12,7 @@ Call order per encoder (Cornstarch Listing 5):
 after_projector(inputs, out)``, then the LLM's first layer embeds the text with placeholders
 masked and scatters each encoder's projected tokens into its placeholder positions.
 
-Freezing is ``requires_grad`` and nothing else (DESIGN.md principle 3), set through
+Freezing is ``requires_grad`` and nothing else (docs/architecture.md principle 3), set through
 `MultimodalModel.freeze` / `unfreeze` on parts named ``"vision"``, ``"vision.encoder"``,
 ``"vision.projector"``, ``"llm"``.
 """
@@ -28,7 +28,7 @@ from torch import nn
 from loom.model.adapter import adapter_for
 from loom.model.layers import Layer, prefixed, run_layers
 
-if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md layers): types only
+if TYPE_CHECKING:  # loom.model sits above loom.data (docs/architecture.md layers): types only
     from loom.data.sample import AudioMeta, Batch, ImageMeta
 
 IGNORE_INDEX = -100

@@ -1,4 +1,4 @@
-"""`Plan` and `ModuleSpec`: how a multimodal model is laid out over ranks (DESIGN.md, "Plans
+"""`Plan` and `ModuleSpec`: how a multimodal model is laid out over ranks (docs/architecture.md, "Plans
 and schedules are data").
 
 A plan lists, per module (encoders in graph order, then ``"llm"``), its data-parallel degree

@@ -1,1 +1,1 @@
-"""Stage partitioning and plan search: every decision that picks a plan (DESIGN.md, layers)."""
+"""Stage partitioning and plan search: every decision that picks a plan (docs/architecture.md, layers)."""

@@ -1,6 +1,6 @@
 """Frozen-aware stage partitioning and the loosely-coupled multimodal stage search.
 
-Three pieces, all pure functions over per-layer costs (DESIGN.md principle 4):
+Three pieces, all pure functions over per-layer costs (docs/architecture.md principle 4):
 
 - `frozen_aware_layer_costs`: the per-layer cost ``T_l = F_l + B_l (+ R_l)`` of one forward
   plus one backward under each layer's frozen status and position (``cornstarch.md`` §3.2.2,

@@ -1,6 +1,6 @@
 """The batch dispatcher: metadata gathered, one decision on every rank, payloads moved once.
 
-Per iteration (orchmllm.md §2.2, "adopted"; DESIGN.md principle 4):
+Per iteration (orchmllm.md §2.2, "adopted"; docs/architecture.md principle 4):
 
 1. every rank reads the samples of its *loader shard* (a contiguous share of the global batch,
    as a distributed data loader would give it) and checks each payload against its metadata;

@@ -1,6 +1,6 @@
 """The executor: runs one rank's list of IR actions with real tensors and communication.
 
-It is the runtime half of DESIGN.md's "schedule IR": the same actions the validator checks (and
+It is the runtime half of docs/architecture.md's "schedule IR": the same actions the validator checks (and
 the simulator plays) are executed here one by one, and each is recorded in a timeline.
 
 Every iteration runs one schedule built for its `BatchLayout` (the identity layout when no

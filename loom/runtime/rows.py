@@ -6,7 +6,7 @@ sample's items in order: what `collate` lays out and the LLM's placeholder merge
 others elsewhere; the encoder side picks the rows of a message's samples (`RowMap.index`) and the
 LLM side puts the rows of every incoming message back into its own sample order
 (`RowMap.assemble`). Token counts come from metadata, so both sides agree without exchanging
-anything (DESIGN.md principle 4).
+anything (docs/architecture.md principle 4).
 """
 
 from __future__ import annotations

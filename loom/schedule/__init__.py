@@ -1,4 +1,4 @@
-"""Schedules as data (DESIGN.md, "The schedule IR"): the IR, its generators and its validator.
+"""Schedules as data (docs/architecture.md, "The schedule IR"): the IR, its generators and its validator.
 
 - `loom.schedule.ir`: `Action`, `ActionKind`, `Schedule`, `stage_key`;
 - `loom.schedule.generators`: `build_schedule` (GPipe, multimodal 1F1B) and `backward_flow`

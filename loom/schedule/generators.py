@@ -9,7 +9,7 @@ so one generator handles both.
 
 Microbatch ``j`` runs on replica ``plan.replica_of_microbatch(m, j)`` of every stage of module
 ``m``, so the peer of an edge is chosen per microbatch; modules may have different
-data-parallel degrees (DESIGN.md, "Placement": edges route microbatches explicitly).
+data-parallel degrees (docs/architecture.md, "Placement": edges route microbatches explicitly).
 
 Backward work is frozen-aware (``cornstarch.md`` §3.2.1): a stage with nothing trainable in or
 upstream of it runs no backward and receives no gradient; see `backward_flow`.

@@ -1,4 +1,4 @@
-"""The schedule IR (DESIGN.md, "The schedule IR").
+"""The schedule IR (docs/architecture.md, "The schedule IR").
 
 A schedule is, per rank, the ordered list of actions that rank performs in one training
 iteration. Strictly, per *pipeline unit* (`loom.plan.plan`): the TP x CP ranks of one stage

@@ -1,7 +1,7 @@
 """Timelines of what ran: per rank, per action, start and end.
 
 The executor records one `TimelineEvent` per action it runs; the simulator (`loom.sim`) emits the same
-records for simulated ranks, so the two can be overlaid (DESIGN.md, "The schedule IR").
+records for simulated ranks, so the two can be overlaid (docs/architecture.md, "The schedule IR").
 Timelines export to the Chrome trace format, which Perfetto and chrome://tracing open: one
 process per rank, compute on thread 0 and communication on thread 1.
 """

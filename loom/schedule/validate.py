@@ -1,4 +1,4 @@
-"""The schedule validator (DESIGN.md, "The schedule IR": "every forward has its backward, every
+"""The schedule validator (docs/architecture.md, "The schedule IR": "every forward has its backward, every
 send its matching receive, no deadlock when run with unit costs").
 
 `validate_schedule` checks an IR and raises `ScheduleError` naming the rank, the action and the

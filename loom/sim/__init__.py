@@ -1,4 +1,4 @@
-"""Simulation of schedules (DESIGN.md, `loom.sim`): play an IR under a cost model for iteration
+"""Simulation of schedules (docs/architecture.md, `loom.sim`): play an IR under a cost model for iteration
 time, bubbles, MFU, peak memory per unit, the batch dispatch's cost and a timeline in the
 executor's format.
 

@@ -1,5 +1,5 @@
 """The batch dispatch, priced: what `loom.runtime.dispatch.Dispatcher` costs every step before
-the schedule starts (orchmllm.md §2.2; DESIGN.md principle 4, "decide on metadata, move data
+the schedule starts (orchmllm.md §2.2; docs/architecture.md principle 4, "decide on metadata, move data
 once").
 
 Every rank of ``loom train`` runs, per step:

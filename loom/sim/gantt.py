@@ -1,4 +1,4 @@
-"""PNG Gantt charts of timelines (DESIGN.md, "The schedule IR": timelines export "to a PNG Gantt
+"""PNG Gantt charts of timelines (docs/architecture.md, "The schedule IR": timelines export "to a PNG Gantt
 chart").
 
 Works on any list of `TimelineEvent`s, simulated or measured by the executor: one row per rank

@@ -1,5 +1,5 @@
 """How evenly a layout spreads work, per phase: the balancing figures of `loom simulate --policy`
-and `benchmarks/balance_quality.py` (simulated, DESIGN.md principle 6).
+and `benchmarks/balance_quality.py` (simulated, docs/architecture.md principle 6).
 
 A slot's *load* in a phase is the compute the slot's workload costs that module under the cost
 model: the forward plus the (frozen-aware) backward summed over the module's stages, i.e. what

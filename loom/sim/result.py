@@ -85,7 +85,7 @@ class SimResult:
     def summary(self, per_unit: bool = False) -> dict[str, Any]:
         """The headline figures as a JSON-ready dict (``per_unit`` adds one row per unit)."""
         out: dict[str, Any] = {
-            "simulated": True,  # DESIGN.md principle 6: a simulator figure is labelled as simulated
+            "simulated": True,  # docs/architecture.md principle 6: a simulator figure is labelled as simulated
             "schedule": self.schedule_kind,
             "num_microbatches": self.num_microbatches,
             "world_size": self.world_size,

@@ -1,4 +1,4 @@
-"""Discrete-event simulation of a schedule IR under a cost model (DESIGN.md, "The schedule IR":
+"""Discrete-event simulation of a schedule IR under a cost model (docs/architecture.md, "The schedule IR":
 "the simulator assigns each action a duration from the cost model ... and plays the
 dependencies forward").
 

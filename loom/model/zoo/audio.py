@@ -7,7 +7,7 @@ call packed into one sequence, with block-diagonal attention so clips stay indep
 final LayerNorm.
 
 A clip's token count follows from its metadata alone (``num_tokens``), which is what lets the
-planner and the balancers work before any audio is decoded (DESIGN.md principle 4).
+planner and the balancers work before any audio is decoded (docs/architecture.md principle 4).
 
 Layers: ``frontend``, ``blocks.0`` .. ``blocks.{n-1}``, ``norm``.
 """
@@ -25,7 +25,7 @@ from torch import nn
 from loom.model.layers import Layer, run_layers
 from loom.model.zoo.vision import EncoderBlock, run_encoder_block, run_norm, sinusoidal_embedding
 
-if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md): metadata types only
+if TYPE_CHECKING:  # loom.model sits above loom.data (docs/architecture.md): metadata types only
     from loom.data.sample import AudioMeta
 
 

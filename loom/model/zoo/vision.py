@@ -1,6 +1,6 @@
 """A tiny ViT-style vision encoder that takes images of any resolution.
 
-Multimodal data is heterogeneous (DESIGN.md): every image keeps its own size, so its patch
+Multimodal data is heterogeneous (docs/architecture.md): every image keeps its own size, so its patch
 count, and hence the encoder's work, follows from its metadata alone (``num_tokens``). The
 images of one call are packed into a single sequence with a block-diagonal attention mask, so
 an image's tokens never see another image's and the result does not depend on what else was
@@ -28,7 +28,7 @@ from torch import nn
 from loom.model.layers import Layer, run_layers
 from loom.model.zoo.attention import segment_attention
 
-if TYPE_CHECKING:  # loom.model sits above loom.data (DESIGN.md): metadata types only
+if TYPE_CHECKING:  # loom.model sits above loom.data (docs/architecture.md): metadata types only
     from loom.data.sample import ImageMeta
 
 
