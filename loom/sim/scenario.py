@@ -1,14 +1,8 @@
 """Simulation scenarios: a model from published configs, a cluster, a data mix and one or more
 plans, played by the simulator (what ``loom simulate`` runs).
 
-Two plans are built for comparison by `loom.planner.baselines`:
-
-- **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage with the
-  LLM's TP and DP, and the LLM's layers are split evenly over the remaining stages;
-- **frozen-aware**: the loosely-coupled search of cornstarch.md §2.6 (Algorithm 1) picks each
-  module's stage count for the device budget by simulated iteration time, and the stage
-  boundaries come from the frozen-aware partitioning DP (cornstarch.md §3.2.2, eq. 3.5) over
-  per-layer costs ``F + B_w + B_d (+ recompute)`` of a typical microbatch.
+The Megatron-style and frozen-aware plans that ``loom simulate --compare`` sets side by side
+are built by `loom.planner.baselines` (the planner sits above the simulator).
 
 Workloads are derived from sample metadata only: an encoder's microbatch work is its items'
 token counts, the LLM's is each sample's sequence length after the encoders' tokens are merged
