@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 import torch.multiprocessing as mp
 
-from loom.runtime.local import run_local, start_local
+from loom.runtime.local import start_local
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -24,8 +24,6 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 # ---- processes ---------------------------------------------------------------------------
 # Process start-up is loom's own local launcher (`loom.runtime.local`), shared with the tests.
-run_gloo = run_local
-start_gloo = start_local
 
 
 def get_from(queue: Any, procs: Sequence[mp.Process], timeout: float = 600.0) -> Any:
@@ -68,7 +66,7 @@ class WorkerGroup:
         self.name, self.world_size = name, world_size
         self.commands = [ctx.Queue() for _ in range(world_size)]
         self.replies = ctx.Queue()
-        self.procs = start_gloo(fn, world_size, name, *args, self.commands, self.replies, *extra)
+        self.procs = start_local(fn, world_size, name, *args, self.commands, self.replies, *extra)
 
     def replies_of(self, kind: str) -> list[tuple]:
         """One reply of ``kind`` from every rank, in rank order."""

@@ -45,6 +45,7 @@ from loom.cli.profile import cmd_profile
 from loom.cli.simulate import DEFAULT_SCENARIO, cmd_simulate
 from loom.cli.train import cmd_train
 from loom.plan.plan import PlanError
+from loom.profile.profiler import DEFAULT_TOKEN_COUNTS
 from loom.sim.scenario import ScenarioError
 from loom.train.config import ConfigError
 
@@ -85,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="time every layer on this machine and write a profile")
     _train_config_args(p)
     p.add_argument("--out", default=None, help="profile JSON (default: <run.out_dir>/<run.name>/profile.json)")
-    p.add_argument("--tokens", default="64,128,256,512,1024", help="token counts to measure, comma-separated")
+    p.add_argument("--tokens", default=",".join(map(str, DEFAULT_TOKEN_COUNTS)),
+                   help="token counts to measure, comma-separated")
     p.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement (median)")
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (1: as a local rank)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -112,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--order", default="given",
                    help="microbatch order for the per-phase policies: given or disttrain (Algorithm 3)")
     p.add_argument("--eager-forward", type=int, default=0, metavar="N",
-                   help="with --policy entrain: encoders forward N more microbatches before their first "
-                        "backward (Entrain's eager forward)")
+                   help="encoders forward N more microbatches before their first "
+                        "backward (Entrain's eager forward; every policy, as balance.eager_forward in a run)")
     p.set_defaults(fn=cmd_simulate)
 
     p = sub.add_parser("bench", help="run benchmarks/ and regenerate benchmarks/results/")

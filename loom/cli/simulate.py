@@ -132,9 +132,10 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
     from loom.balance.policy import JOINT, BalanceConfig
 
     # every run pays the dispatcher (metadata all-gather, decision, payload all-to-all), as `loom train` does
+    # as in a run, --eager-forward deepens every layout's encoder warmup (balance.eager_forward), and
     # the cluster's nodes are the node-wise rearrangement's nodes (balance.ranks_per_node in a run)
     per_node = scenario.cluster.gpus_per_node
-    base = scenario.run_balanced(plan, BalanceConfig("none", order="given", ranks_per_node=per_node), metas=metas)
+    base = scenario.run_balanced(plan, BalanceConfig("none", order="given", eager_forward=eager, ranks_per_node=per_node), metas=metas)
     if policies is None:
         return [(None, "", base.result, None)]
     runs = [("none", ".none", base.result, base)]
@@ -144,7 +145,7 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
             continue  # the baseline
         label, stem = (name, name) if own_order == "given" else (f"{name} ({own_order} order)",
                                                                   f"{name}.{own_order}-order")
-        config = BalanceConfig(name, order=own_order, eager_forward=eager if name == "entrain" else 0,
+        config = BalanceConfig(name, order=own_order, eager_forward=eager,
                                ranks_per_node=per_node)
         run = scenario.run_balanced(plan, config, metas=metas)
         runs.append((label, f".{stem}", run.result, run))

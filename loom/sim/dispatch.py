@@ -50,16 +50,17 @@ from loom.data.sample import SampleMeta
 DISPATCH = "dispatch"  # the timeline kind of the dispatch's parts
 
 # Default decision time per sample of the global batch, per policy, when no measured figure is
-# given: issue 8's acceptance budgets for `benchmarks/balance_speed.py`, per sample of the batch
-# they are set for (orchmllm: 20 ms for 2560 ranks x 60 samples; disttrain: 20 ms for 64 groups x
-# 64 microbatches x 4 samples; entrain: 30 ms for 64 replicas x 32 microbatches x 16 samples),
-# i.e. a decision that meets its budget and scales linearly in the batch. ``none`` keeps the
-# given contiguous split: no search.
-DECISION_BUDGET_PER_SAMPLE_S = {
+# given: the measured `decide_ms_<policy>` of `benchmarks/results/balance_speed.json` (commit
+# 362c537, one thread of this project's 2-core CPU machine: orchmllm 40.38 ms for 2560 ranks x 60
+# samples; disttrain 29.72 ms for 64 groups x 64 microbatches x 4 samples; entrain 42.82 ms for 64
+# replicas x 32 microbatches x 16 samples), spread linearly over the batch. ``none`` keeps the
+# given contiguous split: no search. Pass ``decision_seconds`` for a figure measured on the
+# cluster's own CPUs.
+DECISION_PER_SAMPLE_S = {
     "none": 0.0,
-    "orchmllm": 20e-3 / (2560 * 60),
-    "disttrain": 20e-3 / (64 * 64 * 4),
-    "entrain": 30e-3 / (64 * 32 * 16),
+    "orchmllm": 40.38e-3 / (2560 * 60),
+    "disttrain": 29.72e-3 / (64 * 64 * 4),
+    "entrain": 42.82e-3 / (64 * 32 * 16),
 }
 
 
@@ -141,15 +142,15 @@ def metadata_bytes(metas: Sequence[SampleMeta], world_size: int = 1) -> int:
 
 
 def decision_seconds_model(policies: Mapping[str, str] | str, num_samples: int) -> float:
-    """The default decision time (no measured figure given): the per-sample budget of the
+    """The default decision time (no measured figure given): the measured per-sample time of the
     slowest policy named (a joint policy decides every phase at once; per-phase policies run one
-    after another, but each budget already covers an encoder phase and the LLM), times the batch."""
+    after another, but each figure already covers an encoder phase and the LLM), times the batch."""
     names = {policies} if isinstance(policies, str) else set(policies.values())
-    unknown = sorted(names - set(DECISION_BUDGET_PER_SAMPLE_S))
+    unknown = sorted(names - set(DECISION_PER_SAMPLE_S))
     if unknown:
         raise DispatchModelError(f"no decision-time model for policy {unknown}; known: "
-                                 f"{sorted(DECISION_BUDGET_PER_SAMPLE_S)} (or pass decision_seconds)")
-    return max(DECISION_BUDGET_PER_SAMPLE_S[n] for n in names) * num_samples
+                                 f"{sorted(DECISION_PER_SAMPLE_S)} (or pass decision_seconds)")
+    return max(DECISION_PER_SAMPLE_S[n] for n in names) * num_samples
 
 
 def all_to_all_seconds(matrix: np.ndarray | Sequence[Sequence[float]], links: Links) -> float:
