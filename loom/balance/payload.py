@@ -36,7 +36,7 @@ def sample_payload_bytes(arch: ModelArch, meta: MetadataArrays) -> dict[str, np.
     """Per phase, each sample's payload bytes (float64 arrays over positions): its images'
     pixels (3 x height x width) to a vision encoder, its clips' waveform samples to an audio
     encoder, its text ids (``text_tokens``) to the LLM; `ELEMENT_BYTES` per element.
-    The same rule as `loom.sim.dispatch.sample_payload_bytes`, over arrays."""
+    The dispatcher sends exactly these bytes (`loom.runtime.dispatch.Dispatcher._nbytes`)."""
     n = meta.num_samples
     out: dict[str, np.ndarray] = {LLM: meta.text_tokens.astype(np.float64) * ELEMENT_BYTES[LLM]}
     for name in arch.encoder_names:

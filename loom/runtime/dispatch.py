@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from loom.schedule.layout import BatchLayout
+from loom.balance.payload import ELEMENT_BYTES
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
 from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, collate_ids, count_tokens, target_count
@@ -142,10 +143,12 @@ class Dispatcher:
                 for s, j in layout.slot_of(phase).items()}
 
     def _nbytes(self, phase: str, meta: SampleMeta) -> int:
+        # the element sizes the balancer prices node-wise traffic with (loom.balance.payload)
         if phase == LLM:
-            return 8 * meta.text_tokens  # int64 ids
+            return ELEMENT_BYTES[LLM] * meta.text_tokens  # int64 ids
         items = getattr(meta, SAMPLE_FIELDS[phase])
-        return 4 * sum(3 * m.height * m.width if phase == "vision" else m.num_samples for m in items)  # float32
+        return ELEMENT_BYTES[phase] * sum(3 * m.height * m.width if phase == "vision" else m.num_samples
+                                          for m in items)  # float32 pixels or waveform samples
 
     def _exchange(self, layout, metas, shards, local_samples, local_ids) -> dict[int, list]:
         """One ``all_to_all_single`` for every phase at once: rank ``d`` gets the payloads of
