@@ -51,3 +51,15 @@ def nodewise_brute_force(
         node_of_batch = np.asarray(perm) // ranks_per_node
         best = min(best, float(_send_volumes(V, node_of_batch, ranks_per_node).max()))
     return best
+
+
+def cross_node_send(plan, layout, phase: str, sample_bytes, ranks_per_node: int, permuted: bool = True,
+                    world_size: int | None = None) -> np.ndarray:
+    """Per source rank, the bytes of ``phase`` it sends to ranks of other nodes (orchmllm.md
+    §3.10, Eq. 5's per-rank term): the off-node entries of each row of the full ``world x
+    world`` matrix (`loom.balance.payload.payload_matrix`), node of rank r = r // ranks_per_node."""
+    from loom.balance.payload import payload_matrix
+
+    matrix = payload_matrix(plan, layout, phase, sample_bytes, permuted, world_size)
+    node = np.arange(matrix.shape[0]) // ranks_per_node
+    return (matrix * (node[:, None] != node[None, :])).sum(axis=1)

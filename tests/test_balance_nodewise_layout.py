@@ -11,8 +11,7 @@ import pytest
 from loom.balance.config import BalanceConfig, BalanceError
 from loom.balance.costs import sample_costs
 from loom.balance.padded import _bucket_runs
-from loom.balance.payload import (cross_node_send, layout_payload_bytes, loader_rank_of, payload_matrix,
-                                  sample_payload_bytes)
+from loom.balance.payload import layout_payload_bytes, loader_rank_of, payload_matrix, sample_payload_bytes
 from loom.balance.policy import make_layout
 from loom.balance.rearrange import rearrange_round
 from loom.cost.model_configs import load_model_arch
@@ -21,6 +20,7 @@ from loom.data.synthetic import SyntheticMetadata
 from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.runtime.dispatch import loader_shards
 from loom.schedule.layout import round_size
+from oracles import cross_node_send
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 from loom.balance.config import BalanceConfig
-from loom.balance.payload import cross_node_send
 from loom.balance.policy import make_layout, sample_costs
 from loom.cost.arch_from_model import arch_from_model
 from loom.data.collate import collate
@@ -24,6 +23,7 @@ from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
 from loom.train.build import build_data, build_model, num_targets, token_counters
 from loom.train.config import ModelConfig, TrainConfig
+from oracles import cross_node_send
 from reference import assert_matches_reference, save_rank
 
 pytestmark = pytest.mark.multiprocess

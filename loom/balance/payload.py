@@ -98,19 +98,6 @@ def layout_payload_bytes(plan: Plan, layout: BatchLayout, sample_bytes: Mapping[
     return {p: payload_matrix(plan, layout, p, sample_bytes[p], permuted, world_size) for p in plan.module_names}
 
 
-def cross_node_send(plan: Plan, layout: BatchLayout, phase: str, sample_bytes: Sequence[float] | np.ndarray,
-                    ranks_per_node: int, permuted: bool = True, world_size: int | None = None) -> np.ndarray:
-    """Per source rank, the bytes of ``phase`` it sends to ranks of other nodes (orchmllm.md
-    §3.10, Eq. 5's per-rank term), without building the ``world x world`` matrix."""
-    if ranks_per_node < 1:
-        raise PayloadError(f"ranks_per_node = {ranks_per_node}: use a positive integer")
-    world = plan.world_size if world_size is None else world_size
-    size = np.asarray(sample_bytes, dtype=np.float64)
-    src, dst, vol = _flows(plan, layout, phase, size, permuted, world)
-    off = src // ranks_per_node != dst // ranks_per_node
-    return np.bincount(src[off], weights=vol[off], minlength=world)
-
-
 def _flows(plan: Plan, layout: BatchLayout, phase: str, size: np.ndarray, permuted: bool,
            world: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(source rank, destination rank, bytes) of every sample's payload to every stage."""

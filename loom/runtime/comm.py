@@ -78,11 +78,6 @@ class P2PCommunicator:
         """Drop sends that have completed, so their tensors are freed before the iteration ends."""
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
-    @property
-    def pending(self) -> int:
-        """Sends posted and not yet known to be complete."""
-        return len(self._pending)
-
     def wait_sends(self) -> None:
         for work, _ in self._pending:
             work.wait()

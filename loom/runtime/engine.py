@@ -64,7 +64,7 @@ class ParallelEngine:
         groups = data_parallel_groups(plan)
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
-        executor = PipelineExecutor(model, plan, schedule, stage, rank, device, groups, trainable, optimizer)
+        executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer)
         return cls(plan, schedule, stage, executor, optimizer, trainable)
 
     def microbatches_to_load(self) -> list[int]:

@@ -124,7 +124,6 @@ class PipelineExecutor:
         self,
         model: MultimodalModel,
         plan: Plan,
-        schedule: Schedule,
         stage: Stage,
         rank: int,
         device: torch.device,
@@ -132,7 +131,7 @@ class PipelineExecutor:
         trainable: dict[StageId, bool],
         optimizer: torch.optim.Optimizer | None = None,
     ):
-        self.model, self.plan, self.schedule, self.stage = model, plan, schedule, stage
+        self.model, self.plan, self.stage = model, plan, stage
         self.rank, self.device, self.optimizer = rank, device, optimizer
         self.me: StageId = (stage.module, stage.stage)
         self.dp_group = dp_groups.get(self.me)
