@@ -141,14 +141,16 @@ class ModuleConfig:
 def _typed(cls: type, table: Any, where: str) -> Any:
     """``cls(**table)`` with errors that name the file, the table and the key."""
     if not isinstance(table, dict):
-        raise TypeError(f"{where} must be a table")
+        raise TypeError(f"{where} must be a table; write it as a [table] of key = value lines (see configs/models/)")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = set(table) - set(fields)
     if unknown:
-        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known keys are {sorted(fields)}")
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known keys are {sorted(fields)}: remove or "
+                         f"rename them")
     missing = [n for n, f in fields.items() if f.default is dataclasses.MISSING and n not in table]
     if missing:
-        raise ValueError(f"{where} lacks {missing}")
+        raise ValueError(f"{where} lacks {missing}; add them (every table's keys are in configs/models/llama3-8b.toml "
+                         f"and vit-h-14.toml)")
     for key, value in table.items():
         expected = fields[key].type  # a string: this module uses postponed annotations
         ok = {
@@ -157,7 +159,7 @@ def _typed(cls: type, table: Any, where: str) -> Any:
             "str": isinstance(value, str),
         }.get(expected, True)
         if not ok:
-            raise ValueError(f"{where} {key} = {value!r}: expected a {expected}")
+            raise ValueError(f"{where} {key} = {value!r}: expected a {expected}; write the value as one")
     return cls(**table)
 
 
@@ -166,11 +168,13 @@ def model_config_path(name: str | Path) -> Path:
     p = Path(name)
     if p.suffix == ".toml":
         if not p.exists():
-            raise ValueError(f"model config {str(p)!r} does not exist")
+            raise ValueError(f"model config {str(p)!r} does not exist; give the path of a TOML file in the format of "
+                             f"configs/models/, or one of the names {list_model_configs()}")
         return p
     path = MODEL_CONFIG_DIR / f"{name}.toml"
     if not path.exists():
-        raise ValueError(f"unknown model config {str(name)!r}; known configs are {list_model_configs()}")
+        raise ValueError(f"unknown model config {str(name)!r}; known configs are {list_model_configs()}: use one of "
+                         f"them, the path of a .toml file, or add {name}.toml to {MODEL_CONFIG_DIR}")
     return path
 
 
@@ -187,12 +191,14 @@ def load_module_config(name: str | Path) -> ModuleConfig:
     top = {"name", "kind", "published_params", "source", "transformer", "frontend", "embedding", "projector"}
     unknown = set(data) - top
     if unknown:
-        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known keys are {sorted(top)}")
+        raise ValueError(f"{where} has unknown keys {sorted(unknown)}; known keys are {sorted(top)}: remove or rename "
+                         f"them")
     kind = data.get("kind")
     if kind not in MODULE_KINDS:
-        raise ValueError(f"{where}: kind = {kind!r}; choose one of {list(MODULE_KINDS)}")
+        raise ValueError(f"{where}: kind = {kind!r} is not a module kind; set kind to one of {list(MODULE_KINDS)}")
     if "transformer" not in data:
-        raise ValueError(f"{where} lacks the [transformer] table")
+        raise ValueError(f"{where} lacks the [transformer] table; add one (hidden, layers, heads, ...: see "
+                         f"configs/models/llama3-8b.toml)")
     cfg = ModuleConfig(
         name=str(data.get("name", path.stem)),
         kind=kind,
@@ -204,11 +210,13 @@ def load_module_config(name: str | Path) -> ModuleConfig:
         projector=_typed(ProjectorConfig, data["projector"], f"{where} [projector]") if "projector" in data else None,
     )
     if kind == LLM and cfg.embedding is None:
-        raise ValueError(f"{where}: an LLM needs an [embedding] table (vocab)")
+        raise ValueError(f"{where}: an LLM needs an [embedding] table; add one with its vocab (see "
+                         f"configs/models/llama3-8b.toml)")
     if kind != LLM and cfg.frontend is None:
-        raise ValueError(f"{where}: an encoder needs a [frontend] table")
+        raise ValueError(f"{where}: an encoder needs a [frontend] table; add one (type = \"patch\" or \"conv1d\": see "
+                         f"configs/models/vit-h-14.toml)")
     if cfg.frontend is not None and cfg.frontend.type not in FRONTENDS:
-        raise ValueError(f"{where} [frontend].type = {cfg.frontend.type!r}; choose one of {list(FRONTENDS)}")
+        raise ValueError(f"{where} [frontend].type = {cfg.frontend.type!r} is unknown; set it to one of {list(FRONTENDS)}")
     return cfg
 
 
@@ -227,15 +235,18 @@ def load_model_arch(
     """
     llm_cfg = load_module_config(llm)
     if llm_cfg.kind != LLM:
-        raise ValueError(f"llm = {str(llm)!r} is a {llm_cfg.kind} encoder config, not an LLM")
+        raise ValueError(f"llm = {str(llm)!r} is a {llm_cfg.kind} encoder config, not an LLM; name an LLM config "
+                         f"(kind = \"llm\") there and list {str(llm)!r} under encoders")
     width = llm_cfg.transformer.hidden
     modules: dict[str, ModuleArch] = {}
     for name, config_name in (encoders or {}).items():
         if name == LLM:
-            raise ValueError("encoders may not be named 'llm': that name is the language model's")
+            raise ValueError("encoders may not be named 'llm': that name is the language model's; rename the encoder "
+                             "(e.g. 'vision')")
         cfg = load_module_config(config_name)
         if cfg.kind == LLM:
-            raise ValueError(f"encoders[{name!r}] = {str(config_name)!r} is an LLM config, not an encoder")
+            raise ValueError(f"encoders[{name!r}] = {str(config_name)!r} is an LLM config, not an encoder; name an "
+                             f"encoder config (kind vision or audio) there")
         if isinstance(projector, Mapping):
             kind = projector.get(name)
         else:
@@ -243,11 +254,12 @@ def load_model_arch(
         if kind is None:
             kind = cfg.projector.kind if cfg.projector is not None else "mlp"
         if kind not in PROJECTORS:
-            raise ValueError(f"projector for encoder {name!r} = {kind!r}; choose one of {list(PROJECTORS)}")
+            raise ValueError(f"projector for encoder {name!r} = {kind!r} is unknown; choose one of {list(PROJECTORS)}")
         modules[name] = cfg.module_arch(name, kind, width)
     if isinstance(projector, Mapping):
         extra = set(projector) - set(modules)
         if extra:
-            raise ValueError(f"projector names encoders {sorted(extra)} that are not in encoders {list(modules)}")
+            raise ValueError(f"projector names encoders {sorted(extra)} that are not in encoders {list(modules)}; "
+                             f"name only those")
     modules[LLM] = llm_cfg.module_arch(LLM)
     return ModelArch(modules).with_freeze(freeze)
