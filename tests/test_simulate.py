@@ -110,3 +110,27 @@ def test_shipped_scenario_loads():
     scenario = load_scenario("configs/sim/llama3-70b-vith-1024xh100.toml")
     plan = megatron_plan(scenario)
     assert plan.world_size == 1024 and plan.spec("vision").num_stages == 1
+
+
+@pytest.mark.parametrize("change, overrides, words", [
+    (("tensor_parallel = 4", "tensor_parallel = 0"), [], ["parallel.tensor_parallel = 0"]),
+    (("num_gpus = 64", "num_gpus = 1.5"), [], ["cluster.num_gpus = 1.5"]),
+    ((), ["data.llm_batching=ragged"], ["data.llm_batching = 'ragged'"]),
+    ((), ["parallel.zero_stage=5"], ["parallel.zero_stage = 5"]),
+    ((), ["totally.bogus=3"], ["'totally'"]),
+    ((), ["cluster.gpu.kind=3"], ["cluster.gpu is not a table"]),
+])
+def test_load_scenario_refuses_what_the_cli_refuses(tmp_path, change, overrides, words):
+    """The Python API checks every value, the file's and the overrides', as `loom simulate` does."""
+    from loom.sim.scenario import ScenarioError
+
+    text = SMALL.replace(*change) if change else SMALL
+    with pytest.raises(ScenarioError) as e:
+        load_scenario(write(tmp_path, text), overrides)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_load_scenario_applies_overrides(tmp_path):
+    scenario = load_scenario(write(tmp_path, SMALL), ["cluster.num_gpus=128", "parallel.tensor_parallel=8"])
+    assert scenario.cluster.num_gpus == 128 and scenario.degrees.tensor_parallel == 8

@@ -3,88 +3,20 @@ optionally under balancing policies, as a table or JSON, with timelines and Gant
 
 Overrides (``dotted.key=value``) apply to the scenario file's tables (``cluster.num_gpus=512``,
 ``parallel.tensor_parallel=4``, ``data.mix="audio"``) and are checked like the file's own
-values: an unknown field or a wrong type is refused with one line naming it.
+values by `loom.sim.scenario.load_scenario` (the Python API refuses the same things): an unknown
+field or a wrong type is refused with one line naming it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import typing
 from pathlib import Path
 from typing import Any
 
 from loom.cli.common import REPO_ROOT, CliError
-from loom.train.config import ConfigError, parse_override, typed_value
 
 DEFAULT_SCENARIO = REPO_ROOT / "configs" / "sim" / "llama3-70b-vith-1024xh100.toml"
-
-
-# ---- the scenario: file, overrides, types ----------------------------------------------------
-def _schema() -> dict[str, Any]:
-    from loom.sim.scenario import ParallelDegrees
-
-    return {
-        "name": str,
-        "model": {"llm": str, "encoders": dict[str, str], "projector": str, "freeze": list[str]},
-        "cluster": {"gpu": str, "num_gpus": int, "gpus_per_node": int},
-        "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str},
-        "parallel": typing.get_type_hints(ParallelDegrees),
-        "plans": dict,
-    }
-
-
-# fields that may be 0 (the rest of the whole numbers are sizes and counts, at least 1)
-_ZERO_OK = {"data.seed", "parallel.zero_stage"}
-_CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3)}
-
-
-def check_scenario_tables(data: dict[str, Any]) -> None:
-    """Types, ranges and choices of a scenario's scalar fields (unknown ones are refused by
-    `scenario_from_dict`, plans by `Plan.resolve`)."""
-    schema = _schema()
-    for section, value in data.items():
-        spec = schema.get(section)
-        if spec is None or not isinstance(spec, dict):
-            if spec is not None:
-                typed_value(spec, value, section)
-            continue
-        if not isinstance(value, dict):
-            raise ConfigError(f"{section} = {value!r}: must be a table; write [{section}] with key = value lines")
-        for key, v in value.items():
-            where = f"{section}.{key}"
-            if key not in spec:
-                continue
-            v = typed_value(spec[key], v, where)
-            if isinstance(v, int) and not isinstance(v, bool) and v < (0 if where in _ZERO_OK else 1):
-                raise ConfigError(f"{where} = {v}: must be at least {0 if where in _ZERO_OK else 1}; "
-                                  f"use a {'non-negative' if where in _ZERO_OK else 'positive'} whole number")
-            if where in _CHOICES and v not in _CHOICES[where]:
-                raise ConfigError(f"{where} = {v!r}: unknown value; choose one of {list(_CHOICES[where])}")
-
-
-def load_scenario_with(path: Path, overrides: list[str]):
-    """The scenario of ``path`` with ``overrides`` applied, every value checked."""
-    from loom.sim.scenario import ScenarioError, read_scenario_tables, scenario_from_dict
-
-    data = read_scenario_tables(path)
-    for item in overrides:
-        parts, value = parse_override(item)
-        node = data
-        for i, p in enumerate(parts[:-1]):
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is not a table")
-        node[parts[-1]] = value
-    check_scenario_tables(data)
-    try:
-        return scenario_from_dict(data, path.stem)
-    except ScenarioError:
-        raise
-    except ValueError as e:  # from the model configs and GPU tables; the message names the field
-        raise ScenarioError(str(e)) from e
-    except TypeError as e:  # a value of the right type in the wrong place (e.g. a plan field)
-        raise ConfigError(f"scenario {path.name}: {e}; check the overrides and the file against configs/sim/") from e
 
 
 # ---- flags ------------------------------------------------------------------------------------
@@ -258,7 +190,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     """Simulate one iteration of each plan of a scenario and print a comparison table; with
     ``--policy``, each plan under each balancing policy, against the unbalanced ``none``."""
     policies = policies_of(args)
-    scenario = load_scenario_with(Path(args.config) if args.config else DEFAULT_SCENARIO, args.overrides)
+    from loom.sim.scenario import load_scenario
+
+    # the same checks as the Python API: every value of the file and the overrides
+    scenario = load_scenario(Path(args.config) if args.config else DEFAULT_SCENARIO, args.overrides)
     plans = plans_of(scenario, args.compare)
     metas = scenario.metas()
     out_dir = Path(args.out) / scenario.name

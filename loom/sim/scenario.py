@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,6 +34,7 @@ from loom.cost.model import MicrobatchWork, Workload
 from loom.cost.workload import WorkloadError, sample_work
 from loom.data.sample import SampleMeta
 from loom.data.synthetic import MIXES, SyntheticMetadata
+from loom.plan.overrides import ConfigError, apply_override, typed_value
 from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 from loom.schedule.generators import build_schedule
 from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
@@ -45,7 +47,7 @@ if TYPE_CHECKING:
     from loom.schedule.layout import BatchLayout
     from loom.balance.policy import BalanceConfig
 
-class ScenarioError(WorkloadError):
+class ScenarioError(WorkloadError, ConfigError):
     """A bad simulation scenario; the message names the field and the fix."""
 
 
@@ -169,7 +171,8 @@ class Scenario:
         plan.resolve(self.arch.layer_counts())
         if plan.world_size > self.cluster.num_gpus:
             raise ScenarioError(
-                f"plan needs {plan.world_size} GPUs but cluster.num_gpus = {self.cluster.num_gpus}"
+                f"plan needs {plan.world_size} GPUs but cluster.num_gpus = {self.cluster.num_gpus}; raise "
+                f"cluster.num_gpus or lower the plan's degrees (stages x data x tensor x context parallel)"
             )
         if work is None:
             if layout is not None:
@@ -248,12 +251,21 @@ def policy_label(config: "BalanceConfig", phases: list[str]) -> str:
 
 
 # ---- loading --------------------------------------------------------------------------------
-def load_scenario(path: str | Path) -> Scenario:
+def load_scenario(path: str | Path, overrides: typing.Sequence[str] = ()) -> Scenario:
     """A scenario from TOML: ``[model]`` (llm, encoders, projector, freeze), ``[cluster]`` (gpu,
     num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size, llm_batching),
-    ``[parallel]`` (`ParallelDegrees`), and optional ``[plans.<name>]`` tables in the plan format."""
+    ``[parallel]`` (`ParallelDegrees`), and optional ``[plans.<name>]`` tables in the plan format.
+    ``overrides`` (``dotted.key=value``, `loom.plan.overrides`) apply to those tables first; every
+    value, the file's and the overrides', passes `check_scenario_tables`, so this API refuses what
+    ``loom simulate`` refuses."""
     p = Path(path)
-    return scenario_from_dict(read_scenario_tables(p), p.stem)
+    data = read_scenario_tables(p)
+    for item in overrides:
+        try:
+            apply_override(data, item)
+        except ConfigError as e:  # as a ScenarioError: everything this API refuses is one
+            raise ScenarioError(str(e)) from e
+    return scenario_from_dict(data, p.stem)
 
 
 def read_scenario_tables(path: Path) -> dict[str, Any]:
@@ -263,29 +275,92 @@ def read_scenario_tables(path: Path) -> dict[str, Any]:
     try:
         return tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ScenarioError(f"scenario file {str(path)!r} is not valid TOML: {e}") from e
+        raise ScenarioError(f"scenario file {str(path)!r} is not valid TOML: {e}; fix the file (configs/sim/ "
+                            f"holds examples)") from e
+
+
+def _schema() -> dict[str, Any]:
+    """Each section's fields and types (``plans`` are checked by `Plan.from_dict` and `Plan.resolve`)."""
+    return {
+        "name": str,
+        "model": {"llm": str, "encoders": dict[str, str], "projector": str, "freeze": list[str]},
+        "cluster": {"gpu": str, "num_gpus": int, "gpus_per_node": int},
+        "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str},
+        "parallel": typing.get_type_hints(ParallelDegrees),
+        "plans": dict[str, dict],
+    }
+
+
+# whole numbers that may be 0 (the others are sizes and counts, at least 1)
+_ZERO_OK = {"data.seed", "parallel.zero_stage"}
+_CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3)}
+
+
+def check_scenario_tables(data: dict[str, Any]) -> None:
+    """Sections, fields, types, ranges and choices of a scenario's tables: what `load_scenario`
+    and ``loom simulate`` refuse alike, each with one `ScenarioError` naming the field and the fix."""
+    schema = _schema()
+    unknown = sorted(set(data) - set(schema))
+    if unknown:
+        raise ScenarioError(f"unknown section(s) {unknown} in the scenario; known: {sorted(schema)}; remove or "
+                            f"rename them")
+    try:
+        for section, value in data.items():
+            spec = schema[section]
+            if not isinstance(spec, dict):
+                typed_value(spec, value, section)
+                continue
+            if not isinstance(value, dict):
+                raise ScenarioError(f"{section} = {value!r}: must be a table; write [{section}] with key = value lines")
+            extra = sorted(set(value) - set(spec))
+            if extra:
+                raise ScenarioError(f"unknown field(s) {extra} in [{section}]; known: {sorted(spec)}; remove or "
+                                    f"rename them")
+            for key, v in value.items():
+                where = f"{section}.{key}"
+                v = typed_value(spec[key], v, where)
+                low = 0 if where in _ZERO_OK else 1
+                if isinstance(v, int) and not isinstance(v, bool) and v < low:
+                    raise ScenarioError(f"{where} = {v}: must be at least {low}; use a "
+                                        f"{'non-negative' if low == 0 else 'positive'} whole number")
+                if where in _CHOICES and v not in _CHOICES[where]:
+                    raise ScenarioError(f"{where} = {v!r}: unknown value; choose one of {list(_CHOICES[where])}")
+    except ScenarioError:
+        raise
+    except ConfigError as e:  # a wrong type, from typed_value
+        raise ScenarioError(str(e)) from e
 
 
 def scenario_from_dict(data: dict[str, Any], default_name: str) -> Scenario:
-    """A scenario from the tables of a scenario file (`load_scenario`), already parsed, e.g.
-    with ``loom simulate``'s overrides applied."""
-    known = {"name", "model", "cluster", "data", "parallel", "plans"}
-    if set(data) - known:
-        raise ScenarioError(f"unknown section(s) {sorted(set(data) - known)} in the scenario; known: {sorted(known)}")
-    model = _section(data, "model", {"llm", "encoders", "projector", "freeze"})
+    """A scenario from the tables of a scenario file (`load_scenario`), already parsed (and, in
+    ``loom simulate``, overridden); every value is checked first (`check_scenario_tables`)."""
+    check_scenario_tables(data)
+    try:
+        return _scenario_of_tables(data, default_name)
+    except ScenarioError:
+        raise
+    except ValueError as e:  # from the model configs and GPU tables; the message names the field
+        raise ScenarioError(str(e)) from e
+    except TypeError as e:  # a value of the right type in the wrong place (e.g. a plan field)
+        raise ScenarioError(f"scenario {default_name}: {e}; check the file and the overrides against "
+                            f"configs/sim/") from e
+
+
+def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
+    model = data.get("model", {})
     if "llm" not in model:
         raise ScenarioError("model.llm is missing: name a config in configs/models/ (e.g. 'llama3-70b')")
     arch = load_model_arch(model["llm"], model.get("encoders", {}), model.get("projector"), model.get("freeze", []))
-    cl = _section(data, "cluster", {"gpu", "num_gpus", "gpus_per_node"})
+    cl = data.get("cluster", {})
     if "gpu" not in cl or "num_gpus" not in cl:
-        raise ScenarioError("cluster.gpu and cluster.num_gpus are required (e.g. gpu = 'H100', num_gpus = 1024)")
+        raise ScenarioError("cluster.gpu and cluster.num_gpus are required; set both (e.g. gpu = 'H100', "
+                            "num_gpus = 1024)")
     get_gpu(cl["gpu"], field="cluster.gpu")
     cluster = Cluster(cl["gpu"], int(cl["num_gpus"]), int(cl.get("gpus_per_node", 8)))
-    dd = _section(data, "data", {"mix", "seed", "global_batch_size", "llm_batching"})
+    dd = data.get("data", {})
     mix = dd.get("mix", "llava")
     if mix not in MIXES:
         raise ScenarioError(f"data.mix = {mix!r} is unknown; choose one of {sorted(MIXES)}")
-    par = _section(data, "parallel", set(ParallelDegrees.__dataclass_fields__))
     plans = {}
     for name, table in data.get("plans", {}).items():
         try:
@@ -295,15 +370,5 @@ def scenario_from_dict(data: dict[str, Any], default_name: str) -> Scenario:
     return Scenario(
         name=data.get("name", default_name), arch=arch, cluster=cluster, mix=mix, seed=int(dd.get("seed", 0)),
         global_batch_size=int(dd.get("global_batch_size", 1024)), llm_batching=dd.get("llm_batching", "packed"),
-        degrees=ParallelDegrees(**par), plans=plans,
+        degrees=ParallelDegrees(**data.get("parallel", {})), plans=plans,
     )
-
-
-def _section(data: dict[str, Any], name: str, known: set[str]) -> dict[str, Any]:
-    table = data.get(name, {})
-    if not isinstance(table, dict):
-        raise ScenarioError(f"[{name}] must be a table")
-    unknown = set(table) - known
-    if unknown:
-        raise ScenarioError(f"unknown field(s) {sorted(unknown)} in [{name}]; known: {sorted(known)}")
-    return table

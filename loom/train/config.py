@@ -22,11 +22,10 @@ from typing import Any
 from loom.balance.config import BalanceConfig, BalanceError, check_balance_config
 from loom.data.demo import DemoConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
+from loom.plan.overrides import ConfigError, build_dataclass, parse_override, set_dotted, typed_value
 from loom.plan.plan import ModuleSpec, Plan, PlanError
 
-
-class ConfigError(ValueError):
-    """A configuration problem; the message names the field and the fix."""
+__all__ = ["ConfigError", "TrainConfig", "config_to_toml", "load_config", "parse_override", "typed_value"]
 
 
 @dataclass
@@ -130,7 +129,8 @@ class TrainConfig:
         for m in self.plan.modules:
             if m.name != "llm" and m.name not in encoders:
                 raise ConfigError(
-                    f"plan.modules[{m.name!r}]: unknown module name; the model has {encoders + ['llm']}"
+                    f"plan.modules[{m.name!r}]: unknown module name; the model has {encoders + ['llm']}: name one "
+                    f"of them (an encoder set to none in [model] has no module to place)"
                 )
         try:
             self.balance.check(self.plan.module_names)
@@ -171,8 +171,6 @@ class TrainConfig:
 
 
 DEVICES = ("cpu", "cuda")
-_EXAMPLE = {int: "a whole number such as 10", float: "a number such as 0.5", str: 'quoted text such as "demo"',
-            bool: "true or false"}
 
 
 def _shown(value: Any) -> str:
@@ -187,7 +185,9 @@ def _require(ok: bool, field_name: str, value: Any, why: str, fix: str) -> None:
 
 # Model shapes: every integer field is a size or count (at least 1), every float a positive
 # scale. Checked before the zoo configs' own __post_init__, which would divide by zero.
-def _check_shape(where: str, kwargs: dict[str, Any]) -> None:
+def _check_shape(cls: type, where: str, kwargs: dict[str, Any]) -> None:
+    if cls not in (VisionConfig, AudioConfig, LlamaConfig):
+        return
     for k, v in kwargs.items():
         if isinstance(v, bool):
             continue
@@ -216,7 +216,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         _apply_override(data, item)
     plan_data = data.pop("plan", None)
-    cfg = _build(TrainConfig, data, "")
+    cfg = build_dataclass(TrainConfig, data, "", _check_shape)
     if plan_data is not None:
         if not isinstance(plan_data, dict):
             raise ConfigError(f"plan = {plan_data!r}: must be a table; write [plan] with [[plan.modules]] entries")
@@ -232,15 +232,15 @@ def _check_plan_types(plan: Plan) -> None:
     """Types of every plan field, so a wrong one is named here rather than failing as a raw
     TypeError inside `Plan.resolve` (which checks the ranges)."""
     for k, tp in (("num_microbatches", int), ("schedule", str), ("placement", str)):
-        _convert(tp, getattr(plan, k), f"plan.{k}")
+        typed_value(tp, getattr(plan, k), f"plan.{k}")
     hints = typing.get_type_hints(ModuleSpec)
     for m in plan.modules:
         for f in dataclasses.fields(ModuleSpec):
             where = f"plan.modules[{m.name!r}].{f.name}"
-            value = _convert(hints[f.name], getattr(m, f.name), where)
+            value = typed_value(hints[f.name], getattr(m, f.name), where)
             if f.name == "stage_boundaries" and value is not None:
                 for b in value:
-                    _convert(int, b, where)
+                    typed_value(int, b, where)
 
 
 def _apply_override(data: dict[str, Any], item: str) -> None:
@@ -253,80 +253,13 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
                 if parts[3] == "num_stages":
                     m.pop("stage_boundaries", None)  # a new stage count takes the default split
                 return
-        raise ConfigError(f"override {item!r}: plan.modules has no module {parts[2]!r}")
-    node = data
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"override {item!r}: {p!r} is not a section")
-    node[parts[-1]] = value
+        raise ConfigError(f"override {item!r}: plan.modules has no module {parts[2]!r}; address one of "
+                          f"{[m.get('name') for m in mods]} (or set plan.modules=[...] as a whole)")
+    set_dotted(data, parts, value, item)
 
 
 def m_as_dict(m: ModuleSpec) -> dict[str, Any]:
     return {k: v for k, v in dataclasses.asdict(m).items() if v is not None}
-
-
-def _build(cls: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where or 'config'} = {data!r}: must be a table; write [{where}] with key = value lines")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(data) - names
-    if unknown:
-        raise ConfigError(f"unknown field(s) {sorted(unknown)} in [{where or 'top level'}]; known: {sorted(names)}")
-    kwargs = {}
-    for k, v in data.items():
-        kwargs[k] = _convert(hints[k], v, f"{where}.{k}" if where else k)
-    if cls in (VisionConfig, AudioConfig, LlamaConfig):
-        _check_shape(where, kwargs)
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError, ArithmeticError) as e:
-        raise ConfigError(f"[{where or 'top level'}]: {e}") from e
-
-
-def typed_value(tp: Any, v: Any, where: str) -> Any:
-    """``v`` as type ``tp`` (a dataclass, ``list[...]``, ``X | None``, a scalar type), or the
-    one-line `ConfigError` naming ``where``: the check every field of a config passes."""
-    return _convert(tp, v, where)
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """``dotted.key=value`` as (key parts, TOML value; a bare word is a string)."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key or any(not p for p in key.split(".")):
-        raise ConfigError(f"override {item!r}: write it as dotted.key=value, e.g. run.steps=10")
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare word is a string
-    return key.split("."), value
-
-
-def _convert(tp: Any, v: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
-        inner = [a for a in args if a is not type(None)]
-        if v is None or v is False or (isinstance(v, str) and v.lower() == "none"):
-            if type(None) in args:
-                return None
-        return _convert(inner[0], v, where)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, v, where)
-    if origin in (list, tuple):
-        if not isinstance(v, list):
-            raise ConfigError(f"{where} = {v!r}: must be a list; write it as [a, b, ...]")
-        return list(v) if origin is list else tuple(v)
-    if origin is dict:
-        if not isinstance(v, dict):
-            raise ConfigError(f"{where} = {v!r}: must be a table; write it as {{key = value, ...}}")
-        return dict(v)
-    if tp is float and isinstance(v, int) and not isinstance(v, bool):
-        return float(v)
-    if tp in (int, float, str, bool) and not (isinstance(v, tp) and not (tp is int and isinstance(v, bool))):
-        raise ConfigError(f"{where} = {v!r}: must be of type {tp.__name__}; write {_EXAMPLE[tp]}")
-    return v
 
 
 def config_to_toml(cfg: TrainConfig) -> str:
