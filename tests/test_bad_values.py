@@ -45,6 +45,10 @@ TRAIN = [
     (["balance.default=entrain", *DP2, "data.global_batch_size=9"], "data.global_batch_size = 9"),
     (["balance.default=orchmllm", "plan.modules.llm.data_parallel=2", "plan.num_microbatches=3"],
      "plan.num_microbatches = 3"),
+    # balance.ranks_per_node must divide the world size (4 ranks in the demo plan)
+    (["balance.ranks_per_node=3"], "balance.ranks_per_node = 3"),
+    (["balance.ranks_per_node=8"], "balance.ranks_per_node = 8"),
+    (["balance.ranks_per_node=0"], "balance.ranks_per_node = 0"),
 ]
 
 
@@ -62,6 +66,35 @@ def test_train_dry_run_refuses(tmp_path, capsys, overrides, field):
     assert rc == 2
     assert field in one_line_error(capsys)
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_train_refuses_ranks_per_node_other_than_its_launch(tmp_path, capsys):
+    """`loom train` starts all 4 ranks on this machine: 2 ranks per node is refused before any
+    process starts (a dry run accepts it and prints the launch for 2 nodes of 2)."""
+    args = ["train", "--config", DEMO, f"run.out_dir={tmp_path}", "balance.ranks_per_node=2"]
+    assert main(args) == 2
+    line = one_line_error(capsys)
+    assert "balance.ranks_per_node = 2" in line and "4 processes per node" in line
+    assert not any(tmp_path.iterdir())
+    assert main([*args, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--nnodes=2" in out and "--nproc-per-node=2" in out
+
+
+@pytest.mark.parametrize("per_node, world, local, ok", [
+    (1, 4, 4, True), (4, 4, 4, True), (2, 4, 2, True), (2, 4, None, True),
+    (2, 4, 4, False), (3, 4, None, False), (4, 8, 8, False),
+])
+def test_ranks_per_node_against_the_launch(per_node, world, local, ok):
+    """What each rank checks against torchrun's WORLD_SIZE and LOCAL_WORLD_SIZE (`loom.train.main`)."""
+    from loom.train.config import ConfigError, load_config
+
+    cfg = load_config(DEMO, [f"balance.ranks_per_node={per_node}"])
+    if ok:
+        cfg.check_ranks_per_node(world, local)
+    else:
+        with pytest.raises(ConfigError, match="balance.ranks_per_node"):
+            cfg.check_ranks_per_node(world, local)
 
 
 SIMULATE = [

@@ -27,9 +27,25 @@ from loom.train.launch import Supervisor, is_loom_process
 from loom.train.status import LOGS, read_pids, read_status, read_supervisor_pid
 
 
-def check_before_launch(cfg: TrainConfig) -> None:
-    """Refusals that depend only on the config and would otherwise fail inside every rank."""
-    cfg.check_launch()
+def check_before_launch(cfg: TrainConfig, dry_run: bool = False) -> None:
+    """Refusals that depend only on the config and would otherwise fail inside every rank.
+    ``loom train`` starts every rank on this machine, so ``balance.ranks_per_node`` (above 1)
+    must be the world size; a dry run may prepare a launch by hand on several nodes, where it
+    must divide the world size (each rank checks torchrun's ``LOCAL_WORLD_SIZE`` itself)."""
+    cfg.check_launch(None if dry_run else cfg.plan.world_size)
+
+
+def torchrun_command(cfg: TrainConfig, config_path: Path, run_dir: Path) -> list[str]:
+    """The launch of the run: every rank on this machine, or, for a dry run whose
+    ``balance.ranks_per_node`` names smaller nodes, the command to run on each of them."""
+    world, per_node = cfg.plan.world_size, cfg.balance.ranks_per_node
+    if per_node in (1, world):
+        where = ["--standalone", f"--nproc-per-node={world}"]
+    else:
+        where = [f"--nnodes={world // per_node}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
+                 "--rdzv-endpoint=HOST:29500"]
+    return [sys.executable, "-m", "torch.distributed.run", *where,
+            "-m", "loom.train.main", "--config", str(config_path), "--run-dir", str(run_dir)]
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -72,14 +88,11 @@ def claim_run_dir(cfg: TrainConfig, overwrite: bool, dry_run: bool) -> Path:
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_train_config(args)
-    check_before_launch(cfg)
+    check_before_launch(cfg, args.dry_run)
     run_dir = claim_run_dir(cfg, args.overwrite, args.dry_run)
     config_path = run_dir / "config.toml"
     world = cfg.plan.world_size
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-        "-m", "loom.train.main", "--config", str(config_path), "--run-dir", str(run_dir),
-    ]
+    cmd = torchrun_command(cfg, config_path, run_dir)
     print(f"loom: {world} processes, plan " + ", ".join(
         f"{m.name} {m.num_stages} stage(s) x dp {m.data_parallel}" for m in cfg.plan.modules)
         + f", {cfg.plan.num_microbatches} microbatches, {cfg.plan.schedule}; run dir {run_dir}", flush=True)
@@ -89,7 +102,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             return 0
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(config_to_toml(cfg))
-        print(f"wrote {config_path}; would run: " + " ".join(cmd))
+        nodes = world // cfg.balance.ranks_per_node if cfg.balance.ranks_per_node > 1 else 1
+        where = f"on each of {nodes} nodes (with HOST the first node)" if nodes > 1 else ""
+        print(f"wrote {config_path}; would run{' ' + where if where else ''}: " + " ".join(cmd))
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(config_to_toml(cfg))

@@ -138,10 +138,13 @@ class TrainConfig:
             raise ConfigError(str(e)) from e
         return self
 
-    def check_launch(self) -> "TrainConfig":
+    def check_launch(self, ranks_per_launch_node: int | None = None) -> "TrainConfig":
         """What a launch needs beyond valid values, checked by `loom train` (``--dry-run``
-        included) before any process starts: the device exists here and the runtime executes
-        every plan feature. Call after ``plan.resolve``."""
+        included) before any process starts: the device exists here, the runtime executes
+        every plan feature, and ``balance.ranks_per_node`` describes the nodes
+        (`check_ranks_per_node`; ``ranks_per_launch_node``: the processes per node of the launch,
+        when known). Call after ``plan.resolve``."""
+        self.check_ranks_per_node(self.plan.world_size, ranks_per_launch_node)
         if self.run.device == "cuda":
             import torch
 
@@ -168,6 +171,27 @@ class TrainConfig:
                         f"executed by the runtime; set it to {_shown(default)} to train (loom simulate prices it)"
                     )
         return self
+
+    def check_ranks_per_node(self, world_size: int, local_world_size: int | None = None) -> None:
+        """``balance.ranks_per_node`` against the launch (orchmllm.md §3.10: node-wise
+        rearrangement places rank r on node r // ranks_per_node, as torchrun does): 1 turns
+        rearrangement off; above 1 it must divide ``world_size`` (homogeneous nodes) and, where
+        the launch's processes per node are known (torchrun's ``LOCAL_WORLD_SIZE``; ``loom train``
+        starts every rank on this machine), equal them, or rearrangement would price and permute
+        for nodes the run does not have."""
+        per_node = self.balance.ranks_per_node
+        if per_node == 1:
+            return
+        if world_size % per_node:
+            raise ConfigError(
+                f"balance.ranks_per_node = {per_node} does not divide the plan's {world_size} ranks; set it to the "
+                f"processes per node of the launch (a divisor of {world_size}), or 1 to turn node-wise "
+                f"rearrangement off")
+        if local_world_size is not None and per_node != local_world_size:
+            raise ConfigError(
+                f"balance.ranks_per_node = {per_node}, but the launch runs {local_world_size} processes per node "
+                f"(torchrun's --nproc-per-node); set balance.ranks_per_node={local_world_size} or 1 (off), or "
+                f"launch {per_node} processes per node on {world_size // per_node} nodes with torchrun")
 
 
 DEVICES = ("cpu", "cuda")

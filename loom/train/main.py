@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(s, _raise_terminated)
     try:
         cfg = load_config(args.config)
+        # the nodes of this launch (a run started by hand with torchrun on several nodes)
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        cfg.check_ranks_per_node(int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
         train(cfg, run_dir)
     except BaseException as e:  # noqa: BLE001 - every way a rank ends is recorded
         _stopping = True
