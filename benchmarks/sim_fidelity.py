@@ -91,6 +91,7 @@ from loom.runtime.stage import trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.timeline import events_from_dicts, events_to_dicts
 from loom.sim.dispatch import DISPATCH, Links, metadata_bytes, price_dispatch
+from loom.sim.sharing import CoreSharing
 from loom.sim.simulator import simulate
 from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import TrainConfig, load_config
@@ -243,7 +244,7 @@ def decision_seconds(cfg: TrainConfig, arch, metas: list[SampleMeta], repeats: i
 def measure_decisions(selected: list[Case], co_runners: int) -> list[float]:
     """Each case's decision time (`decision_seconds`), measured before any step with
     ``co_runners`` processes computing alongside, the contention the profile was taken under
-    (the other ranks decide at the same time on the same cores)."""
+    (solo by default: the simulator's core sharing prices the other ranks deciding at once)."""
     out = []
     with CoRunners(co_runners):
         for case in selected:
@@ -256,9 +257,9 @@ def measure_decisions(selected: list[Case], co_runners: int) -> list[float]:
     return out
 
 
-def predict(case: Case, profile_path: Path, links: Links, decide_s: float):
+def predict(case: Case, profile_path: Path, links: Links, decide_s: float, sharing: CoreSharing | None):
     """The simulated step of ``case``: its `SimResult` and the dispatch's price (the decision
-    taking ``decide_s``)."""
+    taking ``decide_s``), the ranks sharing this host's cores as ``sharing`` says."""
     cfg = train_config(case)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
@@ -277,8 +278,8 @@ def predict(case: Case, profile_path: Path, links: Links, decide_s: float):
     dispatch = price_dispatch(WORLD_SIZE, links, metadata_bytes=metadata_bytes(metas, WORLD_SIZE),
                               decision_seconds=decide_s,
                               payload=layout_payload_bytes(plan, layout, sample_payload_bytes(arch, MetadataArrays.from_metas(metas))))
-    result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch)
-    return result, dispatch
+    result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch, sharing=sharing)
+    return result, result.dispatch_parts
 
 
 def kind_totals(events: list) -> dict[tuple[int, str], float]:
@@ -289,6 +290,11 @@ def kind_totals(events: list) -> dict[tuple[int, str], float]:
         if kind is not None:
             out[(e.rank, kind)] = out.get((e.rank, kind), 0.0) + e.duration_s
     return out
+
+
+def host_cores() -> int:
+    """The cores this process (and the ranks it starts) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 # ---- simulator speed ---------------------------------------------------------------------------
@@ -342,8 +348,11 @@ def parse_args(argv=None):
     ap.add_argument("--profile", type=Path, default=None,
                     help="a stored profile of the demo model to use instead of running `loom profile`")
     ap.add_argument("--profile-repeats", type=int, default=3, help="`loom profile --repeats`")
-    ap.add_argument("--co-runners", type=int, default=WORLD_SIZE - 1,
-                    help="`loom profile --co-runners`: processes computing while layers are timed (the other ranks)")
+    ap.add_argument("--co-runners", type=int, default=0,
+                    help="`loom profile --co-runners`: processes computing while layers are timed (default 0: a "
+                         "solo profile, the simulator pricing the ranks' core sharing)")
+    ap.add_argument("--no-sharing", action="store_true",
+                    help="simulate every rank on a core of its own (no core sharing; for comparison)")
     ap.add_argument("--out", type=Path, default=None, help="results directory; default benchmarks/results")
     args = ap.parse_args(argv)
     for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
@@ -383,9 +392,10 @@ def main(argv=None) -> dict:
             raise SystemExit(f"the profile {profile_path} has no communication fits: profile without --no-comm")
         link = Link("gloo loopback (profiled)", 1.0 / max(comm.latency.seconds_per_byte, 1e-15), comm.latency.alpha_s)
         links = Links.uniform(link)  # one machine: every pair of ranks shares one node
+        sharing = None if args.no_sharing else CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE)
         rows, errors, observations, details = [], [], {k: [] for k in KINDS}, []
         for case, meas, decide_s in zip(selected, measured, decisions):
-            sim, dispatch = predict(case, profile_path, links, decide_s)
+            sim, dispatch = predict(case, profile_path, links, decide_s, sharing)
             real = statistics.median(meas["times"])
             err = abs(sim.iteration_time - real) / real
             errors.append(err)
@@ -454,8 +464,10 @@ def main(argv=None) -> dict:
                    f"separate `loom profile` run before any step ({profile_s:.0f} s, --threads 1, --co-runners "
                    f"{args.co_runners}, --repeats {args.profile_repeats}), loaded with load_profile_for",
         "dispatch_model": "loom.sim.dispatch: ring all-gather of the metadata array and one all-to-all per phase "
-                          "over the profiled message link (latency fit), decision time measured before the steps under the "
-                          "profile's co-runners",
+                          "over the profiled message link (latency fit), decision time measured before the steps with "
+                          f"{args.co_runners} co-runners",
+        "core_sharing": None if args.no_sharing else {"cores": host_cores(), "ranks_per_host": WORLD_SIZE,
+                                                      "model": "loom.sim.sharing (processor sharing, fixed point)"},
         "spreads": "median_abs_rel_error: over cases; action_median_abs_rel_error: over kinds; "
                    "sim_seconds: over simulate calls",
         "kind_errors": {k: round(v, 4) for k, v in kind_errors.items()},

@@ -7,6 +7,8 @@ executor's format.
   (`SimResult`);
 - `loom.sim.dispatch`: the dispatcher's price per step (metadata all-gather, layout decision,
   payload all-to-all per phase over intra- and inter-node links);
+- `loom.sim.sharing`: `CoreSharing`, ranks sharing a CPU host's cores (processor sharing of
+  their compute, for CPU runs);
 - `loom.sim.gantt`: `plot_gantt`, a PNG Gantt chart of any timeline (simulated or measured);
 - `loom.sim.loads`: `PhaseLoads`, `phase_loads`, how evenly a layout spreads each phase's work;
 - `loom.sim.scenario`: scenarios from published configs, also under balancing policies.
@@ -17,7 +19,8 @@ from loom.sim.gantt import plot_gantt
 from loom.sim.loads import PhaseLoads, phase_loads
 from loom.sim.play import DeadlockError
 from loom.sim.result import SimResult
+from loom.sim.sharing import CoreSharing
 from loom.sim.simulator import peak_memory, simulate
 
-__all__ = ["DeadlockError", "DispatchCost", "Links", "PhaseLoads", "SimResult", "peak_memory", "phase_loads",
+__all__ = ["CoreSharing", "DeadlockError", "DispatchCost", "Links", "PhaseLoads", "SimResult", "peak_memory", "phase_loads",
            "plot_gantt", "price_dispatch", "simulate"]

@@ -5,7 +5,8 @@ Every unit has a pointer into its action list; a ready stack holds the units tha
 a unit blocked on a receive waits on that message's key and is woken by the send that posts it,
 a unit at a grad sync by the last replica to arrive. Each action is visited once. Because
 messages carry their arrival times and no resource is shared between units, the order in which
-units advance changes no time, so the result is exact.
+units advance changes no time, so the result is exact. Core sharing (`loom.sim.sharing`) enters
+as fixed stretch factors per compute action, set between plays by `simulate`'s fixed point.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class Play:
     ``compute``, ``sync`` and ``events`` (per unit, in order)."""
 
     def __init__(self, schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork],
-                 part_work: PartWork, *, link_contention: bool = False, step: int = 0, start: float = 0.0):
+                 part_work: PartWork, *, link_contention: bool = False, step: int = 0, start: float = 0.0,
+                 stretch: list[list[float]] | None = None):
         self.units = sorted(schedule.actions)
         n = len(self.units)
         self.actions = [schedule.actions[u] for u in self.units]
@@ -61,6 +63,11 @@ class Play:
         self.sync = [0.0] * n
         self.link_free = [start] * n  # with link_contention: when the unit's outgoing link is next free
         self.events: list[list[TimelineEvent]] = [[] for _ in range(n)]
+        # With core sharing (`loom.sim.sharing`): per unit, each compute action's stretch factor
+        # (missing ones are 1), and what the fixed point reads back: solo times and spans.
+        self.stretch = stretch
+        self.solo: list[list[float]] = [[] for _ in range(n)]
+        self.spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
         self.messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
         self.waiting: dict[tuple, int] = {}  # message key -> the unit blocked on it
         self.arrived: dict[tuple[str, int], dict[int, float]] = {}  # stage -> {unit: arrival} at its grad sync
@@ -106,6 +113,8 @@ class Play:
         w = self.works[a.microbatch].get(a.module, EMPTY) if a.samples is None else self.part_work(a.module, a.samples)
         name = _NAME[a.kind]
         d = self.stage_time(a.module, a.stage, name, w)
+        if self.stretch is not None:
+            d = self._stretched(u, d, t)
         self.events[u].append(TimelineEvent(self.first_rank[u], name, a.short(), a.module, a.stage, a.microbatch, t,
                                             t + d, self.step))
         self.compute[u] += d
@@ -183,9 +192,21 @@ class Play:
 
     def _optimizer(self, u: int, a: Action, t: float) -> float:
         d = self.cost.optimizer_time(a.module, a.stage)
+        if self.stretch is not None:
+            d = self._stretched(u, d, t)
         self.events[u].append(self._event(u, a, t, t + d))
         self.compute[u] += d
         return t + d
+
+    def _stretched(self, u: int, d: float, t: float) -> float:
+        """A compute action of solo time ``d`` starting at ``t``, stretched by the core sharing
+        it meets (its factor from the last round of the fixed point)."""
+        k = len(self.solo[u])
+        factors = self.stretch[u]
+        out = d * (factors[k] if k < len(factors) else 1.0)
+        self.solo[u].append(d)
+        self.spans[u].append((t, t + out))
+        return out
 
     # ---- diagnosis ---------------------------------------------------------------------------
     def _deadlock_message(self, blocked: list[int], limit: int = 12) -> str:

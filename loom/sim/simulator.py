@@ -43,6 +43,7 @@ action kind), `loom.sim.memory` (peak memory), `loom.sim.result` (`SimResult`),
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from loom.cost.model import CostModel, MicrobatchWork
 from loom.plan.plan import Plan
@@ -52,6 +53,7 @@ from loom.sim.dispatch import DISPATCH, DispatchCost
 from loom.sim.memory import peak_memory, peak_memory_of
 from loom.sim.play import DeadlockError, Play
 from loom.sim.result import SimResult
+from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, restretch
 from loom.sim.work import PartWork, work_table
 
 __all__ = ["DeadlockError", "SimResult", "peak_memory", "simulate"]
@@ -68,6 +70,7 @@ def simulate(
     step: int = 0,
     sample_work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None = None,
     dispatch: DispatchCost | None = None,
+    sharing: CoreSharing | None = None,
 ) -> SimResult:
     """Play one iteration of ``schedule`` (whose ranks are ``plan``'s pipeline units) under
     ``cost``, with ``work[j]`` the per-module workload of microbatch ``j`` (with a balanced
@@ -76,6 +79,8 @@ def simulate(
     workload of sample ``s`` of the global batch, prices the parts of a layout's schedule (routed
     messages, split backwards); it is needed only when the schedule has such parts and ``work``
     is given. ``dispatch`` (`loom.sim.dispatch.price_dispatch`) runs before the schedule.
+    ``sharing`` (`loom.sim.sharing.CoreSharing`): ranks that share a CPU host's cores, whose
+    compute stretches by the contention it meets (the cost model then prices solo compute).
 
     Raises `DeadlockError` if some unit can never finish. The IR is not otherwise checked: run
     `loom.schedule.validate_schedule` first for a precise diagnosis of a malformed one."""
@@ -87,12 +92,32 @@ def simulate(
         )
     works = work_table(work, schedule.num_microbatches)
     part_work = PartWork(sample_work, work is not None)
+    if dispatch is not None and sharing is not None:
+        # the decision runs on every rank at once: it meets its host's full contention
+        dispatch = replace(dispatch, decide=dispatch.decide * sharing.concurrent_stretch(plan.world_size))
     head = dispatch.total if dispatch is not None else 0.0
-    play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head).run()
+    play = _play(schedule, plan, cost, works, part_work, link_contention, step, head, sharing)
     if dispatch is not None:
         for u in units:
             play.events[u][:0] = _dispatch_events(dispatch, play.first_rank[u], play.roles[u], step)
     return _result(schedule, plan, cost, works, part_work, play, head, dispatch, num_samples)
+
+
+def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork], part_work: PartWork,
+          link_contention: bool, step: int, head: float, sharing: CoreSharing | None) -> Play:
+    """The iteration's play; with core sharing, the fixed point of `loom.sim.sharing`."""
+    if sharing is None:
+        return Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step,
+                    start=head).run()
+    stretch: list[list[float]] = [[] for _ in range(plan.num_units)]
+    for _ in range(MAX_ROUNDS):
+        play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head,
+                    stretch=stretch).run()
+        unit_ranks = [plan.spec(play.roles[u][0]).ranks_per_unit for u in play.units]
+        stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch)
+        if worst <= TOLERANCE:
+            break
+    return play
 
 
 def _dispatch_events(dispatch: DispatchCost, rank: int, role: tuple[str, int, int], step: int) -> list[TimelineEvent]:

@@ -1,0 +1,102 @@
+"""Ranks that share a host's CPU cores: their compute under processor sharing.
+
+On a GPU cluster every rank computes on a device of its own, so an action's time does not depend
+on what the other ranks do at that moment. Ranks that run as processes on one CPU host (loom's CPU
+runs: the demo, the tests' and benchmarks' gloo processes) share its cores: with ``k`` ranks
+computing at once on ``c`` cores, the scheduler gives each ``min(1, c / k)`` of a core, so an
+action stretches by the sharing it meets. Which actions overlap depends on the pipeline: in 1F1B
+the encoders' forwards run beside the LLM's warmup, while the LLM's steady phase often has the
+host to itself. A profile taken with a fixed number of co-running processes charges every action
+the same contention and so misprices both; under `CoreSharing` the profile is taken solo
+(``loom profile --co-runners 0``) and the simulator prices the contention each action meets.
+
+The play (`loom.sim.play`) evaluates the dataflow with fixed durations; sharing makes a duration
+depend on what overlaps it. `simulate` finds the fixed point: play with the current stretch
+factors, compute for every compute action the service it received, ``∫ min(1, c / k(t)) dt``
+over its span (``k(t)``: the ranks of its host computing at time ``t``), and rescale its stretch
+by solo time over service; repeat until every action receives its solo time (`converged`). A
+rank waiting in a receive or a collective is taken to hold no core (gloo's waits block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class SharingError(ValueError):
+    """A core-sharing description that cannot be used."""
+
+
+@dataclass(frozen=True)
+class CoreSharing:
+    """``cores`` CPU cores per host, shared by the ranks placed on it, ``ranks_per_host`` at a
+    time in rank order (as torchrun places local ranks)."""
+
+    cores: int
+    ranks_per_host: int
+
+    def __post_init__(self) -> None:
+        for name in ("cores", "ranks_per_host"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SharingError(f"{name} = {v!r}: give a positive integer (cores per host, ranks per host)")
+
+    def host_of(self, rank: int) -> int:
+        return rank // self.ranks_per_host
+
+    def concurrent_stretch(self, ranks_on_host: int) -> float:
+        """The stretch of an action that every rank of a host runs at once (the dispatch's
+        decision and collation on every rank)."""
+        return max(1.0, min(ranks_on_host, self.ranks_per_host) / self.cores)
+
+
+# the fixed point is met when every compute action received its solo time within this fraction
+TOLERANCE = 0.005
+MAX_ROUNDS = 60
+
+
+def service(spans: np.ndarray, weights: np.ndarray, cores: int) -> np.ndarray:
+    """Per span ``[start, end)`` of one host's compute actions (``weights``: ranks computing in
+    it), the core-time it received under processor sharing: ``∫ min(1, cores / k(t)) dt``."""
+    if len(spans) == 0:
+        return np.zeros(0)
+    times = np.unique(spans.ravel())
+    delta = np.zeros(len(times))
+    np.add.at(delta, np.searchsorted(times, spans[:, 0]), weights)
+    np.add.at(delta, np.searchsorted(times, spans[:, 1]), -weights)
+    busy = np.cumsum(delta)[:-1]  # ranks computing in each segment between consecutive times
+    rate = np.minimum(1.0, cores / np.maximum(busy, 1e-12))
+    received = np.concatenate(([0.0], np.cumsum(rate * np.diff(times))))
+    return received[np.searchsorted(times, spans[:, 1])] - received[np.searchsorted(times, spans[:, 0])]
+
+
+def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int], solo: list[list[float]],
+              spans: list[list[tuple[float, float]]], stretch: list[list[float]]) -> tuple[list[list[float]], float]:
+    """New stretch factors from one play: per unit, per compute action in order, the factor by
+    which its span must change so that it receives its ``solo`` time; returns them with the
+    largest relative shortfall or excess of service seen (0 at the fixed point)."""
+    hosts: dict[int, list[int]] = {}
+    for u, r in enumerate(first_rank):
+        hosts.setdefault(sharing.host_of(r), []).append(u)
+    new = [list(s) for s in stretch]
+    worst = 0.0
+    for units in hosts.values():
+        flat_spans = np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2)
+        weights = np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64)
+        got = service(flat_spans, weights, sharing.cores)
+        need = np.array([d for u in units for d in solo[u]], dtype=np.float64)
+        ok = need > 0
+        ratio = np.ones_like(need)
+        ratio[ok] = need[ok] / np.maximum(got[ok], 1e-15)
+        if ok.any():
+            worst = max(worst, float(np.abs(ratio[ok] - 1.0).max()))
+        k = 0
+        for u in units:
+            n = len(spans[u])
+            old = np.array(stretch[u][:n] + [1.0] * (n - len(stretch[u][:n])))
+            # a damped step (the square root of the correction): overlaps shift as spans change
+            new[u] = np.maximum(1.0, old * np.sqrt(ratio[k:k + n])).tolist()
+            k += n
+    return new, worst

@@ -1,0 +1,87 @@
+"""Core sharing in the simulator (`loom.sim.sharing`): ranks on one CPU host whose compute
+stretches by the contention it meets, solved as a fixed point of processor sharing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loom.cost.model import Workload
+from loom.cost.uniform import UniformCostModel
+from loom.plan.plan import ModuleSpec, Plan
+from loom.schedule import build_schedule
+from loom.sim import simulate
+from loom.sim.sharing import TOLERANCE, CoreSharing, SharingError, service
+
+from plans import multimodal
+
+
+class TokenCost(UniformCostModel):
+    """Forward costs the module's token count, backward twice that."""
+
+    def stage_time(self, module, stage, kind, work):
+        return float(work.tokens) * (1.0 if kind == "forward" else 2.0)
+
+
+def test_service_integrates_processor_sharing():
+    """Two cores; three spans over [0, 2) and one over [1, 3): 3 busy on [0, 1) (2/3 each),
+    4 on [1, 2) (1/2 each), 1 on [2, 3)."""
+    spans = np.array([[0, 2], [0, 2], [0, 2], [1, 3]], dtype=float)
+    got = service(spans, np.ones(4), cores=2)
+    assert got == pytest.approx([2 / 3 + 1 / 2] * 3 + [1 / 2 + 1])
+    # a span weighted by 2 ranks (tensor parallel) counts twice in the contention
+    assert service(np.array([[0.0, 1.0], [0.0, 1.0]]), np.array([2.0, 1.0]), cores=1) == pytest.approx([1 / 3, 1 / 3])
+
+
+def test_two_replicas_on_one_core_match_the_processor_sharing_schedule():
+    """One stage, two replicas on one core; replica 0's microbatch costs F=1, B=2, replica 1's
+    F=3, B=6. Sharing the core: replica 0's forward ends at 2 and its backward at 6; replica 1
+    has then received 3 (its forward), runs its backward alone and ends at 12; both leave the
+    sync at 12 + g."""
+    g = 0.5
+    plan = Plan([ModuleSpec("llm", data_parallel=2)], num_microbatches=2).resolve({"llm": 4})
+    cost = TokenCost(plan, grad_sync=g)
+    work = [{"llm": Workload(1)}, {"llm": Workload(3)}]
+    alone = simulate(build_schedule(plan), plan, cost, work)
+    assert alone.iteration_time == pytest.approx(9 + g)
+    shared = simulate(build_schedule(plan), plan, cost, work, sharing=CoreSharing(cores=1, ranks_per_host=2))
+    assert shared.iteration_time == pytest.approx(12 + g, rel=2 * TOLERANCE)
+    spans = {(e.rank, e.kind): (e.start_s, e.end_s) for e in shared.timeline if e.kind in ("forward", "backward")}
+    assert spans[(0, "forward")] == pytest.approx((0, 2), abs=0.05)
+    assert spans[(0, "backward")] == pytest.approx((2, 6), abs=0.05)
+    assert spans[(1, "forward")] == pytest.approx((0, 6), abs=0.05)
+    # on two hosts (or two cores) nothing is shared: exactly the plain play
+    for sharing in (CoreSharing(cores=1, ranks_per_host=1), CoreSharing(cores=2, ranks_per_host=2)):
+        same = simulate(build_schedule(plan), plan, cost, work, sharing=sharing)
+        assert same.iteration_time == alone.iteration_time
+        assert [(e.start_s, e.end_s) for e in same.timeline] == [(e.start_s, e.end_s) for e in alone.timeline]
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3])
+def test_multimodal_pipeline_fixed_point(cores):
+    """Vision (2 stages), audio, a 2-stage LLM on one host: every compute action receives its solo
+    time (the fixed point), no action is faster than solo, the step is no shorter than without
+    sharing, and no shorter than the host's whole compute spread over its cores."""
+    plan = multimodal(vision=2, audio=1, llm=2, microbatches=4)
+    cost = UniformCostModel(plan, forward=1.0, backward=2.0, optimizer=0.25)
+    schedule = build_schedule(plan)
+    alone = simulate(schedule, plan, cost)
+    sharing = CoreSharing(cores=cores, ranks_per_host=plan.world_size)
+    shared = simulate(schedule, plan, cost, sharing=sharing)
+    compute = [e for e in shared.timeline if e.kind in ("forward", "backward", "optimizer_step")]
+    solo = {"forward": 1.0, "backward": 2.0, "optimizer_step": 0.25}
+    got = service(np.array([(e.start_s, e.end_s) for e in compute]), np.ones(len(compute)), cores)
+    need = np.array([solo[e.kind] for e in compute])
+    assert np.abs(got / need - 1).max() <= 2 * TOLERANCE
+    assert all(e.end_s - e.start_s >= solo[e.kind] - 1e-9 for e in compute)
+    assert shared.iteration_time >= alone.iteration_time - 1e-9
+    assert shared.iteration_time >= need.sum() / cores * (1 - 2 * TOLERANCE)
+    if cores >= plan.world_size:
+        assert shared.iteration_time == pytest.approx(alone.iteration_time)
+
+
+@pytest.mark.parametrize("field,value", [("cores", 0), ("ranks_per_host", -1), ("cores", 1.5), ("cores", True)])
+def test_bad_sharing_is_refused_naming_the_field(field, value):
+    kwargs = {"cores": 2, "ranks_per_host": 4} | {field: value}
+    with pytest.raises(SharingError, match=field):
+        CoreSharing(**kwargs)
