@@ -370,6 +370,30 @@ def test_batched_reorder_is_bit_identical_to_one_group_at_a_time(ties):
                 assert times[r] == _iteration_time(chain_times(enc[r], llm[r], p), expected)
 
 
+def test_pools_pick_the_same_member_when_distances_round_alike():
+    """SELECTCLOSEST is the smallest *computed* distance |key - target|, ties to the smaller key
+    then the lower index, in the scalar pool and the lockstep one alike; far from the target
+    distinct keys can round to one distance (4 - 1 and 4 - (1 + 2**-52) are both 3.0)."""
+    from loom.balance.disttrain import _BatchedPool, _SortedPool
+
+    tiny = 2.0**-52
+    cases = [([1.0, 1.0 + tiny, 2.5], 4.0), ([1.0, 1.0 + tiny, 1.0 + tiny, 7.0], 4.0), ([0.5, 1.5], 1.0),
+             ([2.0, 2.0, 3.0], 2.5), ([1.0 + tiny, 1.0, 1.0 + 2 * tiny], 1e3), ([5.0, 6.0], 1.0)]
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        keys = (rng.integers(0, 6, int(rng.integers(1, 9))) * rng.choice([1.0, tiny, 0.25])
+                + rng.choice([0.0, 1.0, 1e3])).tolist()
+        cases.append((keys, float(rng.choice([0.0, 1.0, 4.0, 1e3, 1e19])) + float(rng.integers(0, 4))))
+    for keys, target in cases:
+        members = list(range(len(keys)))
+        scalar = _SortedPool(members, keys)
+        lockstep = _BatchedPool(np.argsort(np.array(keys), kind="stable")[None, :], np.array([keys]))
+        while len(scalar):
+            assert lockstep.pop_closest(np.array([target])).tolist() == [scalar.pop_closest(target)], (keys, target)
+    assert _SortedPool([0, 1, 2], [1.0, 1.0 + tiny, 2.5]).pop_closest(4.0) == 2  # 1.5 away, the others 3.0
+    assert _SortedPool([0, 1], [1.0, 1.0 + tiny]).pop_closest(4.0) == 0  # both 3.0 away: the smaller
+
+
 def test_batched_reorder_bad_input():
     with pytest.raises(ValueError, match=r"\(groups, microbatches\) arrays of one shape"):
         reorder_microbatches_batched(np.ones((2, 3)), np.ones((2, 4)), 4)

@@ -372,15 +372,19 @@ class _SortedPool:
         return len(self.items)
 
     def pop_closest(self, target: float) -> int:
-        """Remove and return the member whose forward time is closest to ``target`` (absolute
-        difference, digest §7 gap 5; ties: the smaller time, then the lower index)."""
-        i = bisect.bisect_left(self.keys, target)
-        if i == len(self.keys) or (i > 0 and target - self.keys[i - 1] <= self.keys[i] - target):
+        """Remove and return the member whose forward time is closest to ``target``: the
+        smallest computed distance ``|key - target|`` (digest §7 gap 5); ties go to the smaller
+        time, then the lower index."""
+        keys = self.keys
+        i = bisect.bisect_left(keys, target)
+        if i == len(keys) or (i > 0 and target - keys[i - 1] <= keys[i] - target):
             i -= 1
-            # step to the first member with that time, so ties go to the lower index
-            while i > 0 and self.keys[i - 1] == self.keys[i]:
+            # step back over members at the same distance: equal times (so ties go to the lower
+            # index) or, far from the target, times whose distances round to one float
+            distance = target - keys[i]
+            while i > 0 and target - keys[i - 1] == distance:
                 i -= 1
-        del self.keys[i]
+        del keys[i]
         return self.items.pop(i)
 
 
@@ -474,104 +478,78 @@ def reorder_microbatches(
 
 
 # ---- many pipelines at once: Algorithm 3 in lockstep (§3.5 runs it per DP group) ----------
-# per chain shape (depth, microbatches, stage kinds): what each position's placement reads and
-# writes (`_BatchedRecurrence._plan`), shared by every call of that shape
-_PLACEMENT_PLANS: dict[tuple, dict[int, tuple]] = {}
-
-
 class _BatchedRecurrence:
     """`_OneFOneBRecurrence` for many chains of one shape (``lanes``) in lockstep: the same
-    position is placed in every lane at once, each stage's forward update is one NumPy
-    operation over the lanes, and a placement's steady-phase backwards (independent of each
-    other) one more. The arithmetic repeats the scalar recurrence's, operation by operation, so
-    every end time, and every decision built on them, is bit-identical to running the lanes one
-    by one (the tests check it)."""
+    position is placed in every lane at once. The arithmetic repeats the scalar recurrence's,
+    operation by operation (each end time is ``max`` of the same two operands plus the same
+    time), so every end time, and every decision built on them, is bit-identical to running
+    the lanes one by one (the tests check it).
 
-    def __init__(self, fwd: np.ndarray, bwd: np.ndarray, stage_kind: list[int], rows: np.ndarray):
-        # fwd, bwd: (chains, kinds, l) times of each chain's microbatches per kind of stage;
-        # stage s runs kind stage_kind[s] (the LLM's stages share one); lane i plays chain rows[i]
-        self.kinds, self.l = fwd.shape[1], fwd.shape[2]
-        self.p = len(stage_kind)
-        self.kind = np.asarray(stage_kind)
-        self.kind_list = list(stage_kind)
-        self.fwd = [np.ascontiguousarray(fwd[:, c]).ravel() for c in range(self.kinds)]
-        self.bwd = [np.ascontiguousarray(bwd[:, c]).ravel() for c in range(self.kinds)]
-        self.warm = np.array([min(self.p - s - 1, self.l) for s in range(self.p)])
-        self.rows = rows
-        # per position q and stage s, over the lanes: end of F(s, q), of B(s, q); per position
-        # and kind, the backward time of its microbatch (every entry is written before it is read)
-        self.f_end = np.empty((self.l, self.p, len(rows)))
-        self.b_end = np.empty((self.l, self.p, len(rows)))
-        self.b_pos = np.empty((self.l, self.kinds, len(rows)))
+    Storage is by *placement*: row ``q`` of ``ends`` holds, per stage ``s``, B(s, q - w_s) where
+    position ``q`` fixes it (``w_s <= q``, steady phase), else F(s, q) (warm-up). With
+    ``w_{s+1} = w_s - 1`` every operand a placement reads is then in row ``q - 1``: the op
+    before F(s, q) on stage ``s`` (F(s, q - 1) in warm-up, B(s, q - w_s - 1) after) is
+    ``ends[q - 1, s]``, and the gradient B(s + 1, q - w_s) a steady backward waits for is
+    ``ends[q - 1, s + 1]``; so a placement is one NumPy call per stage and two for all its
+    backwards. The drain backwards follow in rows ``l .. l + p - 2`` by the same rule
+    (`finish`)."""
+
+    def __init__(self, enc: np.ndarray, llm: np.ndarray, ratio: float, depth: int, copies: int):
+        # lane i plays chain i % chains; times per (chain, microbatch) flattened: forward on the
+        # encoder and on one LLM stage, then the two backwards (ratio x forward, as `chain_times`)
+        chains, self.l = enc.shape
+        self.p = depth
+        self.times = np.stack([enc, llm, ratio * enc, ratio * llm]).reshape(4, -1)
+        self.offset = np.tile(np.arange(chains) * self.l, copies)
+        lanes = self.offset.size
+        self.ends = np.empty((self.l + depth - 1, depth, lanes))
+        # the backward time of B(s, k) at the row that computes it, k + p - 1 - s: written when
+        # microbatch k is placed, through a view whose stage axis steps one row back per stage
+        self.bwd = np.zeros((self.l + depth - 1, depth, lanes))
+        row, stage = self.bwd.strides[:2]
+        self._bwd_at_placement = np.lib.stride_tricks.as_strided(
+            self.bwd[depth - 1], shape=(self.l, depth, lanes), strides=(row, stage - row, self.bwd.strides[2]))
         self.q = 0
-        self._plans = _PLACEMENT_PLANS.setdefault((self.p, self.l, tuple(stage_kind)), {})
-
-    def _plan(self, q: int) -> tuple:
-        """What placing position ``q`` reads and writes, the same for every lane (cached): per
-        stage, the op before F(s, q) (F(s, q-1) in warm-up, else B(s, q - w_s - 1), none at q = 0);
-        then the steady-phase backwards B(s, q - w_s) fixed here, with their dependencies."""
-        if q not in self._plans:
-            p, warm = self.p, self.warm.tolist()
-            before = []
-            for s in range(p):
-                w = warm[s]
-                before.append(None if q == 0 else (0, q - 1) if q <= w else (1, q - w - 1))
-            s0 = sum(w > q for w in warm)  # stages s0.. have w_s <= q
-            s = np.arange(s0, p)
-            k = q - self.warm[s]
-            self._plans[q] = (before, s0, s, k, k[:-1], s[:-1] + 1, self.kind[s])
-        return self._plans[q]
 
     def place(self, j: np.ndarray) -> None:
         """Append microbatch ``j[lane]`` at the next position of every lane."""
-        q, p = self.q, self.p
+        q, p, ends = self.q, self.p, self.ends
         self.q += 1
-        before, s0, s, k, k_dep, s_dep, kind_s = self._plan(q)
-        at = self.rows * self.l + j
-        by_kind = [t.take(at) for t in self.fwd]
-        f = [by_kind[c] for c in self.kind_list]
-        for c in range(self.kinds):
-            self.bwd[c].take(at, out=self.b_pos[q, c])
-        f_end, b_end = self.f_end, self.b_end
-        # F(s, q) = max(op before it on stage s, F(s-1, q)) + t
-        up = f_end[q]
-        ends = (f_end, b_end)
-        for st in range(p):
-            where = before[st]
-            prev = None if where is None else ends[where[0]][where[1], st]
-            if st == 0:
-                if prev is None:
-                    np.add(f[0], 0.0, out=up[0])
-                else:
-                    np.add(prev, f[0], out=up[0])
-            elif prev is None:
-                np.add(up[st - 1], f[st], out=up[st])
-            else:
-                np.maximum(prev, up[st - 1], out=up[st])
-                np.add(up[st], f[st], out=up[st])
-        # steady-phase backwards B(s, q - w_s): each waits for F(s, q) and for B(s+1, q - w_s),
-        # which position q - 1 fixed (w_{s+1} = w_s - 1), or F(p-1, q) on the last stage
-        if s0 < p:
-            dep = np.empty((p - s0, up.shape[1]))
-            dep[:-1] = b_end[k_dep, s_dep]
-            dep[-1] = up[p - 1]
-            np.maximum(up[s0:], dep, out=dep)
-            dep += self.b_pos[k, kind_s]
-            b_end[k, s] = dep
+        f_enc, f_llm, b_enc, b_llm = self.times.take(self.offset + j, axis=1)
+        skew = self._bwd_at_placement[q]
+        skew[0] = b_enc
+        skew[1:] = b_llm
+        row = ends[q]
+        # F(s, q) = max(op before it on stage s, F(s-1, q)) + t (no op before it at q = 0)
+        if q == 0:
+            np.add(f_enc, 0.0, out=row[0])
+            for s in range(1, p):
+                np.add(row[s - 1], f_llm, out=row[s])
+        else:
+            prev = ends[q - 1]
+            np.add(prev[0], f_enc, out=row[0])
+            for s in range(1, p):
+                np.maximum(prev[s], row[s - 1], out=row[s])
+                row[s] += f_llm
+        # steady-phase backwards B(s, q - w_s), stages s0.. (w_s <= q): each waits for F(s, q)
+        # and for B(s+1, q - w_s), fixed at position q - 1; on the last stage for F(p-1, q) alone
+        s0 = max(0, p - 1 - q)
+        if s0 < p - 1:
+            np.maximum(row[s0:p - 1], ends[q - 1, s0 + 1:], out=row[s0:p - 1])
+        row[s0:] += self.bwd[q, s0:]
 
     def finish(self) -> np.ndarray:
-        """Drain backwards (those no placement fixed), k ascending and stages descending as
-        `_OneFOneBRecurrence.finish`; the iteration time of every lane."""
-        p, l, warm, b_end, b_pos = self.p, self.l, self.warm, self.b_end, self.b_pos
-        for k in range(l):
-            for s in range(p - 1, -1, -1):
-                if k <= l - 1 - warm[s]:
-                    continue  # fixed when position k + w_s was placed
-                prev = b_end[k - 1, s] if k > 0 else self.f_end[l - 1, s]
-                dep = self.f_end[k, s] if s == p - 1 else b_end[k, s + 1]
-                np.maximum(prev, dep, out=b_end[k, s])
-                b_end[k, s] += b_pos[k, self.kind[s]]
-        return b_end[l - 1, 0].copy()
+        """Drain backwards (those no placement fixed), as `_OneFOneBRecurrence.finish`: row
+        ``d`` computes B(s, d - p + 1 + s) for the stages whose microbatch index is in range,
+        each after B(s, k - 1) (or, for k = 0, the stage's last forward, carried down) and
+        B(s + 1, k), both in row ``d - 1``. Returns every lane's iteration time."""
+        p, l, ends = self.p, self.l, self.ends
+        for d in range(l, l + p - 1):
+            lo, hi = max(0, p - 1 - d), l + p - 2 - d  # stages draining at row d
+            ends[d, :lo] = ends[d - 1, :lo]  # stages still before their first backward
+            np.maximum(ends[d - 1, lo:hi + 1], ends[d - 1, lo + 1:hi + 2], out=ends[d, lo:hi + 1])
+            ends[d, lo:hi + 1] += self.bwd[d, lo:hi + 1]
+        return ends[l + p - 2, 0].copy()
 
 
 class _BatchedPool:
@@ -582,29 +560,22 @@ class _BatchedPool:
         self.items = items  # (lanes, c), sorted by (key, index) per row
         self.keys = np.take_along_axis(key, items, axis=1)
         self.rows = np.arange(items.shape[0])
+        self.distance = np.empty(self.keys.shape)
         self.left = items.shape[1]
 
     def __len__(self) -> int:
         return self.left
 
     def pop_closest(self, target: np.ndarray) -> np.ndarray:
-        """`_SortedPool.pop_closest` on every row: the largest key below the target and the
-        smallest at or above it (bisection's two neighbours), the lower one when it is at
-        least as close, then the first member with that key (the lowest index)."""
-        keys, rows = self.keys, self.rows
-        less = keys < target[:, None]
-        # arg-reductions give each side's first member with its key (every member with the key
-        # below the target is below it too, and those above above), so no search for the key
-        low = np.where(less, keys, -np.inf)
-        at_below = low.argmax(axis=1)
-        high = np.where(less, np.inf, keys)
-        at_above = high.argmin(axis=1)
-        below, above = low[rows, at_below], high[rows, at_above]  # +inf above: none left above
-        lower = (above == np.inf) | ((below > -np.inf) & (target - below <= above - target))
-        i = np.where(lower, at_below, at_above)
-        keys[rows, i] = np.inf
+        """`_SortedPool.pop_closest` on every row: the first member (in (key, index) order) at
+        the smallest computed distance ``|key - target|``, which is the scalar rule's choice (a
+        member below and one above at one distance: the lower; equal distances on one side:
+        the smaller key, then the lower index). A removed member is infinitely far."""
+        distance = np.subtract(self.keys, target[:, None], out=self.distance)
+        i = np.abs(distance, out=distance).argmin(axis=1)
+        self.keys[self.rows, i] = np.inf
         self.left -= 1
-        return self.items[rows, i]
+        return self.items[self.rows, i]
 
 
 def reorder_microbatches_batched(
@@ -637,10 +608,6 @@ def reorder_microbatches_batched(
     if not (np.all(np.isfinite(enc)) and np.all(np.isfinite(llm)) and enc.min() >= 0 and llm.min() >= 0):
         raise ValueError("encoder_times and llm_times must be finite and non-negative")
     ratio = float(backward_ratio)
-    fwd = np.empty((g, p, l))
-    fwd[:, 0] = enc
-    fwd[:, 1:] = llm[:, None, :]
-    bwd = ratio * fwd
     size = enc  # no generator: a microbatch's size is its encoder time
     by_size = np.argsort(size, axis=1, kind="stable")  # (size, index) ascending
     rows = np.arange(g)
@@ -652,14 +619,15 @@ def reorder_microbatches_batched(
     # play the given order 0..l-1 alongside: one recurrence for every candidate, so one NumPy
     # call per stage and position serves them all.
     n_cand = 3 if never_worse else 2
-    rec = _BatchedRecurrence(np.stack([enc, llm], axis=1), ratio * np.stack([enc, llm], axis=1), [0] + [1] * (p - 1),
-                             np.concatenate([rows] * n_cand))
+    rec = _BatchedRecurrence(enc, llm, ratio, p, n_cand)
+    j_lanes = np.empty(n_cand * g, dtype=np.int64)
 
     def place(j: np.ndarray, j_asc: np.ndarray | None = None) -> None:
-        lanes = [j, j if j_asc is None else j_asc]
+        j_lanes[:g] = j
+        j_lanes[g:2 * g] = j if j_asc is None else j_asc
         if never_worse:
-            lanes.append(np.full(g, rec.q))
-        rec.place(np.concatenate(lanes))
+            j_lanes[2 * g:] = rec.q
+        rec.place(j_lanes)
 
     ret = [first]
     place(first)
@@ -667,17 +635,18 @@ def reorder_microbatches_batched(
         # interval_1 estimated as microbatch 1's round trip through stages 1..p-1 (see
         # `_interreorder`), summed in the same order
         volume = np.zeros(g)
+        round_trip = llm[rows, first] + ratio * llm[rows, first]  # forward + backward, one LLM stage
         for s in range(1, p):
-            volume = volume + (fwd[rows, s, first] + bwd[rows, s, first])
+            volume = volume + round_trip
         take = min(p - 1, len(pool))
         for r in range(take, 0, -1):
             j = pool.pop_closest(volume / r)
-            volume = volume - fwd[rows, 0, j]
+            volume = volume - enc[rows, j]
             ret.append(j)
             place(j)
         while len(pool):
-            k = len(ret) - p + 1
-            volume = rec.b_end[k, 1, :g] - rec.b_end[k - 1, 0, :g]
+            # B(1, k) and B(0, k - 1), k = q - p + 2, were fixed by the last placement, q
+            volume = rec.ends[rec.q - 1, 1, :g] - rec.ends[rec.q - 1, 0, :g]
             j = pool.pop_closest(volume)
             ret.append(j)
             place(j)
