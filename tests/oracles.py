@@ -10,6 +10,7 @@ import numpy as np
 
 from loom.balance.assignment import Assignment, _check_num_ranks
 from loom.balance.nodewise import _send_volumes, _traffic_matrix
+from loom.plan.plan import LLM
 
 
 def brute_force_balance(
@@ -63,3 +64,27 @@ def cross_node_send(plan, layout, phase: str, sample_bytes, ranks_per_node: int,
     matrix = payload_matrix(plan, layout, phase, sample_bytes, permuted, world_size)
     node = np.arange(matrix.shape[0]) // ranks_per_node
     return (matrix * (node[:, None] != node[None, :])).sum(axis=1)
+
+
+def critical_load(layout, plan, costs, llm_padded: bool = True) -> dict[str, float]:
+    """Per phase, the sum over rounds (one microbatch of every replica, which the replicas run
+    in step) of the round's slowest slot, a slot costing the sum of its samples' costs, or for a
+    right-padded LLM its row count times its longest row's cost (test oracle: a load measure
+    that, with one replica, is the phase's total work whatever the layout, which is why
+    `make_layout` compares layouts by their predicted step time, `loom.balance.predict`)."""
+    m = layout.num_microbatches
+    out = {}
+    for phase in layout.arrays:
+        idx = layout.slot_index(phase)
+        if phase == LLM and llm_padded:
+            peak = np.zeros(m)
+            np.maximum.at(peak, idx, costs.llm_padded_weight())
+            per_slot = np.bincount(idx, minlength=m) * peak
+        else:
+            per_slot = np.bincount(idx, weights=costs.work[phase], minlength=m)
+        dp = plan.spec(phase).data_parallel
+        rounds = -(-m // dp)
+        padded_slots = np.zeros(rounds * dp)
+        padded_slots[:m] = per_slot
+        out[phase] = float(padded_slots.reshape(rounds, dp).max(axis=1).sum())
+    return out

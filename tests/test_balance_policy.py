@@ -301,7 +301,7 @@ def test_padded_llm_does_not_spread_long_samples(policy: str) -> None:
     """Issue 8: on the default config (right-padded LLM rows) a policy must not spread the long
     samples into every microbatch when that raises the padded critical load (each microbatch
     would pay for a long row). Under packed rows spreading them is right, and the policies do."""
-    from loom.balance.policy import critical_load
+    from oracles import critical_load
 
     k, per = 4, 4
     plan = Plan([ModuleSpec("vision"), ModuleSpec("llm", num_stages=2)], num_microbatches=k).resolve(

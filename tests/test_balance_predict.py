@@ -9,10 +9,11 @@ import pytest
 
 from loom.balance.costs import SampleCosts
 from loom.balance.disttrain import simulate_1f1b
-from loom.balance.policy import BalanceConfig, critical_load, make_layout
+from loom.balance.policy import BalanceConfig, make_layout
 from loom.balance.predict import pipeline_times, predict_step, predict_steps, slot_costs
 from loom.plan.plan import ModuleSpec, Plan
 from loom.schedule.layout import BatchLayout, contiguous_layout, identity_layout
+from oracles import critical_load
 
 
 def _plan(m: int, llm_stages: int = 1, dp: int = 1, encoders: tuple[str, ...] = ("vision",)) -> Plan:

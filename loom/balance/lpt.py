@@ -211,13 +211,6 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
     return rank_of, loads
 
 
-def _lpt_fast_integer(w: np.ndarray, num_ranks: int) -> np.ndarray:
-    """`_lpt_integer_core` on integer-valued workloads (any dtype); falls back to `_lpt_fast`
-    when the values do not fit the integer keys."""
-    res = _lpt_integer_core(np.asarray(w).astype(np.int64, copy=False), num_ranks)
-    return _lpt_fast(np.asarray(w, dtype=np.float64), num_ranks) if res is None else res[0]
-
-
 def _integer_workloads(values: Sequence[float] | np.ndarray) -> np.ndarray | None:
     # A valid 1-D integer ndarray (token counts, the usual input), checked without the float64
     # copy `_check_workloads` makes; None for anything else, which takes the general path.

@@ -120,6 +120,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     record: dict[str, dict] = {}
     loader = loader_rank_of(n, plan.world_size) if nodewise else None
     calls = len(balanced) * rounds
+    slot_load: dict[str, np.ndarray] = {}  # per balanced phase, each slot's load (its bin's)
     for phase, policy in chosen.items():
         if policy == "none":
             slot_of[phase] = base
@@ -127,6 +128,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         dp = plan.spec(phase).data_parallel
         carried = np.zeros(dp)
         idx = np.empty(n, dtype=np.int64)
+        per_slot = slot_load[phase] = np.zeros(m)
         if nodewise:
             dest_all = slot_destinations(plan, phase, m)
             undo = np.arange(m, dtype=np.int64)
@@ -148,6 +150,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
                 applied += got.applied
                 slot_of_bin = got.slot_of_bin
             idx[lo:hi] = t * r + slot_of_bin[bins]
+            per_slot[t * r + slot_of_bin] = loads
         slot_of[phase] = idx
         if nodewise:
             unpermuted[phase] = undo
@@ -160,11 +163,19 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         new_round[perm] = np.arange(perm.size)
         move = lambda v: new_round[v // r] * r + v % r  # noqa: E731 (slot after the round reorder)
         slot_of = {p: move(v) for p, v in slot_of.items()}
+        for p, v in slot_load.items():
+            slot_load[p] = np.empty_like(v)
+            slot_load[p][move(np.arange(m))] = v
         for p, undo in unpermuted.items():
             moved = np.empty_like(undo)
             moved[move(np.arange(m))] = move(undo)
             unpermuted[p] = moved
     layout = BatchLayout(None, dict(chosen), arrays={p: slot_arrays(v, m) for p, v in slot_of.items()})
+    for p, v in slot_of.items():
+        layout.set_slot_index(p, v)  # the arrays were sorted from it: the check and the prediction read it
+    # the balanced loads are the never-slower prediction's per-slot costs (`predict.slot_costs`):
+    # the same sums (position order inside a slot) and padded products
+    layout.known_slot_costs = (costs, llm_padded, slot_load)
     layout.unpermuted_slot = unpermuted
     layout.nodewise = record
     return layout

@@ -44,7 +44,7 @@ from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean
 
 __all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",
-           "critical_load", "load_stats", "make_layout", "sample_costs"]
+           "load_stats", "make_layout", "sample_costs"]
 
 
 # ---- the policies ----------------------------------------------------------------------------
@@ -90,30 +90,6 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
         given.predicted_gain = layout.predicted_gain
         return given
     return layout
-
-
-def critical_load(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> dict[str, float]:
-    """Per phase, the sum over rounds (one microbatch of every replica, which the replicas run
-    in step) of the round's slowest slot, a slot costing the sum of its samples' costs, or for a
-    right-padded LLM its row count times its longest row's cost. A load measure: with one
-    replica it is the phase's total work whatever the layout, so `make_layout` compares layouts
-    by their predicted step time (`loom.balance.predict`) instead."""
-    m = layout.num_microbatches
-    out = {}
-    for phase in layout.arrays:
-        idx = layout.slot_index(phase)
-        if phase == LLM and llm_padded:
-            peak = np.zeros(m)
-            np.maximum.at(peak, idx, costs.llm_padded_weight())
-            per_slot = np.bincount(idx, minlength=m) * peak
-        else:
-            per_slot = np.bincount(idx, weights=costs.work[phase], minlength=m)
-        dp = plan.spec(phase).data_parallel
-        rounds = -(-m // dp)
-        padded_slots = np.zeros(rounds * dp)
-        padded_slots[:m] = per_slot
-        out[phase] = float(padded_slots.reshape(rounds, dp).max(axis=1).sum())
-    return out
 
 
 # ---- what a layout achieved ------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Predicted step time of a layout: the policies' own cost model of one iteration.
 
 `make_layout` keeps the given layout unless a policy's layout is predicted faster by more than
-``balance.min_gain`` (issue 8). Summing each round's slowest slot (`critical_load`) cannot tell
+``balance.min_gain`` (issue 8). Summing each round's slowest slot cannot tell
 two layouts apart when a module has one replica: the sum is then the module's total work
 whatever the layout. What a layout changes there is how the encoders' and the LLM's work pair
 up microbatch by microbatch in the pipeline, so the prediction plays the 1F1B pipeline itself.
@@ -17,8 +17,10 @@ The model, per data-parallel replica of the LLM (a *lane*):
   over the module's stages; an encoder's is scaled by ``dp_llm / dp_enc``, the share of an
   encoder replica one LLM replica uses (DistTrain's objective, disttrain.md §3.1 eq. 1-2), and
   where one lane uses several encoder replicas, by their max-over-mean load (the slowest paces);
-  backward is ``backward_ratio`` x forward;
-- each rank runs loom's 1F1B order (`loom.schedule.generators`: warmup from `_lookahead`, one
+  backward is the phase's backward-to-forward FLOP ratio x forward (`SampleCosts.backward_ratio`:
+  2 when trainable, less for frozen layers that only pass input gradients on, 0 for a frozen
+  encoder before any trainable layer, as `loom.cost.frozen` prices them);
+- each rank runs loom's 1F1B order (`loom.schedule.generators`: warmup from `warmup_lookahead`, one
   forward / one backward, drain), and every operation ends at ``max(end of the rank's previous
   operation, end of its dependency) + its own time``: DistTrain's GETINTERVAL recurrence
   ``E[s][j] = max(E[s][j-1], E[s-1][j]) + t[s][j]`` with 1F1B's backward flow added
@@ -51,7 +53,7 @@ import numpy as np
 
 from loom.balance.costs import SampleCosts
 from loom.plan.plan import LLM, Plan
-from loom.schedule.generators import _lookahead
+from loom.schedule.generators import warmup_lookahead
 from loom.schedule.layout import BatchLayout, round_size
 
 __all__ = ["Prediction", "predict_step", "predict_steps", "slot_costs", "pipeline_times"]
@@ -70,16 +72,28 @@ class Prediction:
 
 def slot_costs(layout: BatchLayout, costs: SampleCosts, llm_padded: bool = True) -> dict[str, np.ndarray]:
     """Per phase, each slot's forward cost: the sum of its samples' costs, or for a right-padded
-    LLM (``llm_padded``) its row count times its longest row's cost."""
+    LLM (``llm_padded``) its row count times its longest row's cost. Taken as they are from
+    ``layout.known_slot_costs`` when the policy that built the layout recorded them for these
+    costs (the loads it balanced: the same sums, in the same order), and read without a gather
+    from a contiguous layout."""
+    known = layout.known_slot_costs
+    known = known[2] if known is not None and known[0] is costs and known[1] == llm_padded else {}
     out = {}
     for phase, (order, bounds) in layout.arrays.items():
+        if phase in known:
+            out[phase] = known[phase]
+            continue
         starts = bounds[:-1]
-        if phase == LLM and llm_padded:
-            w = costs.llm_padded_weight()[order]
-            out[phase] = np.maximum.reduceat(w, starts) * np.diff(bounds) if w.size else np.zeros(len(starts))
+        padded = phase == LLM and llm_padded
+        w = costs.llm_padded_weight() if padded else costs.work[phase]
+        if not layout.contiguous:
+            w = w[order]
+        if not w.size:
+            out[phase] = np.zeros(len(starts))
+        elif padded:
+            out[phase] = np.maximum.reduceat(w, starts) * np.diff(bounds)
         else:
-            w = costs.work[phase][order]
-            out[phase] = np.add.reduceat(w, starts) if w.size else np.zeros(len(starts))
+            out[phase] = np.add.reduceat(w, starts)
     return out
 
 
@@ -103,14 +117,20 @@ def _routes(layout: BatchLayout, encoder: str, lanes: int, plan: Plan,
     - the split backward: per sample, the encoder slot whose backward covers it: the part of a
       slot whose samples reach a later round (Entrain's deferral) runs just before the
       replica's next backward, as `build_schedule` lays it out (entrain.md §3.6), at the slot
-      itself for a replica's last one."""
+      itself for a replica's last one; None when no sample is deferred (every slot's backward
+      covers its own samples).
+
+    A layout of one round that is one position of every lane (OrchMLLM at one microbatch per
+    replica) can defer nothing and needs no capping: its routes are two gathers."""
     order, bounds = layout.arrays[LLM]
     e_order, e_bounds = layout.arrays[encoder]
     m, r, dp = len(bounds) - 1, round_size(plan), plan.spec(encoder).data_parallel
     enc_index = layout.slot_index(encoder)
     enc_of = enc_index[order]
-    enc_slot = np.repeat(np.arange(m), np.diff(e_bounds))
     to = llm_index[e_order]
+    if m == r == lanes:
+        return enc_of, to, None
+    enc_slot = np.repeat(np.arange(m), np.diff(e_bounds))
     to = np.where(to // r > enc_slot // r, enc_slot, to)
     if r == lanes:  # a round is one position: routes in the round or one back need no capping
         feeders, consumers = enc_of, to
@@ -119,11 +139,13 @@ def _routes(layout: BatchLayout, encoder: str, lanes: int, plan: Plan,
         feeders = np.minimum(enc_of // lanes, llm_slot // lanes) * lanes + enc_of % lanes
         consumers = np.minimum(to // lanes, enc_slot // lanes) * lanes + to % lanes
     deferred = llm_index // r > enc_index // r
+    if not deferred.any():
+        return feeders, consumers, None
     split = np.where(deferred & (enc_index + dp < m), enc_index + dp, enc_index)
     return feeders, consumers, split
 
 
-def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio: float = 2.0,
+def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio: "float | dict[str, float]" = 2.0,
                    extra_warmup: int = 0, routed: bool = False,
                    feeders: "dict[str, np.ndarray | None] | None" = None,
                    llm_bounds: np.ndarray | None = None,
@@ -133,22 +155,24 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
 
     ``forward[phase]``: ``(positions, lanes)`` grids of per-stage forward times (lanes of several
     layouts side by side). ``routed``: the schedule is a layout's (encoders look ``2 (R - 1)``
-    slots further ahead, `_lookahead`); ``extra_warmup``: Entrain's eager forward.
+    slots further ahead, `warmup_lookahead`); ``extra_warmup``: Entrain's eager forward.
     ``feeders[e]`` / ``llm_bounds`` and ``consumers[e]`` (with the encoder's slot bounds): the
     routes of `_routes` (one layout only); ``backward``: per phase, grids of backward times
-    where they are not ``backward_ratio`` x forward (split backwards). Returns each lane's end
-    and per phase the compute of its busiest stage replica."""
+    where they are not ``backward_ratio`` x forward (split backwards); ``backward_ratio``: one
+    ratio, or one per phase. Returns each lane's end and per phase the compute of its busiest
+    stage replica."""
     names = plan.module_names
     encoders = [m for m in names if m != LLM]
     positions, lanes = forward[LLM].shape
-    look = _lookahead(plan, "1f1b", 2 * (round_size(plan) - 1) if routed else 0, extra_warmup)
+    look = warmup_lookahead(plan, "1f1b", 2 * (round_size(plan) - 1) if routed else 0, extra_warmup)
     # nodes in topological order: every encoder's stages, then the LLM's
     nodes: list[tuple[str, int]] = [(m, s) for m in encoders + [LLM] for s in range(plan.spec(m).num_stages)]
     # warmup in lane positions: a lookahead of D slots is D / dp_llm positions of a lane
     warm = [min(int(look[n] // plan.spec(LLM).data_parallel), positions) for n in nodes]
     fwd = [forward[m] for m, _ in nodes]
     backward = backward or {}
-    bwd = [backward[m] if m in backward else backward_ratio * forward[m] for m, _ in nodes]
+    ratio = backward_ratio if isinstance(backward_ratio, dict) else {m: backward_ratio for m in names}
+    bwd = [backward[m] if m in backward else ratio[m] * forward[m] for m, _ in nodes]
     last = {m: max(i for i, n in enumerate(nodes) if n[0] == m) for m in names}
     llm0 = nodes.index((LLM, 0))
     # forward predecessors: the stage before in the module; the LLM's first: every encoder's last
@@ -233,10 +257,14 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
 
 
 def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts, llm_padded: bool = True, *,
-                  backward_ratio: float = 2.0, eager: int = 0) -> list[Prediction]:
+                  backward_ratio: float | None = None, eager: int = 0) -> list[Prediction]:
     """`predict_step` of several layouts of one batch; layouts with the same slot count and
-    aligned routes run in one recurrence, side by side over their lanes."""
+    aligned routes run in one recurrence, side by side over their lanes. Backward costs
+    ``backward_ratio`` x forward, by default each phase's own ratio (`SampleCosts.backward_ratio`:
+    the frozen-aware rule, 0 for a frozen encoder nothing before trains)."""
     lanes = plan.spec(LLM).data_parallel
+    ratio = {m: costs.backward_ratio_of(m) if backward_ratio is None else float(backward_ratio)
+             for m in plan.module_names}
     out: list[Prediction | None] = [None] * len(layouts)
     groups: dict[tuple, list[int]] = {}
     for n, layout in enumerate(layouts):
@@ -267,18 +295,21 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
             bounds = first.arrays[LLM][1]
             llm_index = first.slot_index(LLM)
             for e in first.encoders:
-                if np.array_equal(first.arrays[e][0], first.arrays[LLM][0]) and \
-                        np.array_equal(first.arrays[e][1], bounds):
+                e_order, e_bounds = first.arrays[e]
+                l_order = first.arrays[LLM][0]
+                if (e_order is l_order or np.array_equal(e_order, l_order)) and \
+                        (e_bounds is bounds or np.array_equal(e_bounds, bounds)):
                     continue  # this encoder's slots are the LLM's: slot k waits for slot k
                 feeders[e], cons, split = _routes(first, e, lanes, plan, llm_index)
-                consumers[e] = (cons, first.arrays[e][1])
-                per_slot = np.bincount(split, weights=costs.work[e], minlength=first.num_microbatches)
-                backward[e] = _grid(per_slot * (backward_ratio * scales[e]), lanes, positions)
-        ends, _ = pipeline_times(plan, forward, backward_ratio=backward_ratio, extra_warmup=eager,
+                consumers[e] = (cons, e_bounds)
+                if split is not None:  # deferred samples: their backward runs with a later slot
+                    per_slot = np.bincount(split, weights=costs.work[e], minlength=first.num_microbatches)
+                    backward[e] = _grid(per_slot * (ratio[e] * scales[e]), lanes, positions)
+        ends, _ = pipeline_times(plan, forward, backward_ratio=ratio, extra_warmup=eager,
                                  routed=routed, feeders=feeders, llm_bounds=bounds, backward=backward,
                                  consumers=consumers)
         # per phase, each lane's compute on one stage (the stages of a module cost alike)
-        per_lane = {m: (forward[m] + (backward[m] if backward and m in backward else backward_ratio * forward[m])).sum(axis=0)
+        per_lane = {m: (forward[m] + (backward[m] if backward and m in backward else ratio[m] * forward[m])).sum(axis=0)
                     for m in plan.module_names}
         for g, n in enumerate(members):
             cols = slice(g * lanes, (g + 1) * lanes)
@@ -288,7 +319,7 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
 
 
 def predict_step(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool = True, *,
-                 backward_ratio: float = 2.0, eager: int = 0) -> Prediction:
+                 backward_ratio: float | None = None, eager: int = 0) -> Prediction:
     """The predicted step time of ``layout`` (see the module docstring): what `make_layout`
     compares between the given layout and a policy's."""
     return predict_steps([layout], plan, costs, llm_padded, backward_ratio=backward_ratio, eager=eager)[0]

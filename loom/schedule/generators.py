@@ -155,7 +155,7 @@ def warmup_count(plan: Plan, stage: Stage) -> int:
     return plan.spec(m).num_stages + p_llm - s - 1
 
 
-def _lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0) -> dict[Stage, float]:
+def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0) -> dict[Stage, float]:
     """Per stage, how far ahead (in *global* microbatch indices) a rank forwards before each
     backward: before ``B(a)`` it runs every forward of its own microbatches ``j <= a + D``.
 
@@ -230,7 +230,7 @@ def build_schedule(
 
     GPipe runs all forwards, then all backwards (increasing order). 1F1B uses Cornstarch's
     multimodal warmup (cornstarch.md §3.1, `warmup_count`), capped at the rank's microbatch
-    count, then alternates one forward and one backward, then drains; see `_lookahead` for how
+    count, then alternates one forward and one backward, then drains; see `warmup_lookahead` for how
     the warmup carries over to modules of different data-parallel degrees.
 
     With a ``layout`` (`loom.schedule.layout.BatchLayout`, one per iteration) the microbatch
@@ -243,7 +243,7 @@ def build_schedule(
     split backward (entrain.md §3.6): the part whose gradients are due at once at its usual
     place, the deferred part just before the rank's next backward, when their gradients have
     arrived; the input gradient to an earlier encoder stage leaves after the last part.
-    ``eager`` deepens the encoders' warmup by that many microbatches (see `_lookahead`).
+    ``eager`` deepens the encoders' warmup by that many microbatches (see `warmup_lookahead`).
     """
     kind = plan.schedule if kind is None else kind
     if kind not in KINDS:
@@ -260,7 +260,7 @@ def build_schedule(
     rnd = math.lcm(*(m.data_parallel for m in plan.modules))
     if eager < 0:
         raise ValueError(f"eager = {eager}: the extra encoder warmup must be 0 or more microbatches")
-    lookahead = _lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0, eager)
+    lookahead = warmup_lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0, eager)
 
     def peer_rank(stage: Stage, microbatch: int) -> int:
         m, s = stage

@@ -15,7 +15,10 @@ guarantee every policy's output passes through.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import numpy as np
 
@@ -50,6 +53,9 @@ class BatchLayout:
         # OrchMLLM's node-wise rearrangement (loom.balance.rearrange): per phase, the slot each
         # slot's samples had before the permutation, and the cross-node bytes before/after
         self.unpermuted_slot: dict[str, np.ndarray] = {}
+        # every phase's order is 0..B-1 (`contiguous_layout`): slot ``j`` is positions
+        # ``bounds[j]..bounds[j + 1] - 1``, so per-slot sums need no gather
+        self.contiguous = False
         self.nodewise: dict[str, dict] = {}
         self._slots: dict[str, Slots] | None = None
         if slots is not None:
@@ -59,8 +65,17 @@ class BatchLayout:
                 sizes = np.fromiter((len(slot) for slot in v), dtype=np.int64, count=len(v))
                 order = np.fromiter((s for slot in v for s in slot), dtype=np.int64, count=int(sizes.sum()))
                 arrays[p] = (order, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64))
-        self.arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {
-            p: (np.asarray(o, dtype=np.int64), np.asarray(b, dtype=np.int64)) for p, (o, b) in arrays.items()}
+        # read-only views in a read-only mapping: the cached ``slots``, ``slot_index`` and ``key``
+        # are derived from them once and cannot go stale
+        views: dict[int, np.ndarray] = {}  # phases sharing an array share its view (checked once)
+        ro = lambda a: views[id(a)] if id(a) in views else views.setdefault(id(a), _read_only(a))  # noqa: E731
+        self._arrays: Mapping[str, tuple[np.ndarray, np.ndarray]] = MappingProxyType(
+            {p: (ro(o), ro(b)) for p, (o, b) in arrays.items()})
+        self._key: tuple[int, bytes] | None = None
+        # per phase, each slot's cost as the policy that built the layout already knows it:
+        # ``(costs, llm_padded, {phase: per-slot costs})``, read by `loom.balance.predict.slot_costs`
+        # for that same costs object only
+        self.known_slot_costs: tuple[object, bool, dict[str, np.ndarray]] | None = None
 
     @staticmethod
     def from_slot_index(slot_of: "dict[str, np.ndarray]", num_slots: int, policy: dict[str, str] | None = None,
@@ -74,6 +89,36 @@ class BatchLayout:
             counts = np.bincount(idx, minlength=num_slots) if idx.size else np.zeros(num_slots, dtype=np.int64)
             arrays[p] = (order, np.concatenate(([0], np.cumsum(counts))))
         return BatchLayout(None, policy, arrays=arrays, **kwargs)
+
+    @property
+    def arrays(self) -> Mapping[str, tuple[np.ndarray, np.ndarray]]:
+        """Per phase ``(order, bounds)``: read-only int64 arrays in a read-only mapping."""
+        return self._arrays
+
+    def key(self) -> tuple[int, bytes]:
+        """A hashable key of the slots (which samples each slot of each phase holds, in order):
+        equal for layouts with equal slots, whatever their policy. A 16-byte digest of the
+        arrays' bytes, computed once (~1 ms per million samples): what a schedule cache keys on
+        instead of tuples per sample."""
+        if self._key is None:
+            h = hashlib.blake2b(digest_size=16)
+            for p in sorted(self._arrays):
+                order, bounds = self._arrays[p]
+                h.update(p.encode())
+                h.update(np.int64(bounds.size).tobytes())
+                h.update(bounds.tobytes())
+                h.update(order.tobytes())
+            self._key = (self.num_microbatches, h.digest())
+        return self._key
+
+    def set_slot_index(self, phase: str, index: np.ndarray) -> None:
+        """Record ``index``, the slot of every sample in ``phase``, when the builder of the layout
+        made the arrays from it (`loom.balance.orchmllm.slot_arrays`), so `slot_index` need not
+        scatter it again. The builder vouches that it agrees with the arrays."""
+        order, bounds = self._arrays[phase]
+        if np.shape(index) != order.shape:
+            raise LayoutError(f"phase {phase!r}: a slot index of shape {np.shape(index)} for {order.size} samples")
+        self.__dict__.setdefault("_slot_index", {})[phase] = (order, bounds, _read_only(index))
 
     @property
     def slots(self) -> dict[str, Slots]:
@@ -131,8 +176,13 @@ class BatchLayout:
     def is_identity(self) -> bool:
         """Every encoder slot holds exactly its LLM slot's samples (then the routes are the
         plain ``j -> j`` edges)."""
-        o, b = self.arrays[LLM]
-        return all(np.array_equal(self.arrays[e][0], o) and np.array_equal(self.arrays[e][1], b) for e in self.encoders)
+        held = self.__dict__.get("_identity")
+        if held is None:
+            o, b = self._arrays[LLM]
+            held = all((self._arrays[e][0] is o or np.array_equal(self._arrays[e][0], o))
+                       and (self._arrays[e][1] is b or np.array_equal(self._arrays[e][1], b)) for e in self.encoders)
+            self._identity = held
+        return held
 
     # ---- routes between an encoder and the LLM -------------------------------------------
     def consumers(self, encoder: str, j: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -211,6 +261,8 @@ class BatchLayout:
                 f"layout has {self.num_microbatches} microbatches, not a multiple of the round size {r} "
                 f"(the lcm of the modules' data_parallel degrees)"
             )
+        if self.num_microbatches == r:
+            return  # one round: every route stays in it
         llm_slot = self.slot_index(LLM)
         for e in self.encoders:
             enc_slot = self.slot_index(e)
@@ -222,6 +274,13 @@ class BatchLayout:
                     f"sample {s}: {e} slot {int(enc_slot[s])} feeds LLM slot {int(llm_slot[s])}, {int(hop[s])} rounds "
                     f"of {r} slots away; routes must stay in the round or defer by one"
                 )
+
+
+def _read_only(values) -> np.ndarray:
+    """An int64 read-only view of ``values`` (a copy only when the dtype differs)."""
+    arr = np.asarray(values, dtype=np.int64).view()
+    arr.flags.writeable = False
+    return arr
 
 
 def max_over_mean(values: list[float] | tuple[float, ...]) -> float:
@@ -249,5 +308,8 @@ def contiguous_layout(batch_size: int, num_slots: int, phases: list[str], policy
     base, extra = divmod(batch_size, num_slots)
     sizes = np.full(num_slots, base, dtype=np.int64)
     sizes[:extra] += 1
-    arrays = {p: (np.arange(batch_size, dtype=np.int64), np.concatenate(([0], np.cumsum(sizes)))) for p in phases}
-    return BatchLayout(None, {p: policy for p in phases}, arrays=arrays)
+    # one pair of arrays shared by every phase: checked once, identity at a glance
+    pair = (np.arange(batch_size, dtype=np.int64), np.concatenate(([0], np.cumsum(sizes))))
+    layout = BatchLayout(None, {p: policy for p in phases}, arrays={p: pair for p in phases})
+    layout.contiguous = True
+    return layout
