@@ -77,7 +77,8 @@ def _global_batch(cfg: TrainConfig, dataset):
 def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     cfg = _config(case)
     tokenizer, dataset = build_data(cfg)
-    model = build_model(cfg.model, tokenizer, seed=SEED)
+    # built on meta: the rank materialises its own stage only, from per-layer seeds
+    model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
     engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
     indices, targets = _global_batch(cfg, dataset)
     parts = split_microbatches(indices, cfg.plan.num_microbatches)

@@ -1,10 +1,12 @@
-"""``loom plan``: print the resolved plan, the rank roles and the schedule."""
+"""``loom plan``: print the resolved plan, each module's mesh, the rank roles with their mesh
+coordinates (`loom.runtime.mesh` builds the meshes from the same layout), and the schedule."""
 
 from __future__ import annotations
 
 import argparse
 
 from loom.cli.common import load_train_config
+from loom.plan.plan import MESH_DIMS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -14,13 +16,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from loom.train.build import build_data, build_model
 
     cfg = load_train_config(args)
-    model = build_model(cfg.model, build_data(cfg)[0], seed=cfg.run.seed)
+    model = build_model(cfg.model, build_data(cfg)[0], seed=cfg.run.seed, device="meta")  # layout only
     plan = cfg.plan
     schedule = build_schedule(plan, trainable_stages(model, plan))
     validate_schedule(schedule, plan)
     print(plan.to_toml())
+    for m in plan.modules:
+        print("mesh {}: ({}) = ({})".format(m.name, ", ".join(MESH_DIMS), ", ".join(map(str, plan.mesh_shape(m.name)))))
     for r in range(plan.world_size):
-        print("rank {} = {} stage {} replica {}".format(r, *plan.role_of(r)))
+        c = plan.coordinate_of(r)
+        print(f"rank {r} = {c.module} stage {c.stage} replica {c.replica}; "
+              f"mesh ({', '.join(MESH_DIMS)}) = ({', '.join(map(str, c.index))})")
     print()
     print(render(schedule, communication=args.comm))
     return 0

@@ -116,6 +116,27 @@ class HFCausalLMAdapter:
         return decoder_layers(self.model.model, self.model.lm_head, self.blocks,
                               lambda i, block: partial(self._run_block, block, self.attention_types[i]))
 
+    def init_layer_weights(self, module: nn.Module) -> None:
+        """The model's own ``_init_weights`` over ``module``'s submodules, children first as
+        ``PreTrainedModel.initialize_weights`` applies it (one layer at a time:
+        `loom.model.materialise`)."""
+        for sub in reversed(list(module.modules())):
+            self.model._init_weights(sub)
+
+    @staticmethod
+    def init_layer_buffers(module: nn.Module) -> None:
+        """Recompute rotary tables (``inv_freq``, non-persistent) by building a fresh rotary
+        module from its config on the CPU: the constructor is what computes them in every
+        transformers version."""
+        for sub in module.modules():
+            if "RotaryEmbedding" in type(sub).__name__ and hasattr(sub, "inv_freq"):
+                with torch.device("cpu"):
+                    fresh = type(sub)(sub.config)
+                for name, buffer in fresh.named_buffers(recurse=False):
+                    getattr(sub, name).copy_(buffer)
+                if hasattr(fresh, "attention_scaling"):
+                    sub.attention_scaling = fresh.attention_scaling
+
     @staticmethod
     def _run_block(block: nn.Module, attention_type: str, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
         out = block(

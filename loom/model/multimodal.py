@@ -12,6 +12,11 @@ Call order per encoder (Cornstarch Listing 5):
 after_projector(inputs, out)``, then the LLM's first layer embeds the text with placeholders
 masked and scatters each encoder's projected tokens into its placeholder positions.
 
+Construction may happen on the meta device (`loom.train.build.build_model` does): then
+`MultimodalModel.materialise` gives layers memory, each from its own seed
+(`loom.model.materialise`), so a pipeline rank allocates only its stage and every layer has
+the same values wherever it is built.
+
 Freezing is ``requires_grad`` and nothing else (docs/architecture.md principle 3), set through
 `MultimodalModel.freeze` / `unfreeze` on parts named ``"vision"``, ``"vision.encoder"``,
 ``"vision.projector"``, ``"llm"``.
@@ -27,6 +32,8 @@ from torch import nn
 
 from loom.model.adapter import adapter_for
 from loom.model.layers import Layer, prefixed, run_layers
+from loom.model.materialise import (SeededInit, check_untied, is_meta, materialise, materialise_module,
+                                    reset_buffers, reset_parameters)
 
 if TYPE_CHECKING:  # loom.model sits above loom.data (docs/architecture.md layers): types only
     from loom.data.sample import AudioMeta, Batch, ImageMeta
@@ -129,6 +136,8 @@ class MultimodalModel(nn.Module):
     ``input_ids`` (the collated batch expands each item's marker to ``num_tokens`` copies).
     """
 
+    init_seed: int = 0  # run seed of per-layer initialisation (`materialise`); build_model sets it
+
     def __init__(self, encoders: dict[str, ModalityEncoder], llm: nn.Module, placeholder_ids: dict[str, int]):
         super().__init__()
         if "llm" in encoders:
@@ -195,6 +204,61 @@ class MultimodalModel(nn.Module):
 
     def layer_counts(self) -> dict[str, int]:
         return {n: len(self.module_layers(n)) for n in self.module_names}
+
+    # ---- materialising (loom.model.materialise) -------------------------------------------
+    def _root(self, name: str) -> nn.Module:
+        if name == "llm":
+            return self.llm
+        if name not in self.encoders:
+            raise ValueError(f"unknown module {name!r}; modules are {self.module_names}")
+        return self.encoders[name]
+
+    def layer_init(self, name: str, index: int) -> SeededInit:
+        """The seeded initialisation of layer ``index`` of module ``name``: its model's own
+        init (the adapter's ``init_layer_weights`` / ``init_layer_buffers`` when it has them,
+        else PyTorch's ``reset_parameters``), under a seed from (`init_seed`, module, index)."""
+        count = len(self.module_layers(name))
+        if not 0 <= index < count:
+            raise IndexError(f"module {name!r} has {count} layers; no layer {index}")
+        if name == "llm":
+            owner: Any = adapter_for(self.llm)
+        else:  # the encoder's layers, then the projector (a plain module: PyTorch's init)
+            owner = adapter_for(self.encoders[name].encoder) if index < count - 1 else None
+        return SeededInit(self.init_seed, name, index,
+                          getattr(owner, "init_layer_weights", reset_parameters),
+                          getattr(owner, "init_layer_buffers", reset_buffers))
+
+    def context_modules(self, name: str) -> dict[str, nn.Module]:
+        """Submodules of module ``name`` outside its layers that hold tensors of their own (a
+        Hugging Face LLM's ``rotary_emb``): ``context`` reads them, so every stage holds them."""
+        inside = {id(m) for layer in self.module_layers(name) for m in layer.module.modules()}
+        return {path: m for path, m in self._root(name).named_modules()
+                if id(m) not in inside
+                and (next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None)}
+
+    def materialise(self, name: str, device: torch.device | str, start: int = 0, end: int | None = None) -> None:
+        """Give layers ``[start, end)`` of module ``name``, and its context modules, memory on
+        ``device``: layers still on the meta device are allocated and initialised one at a time
+        (`layer_init`), layers that already hold values are moved. Nothing else is touched, so a
+        pipeline rank never allocates another stage."""
+        check_untied({n: self.module_layers(n) for n in self.module_names})
+        layers = self.module_layers(name)
+        end = len(layers) if end is None else end
+        for index in range(start, end):
+            layer = layers[index]
+            if is_meta(layer.module):
+                materialise(layer, device, self.layer_init(name, index))
+            else:
+                layer.module.to(device)
+        owner = adapter_for(self.llm) if name == "llm" else adapter_for(self.encoders[name].encoder)
+        for path, module in self.context_modules(name).items():
+            if is_meta(module):
+                # no layer index: seeded by the module path (these hold derived buffers in practice)
+                materialise_module(module, device, SeededInit(self.init_seed, f"{name}/{path}", 0,
+                                                              getattr(owner, "init_layer_weights", reset_parameters),
+                                                              getattr(owner, "init_layer_buffers", reset_buffers)))
+            else:
+                module.to(device)
 
     def module_context(self, name: str, batch: "Batch") -> dict[str, Any]:
         """Everything module ``name``'s layers need from the microbatch besides the activation."""

@@ -13,7 +13,9 @@ simulator address units; with TP = CP = 1, as the runtime requires today, a unit
 Rank layout (as Cornstarch's ``[global_stage, dp, cp, tp]`` mesh): modules in plan order, inside
 a module stage-major, then replica, then CP, then TP, so TP groups are contiguous ranks (inside
 a node) and unit ``offset(m) + s * dp(m) + d`` owns ranks starting at
-``rank_offset(m) + (s * dp(m) + d) * cp(m) * tp(m)``.
+``rank_offset(m) + (s * dp(m) + d) * cp(m) * tp(m)``. Equivalently, a module's ranks reshaped
+to ``MESH_DIMS`` = ``(pp, dp, cp, tp)`` sizes ``(num_stages, data_parallel, context_parallel,
+tensor_parallel)`` form its device mesh, and `Plan.coordinate_of` is a rank's index in it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import json
 import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 LLM = "llm"
+MESH_DIMS = ("pp", "dp", "cp", "tp")  # a module mesh's dimension names, outermost first
 SCHEDULES = ("gpipe", "1f1b")
 PLACEMENTS = ("disaggregated",)
 
@@ -62,6 +65,21 @@ class ModuleSpec:
     @property
     def num_ranks(self) -> int:
         return self.num_units * self.ranks_per_unit
+
+
+class MeshCoordinate(NamedTuple):
+    """Where a rank sits in its module's mesh (dimensions `MESH_DIMS`)."""
+
+    module: str
+    stage: int  # pp
+    replica: int  # dp
+    context: int  # cp
+    tensor: int  # tp
+
+    @property
+    def index(self) -> tuple[int, int, int, int]:
+        """The rank's index in its module's mesh, ordered as `MESH_DIMS`."""
+        return self.stage, self.replica, self.context, self.tensor
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
@@ -122,6 +140,24 @@ class Plan:
                 return m.name, stage, replica
             offset += m.num_ranks
         raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
+
+    def coordinate_of(self, rank: int) -> MeshCoordinate:
+        """``rank``'s module and its (stage, replica, context, tensor) index in that module's
+        mesh: the inverse of `rank_of`, and the rank's `DeviceMesh` coordinate at runtime."""
+        offset = 0
+        for m in self.modules:
+            if 0 <= rank < offset + m.num_ranks:
+                unit_and_cp, tp = divmod(rank - offset, m.tensor_parallel)
+                unit, cp = divmod(unit_and_cp, m.context_parallel)
+                stage, replica = divmod(unit, m.data_parallel)
+                return MeshCoordinate(m.name, stage, replica, cp, tp)
+            offset += m.num_ranks
+        raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
+
+    def mesh_shape(self, name: str) -> tuple[int, int, int, int]:
+        """Sizes of module ``name``'s mesh, ordered as `MESH_DIMS`."""
+        m = self.spec(name)
+        return m.num_stages, m.data_parallel, m.context_parallel, m.tensor_parallel
 
     # ---- pipeline units (what the IR addresses) ----------------------------------------------
     @property

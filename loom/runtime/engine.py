@@ -1,4 +1,4 @@
-"""Wiring a rank for a parallel run: plan check, schedule, stage, groups, executor.
+"""Wiring a rank for a parallel run: plan check, schedule, meshes, stage, groups, executor.
 
 `ParallelEngine.create` is what the training loop and the multi-process tests both call after
 ``torch.distributed`` is initialised, so the tests exercise exactly the production path.
@@ -11,14 +11,16 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from loom.schedule.layout import BatchLayout, contiguous_layout
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
+from loom.runtime.mesh import build_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
-from loom.runtime.stage import Stage, build_stage, data_parallel_groups, trainable_stages
+from loom.runtime.stage import Stage, build_stage, trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.ir import Schedule
 from loom.schedule.validate import validate_schedule
@@ -35,6 +37,7 @@ class ParallelEngine:
     optimizer: torch.optim.Optimizer | None
     trainable: dict[tuple[str, int], bool] = field(default_factory=dict)
     eager_forward: int = 0  # extra encoder warmup microbatches of balanced schedules (Entrain §3.6)
+    meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # per module (loom.runtime.mesh)
     _schedules: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -58,14 +61,14 @@ class ParallelEngine:
         trainable = trainable_stages(model, plan)
         schedule = build_schedule(plan, trainable)
         validate_schedule(schedule, plan)
-        stage = build_stage(model, plan, rank, release_others=release_others)
-        for layer in stage.layers:
-            layer.module.to(device)
-        groups = data_parallel_groups(plan)
+        # every rank builds every module's mesh, in plan order (group creation is collective)
+        meshes = build_meshes(plan, device.type)
+        stage = build_stage(model, plan, rank, release_others=release_others, device=device)
+        groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank)}
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
         executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer)
-        return cls(plan, schedule, stage, executor, optimizer, trainable)
+        return cls(plan, schedule, stage, executor, optimizer, trainable, meshes=meshes)
 
     def microbatches_to_load(self) -> list[int]:
         """Global indices of the microbatches this rank works on."""

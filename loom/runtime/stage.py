@@ -1,8 +1,11 @@
 """Pipeline stages cut from a `MultimodalModel` by a `Plan`, and the process groups they need.
 
-Every rank builds the same full model from the same seed (so initial weights agree with the
-single-process reference), keeps the layers of its own stage, and moves the others to the meta
-device so their memory is released. Parameter names stay those of the full model.
+A rank allocates only its own stage: the model comes built on the meta device
+(`loom.train.build.build_model` with ``device="meta"``), and `build_stage` materialises the
+stage's layers one at a time, each from its own seed, so their values equal the
+single-process reference's (`loom.model.materialise`). A model built with values (older
+callers, the profiler) still works: its stage is moved to the device and the other layers are
+released to meta. Parameter names stay those of the full model.
 """
 
 from __future__ import annotations
@@ -54,8 +57,14 @@ def trainable_stages(model: MultimodalModel, plan: Plan) -> dict[tuple[str, int]
     }
 
 
-def build_stage(model: MultimodalModel, plan: Plan, rank: int, release_others: bool = True) -> Stage:
+def build_stage(
+    model: MultimodalModel, plan: Plan, rank: int, release_others: bool = True, device: torch.device | str = "cpu"
+) -> Stage:
+    """The stage ``rank`` runs, with its layers (and its module's context modules) on ``device``.
+    With ``release_others``, layers of other stages that hold values go to meta."""
     module, stage, replica = plan.role_of(rank)
+    start, end = plan.layers_of(module, stage)
+    model.materialise(module, device, start, end)
     layers = stage_layers(model, plan, module, stage)
     if release_others:
         held = {id(l.module) for l in layers}
@@ -65,17 +74,6 @@ def build_stage(model: MultimodalModel, plan: Plan, rank: int, release_others: b
                     layer.module.to("meta")
     return Stage(module, stage, replica, layers, is_first=stage == 0,
                  is_last=stage == plan.spec(module).num_stages - 1)
-
-
-def data_parallel_groups(plan: Plan) -> dict[tuple[str, int], dist.ProcessGroup | None]:
-    """One group per stage over its data-parallel replicas. Every rank must call this (group
-    creation is collective) and in the same order; stages with one replica get ``None``."""
-    groups: dict[tuple[str, int], dist.ProcessGroup | None] = {}
-    for m in plan.modules:
-        for s in range(m.num_stages):
-            ranks = [plan.rank_of(m.name, s, d) for d in range(m.data_parallel)]
-            groups[(m.name, s)] = dist.new_group(ranks) if len(ranks) > 1 else None
-    return groups
 
 
 def move_batch(batch, device: torch.device):

@@ -1,7 +1,9 @@
 """From a `TrainConfig` to the objects a run needs: tokenizer, dataset, model, token counts.
 
-Every rank calls `build_model` with the same seed, so every rank (and the single-process
-reference) starts from identical weights.
+`build_model` constructs on the meta device; every layer then gets values from a seed derived
+from (run seed, module, layer index) when it is materialised (`loom.model.materialise`), so a
+rank that materialises only its stage (``device="meta"``, then `ParallelEngine.create`) holds
+the same values as the single-process reference built with ``device="cpu"``.
 """
 
 from __future__ import annotations
@@ -20,27 +22,35 @@ from loom.model.zoo import AudioEncoder, LlamaForCausalLM, VisionEncoder
 from loom.train.config import ConfigError, ModelConfig, TrainConfig
 
 
-def build_model(cfg: ModelConfig, tokenizer: Tokenizer, seed: int = 0) -> MultimodalModel:
-    """The tiny-zoo `MultimodalModel` described by ``cfg``, initialised from ``seed``."""
-    torch.manual_seed(seed)
-    encoders: dict[str, ModalityEncoder] = {}
-    if cfg.vision is not None:
-        encoders["vision"] = ModalityEncoder(VisionEncoder(cfg.vision), projector=cfg.projector)
-    if cfg.audio is not None:
-        encoders["audio"] = ModalityEncoder(AudioEncoder(cfg.audio), projector=cfg.projector)
+def build_model(
+    cfg: ModelConfig, tokenizer: Tokenizer, seed: int = 0, *, device: torch.device | str = "cpu"
+) -> MultimodalModel:
+    """The tiny-zoo `MultimodalModel` described by ``cfg``, its layers initialised from
+    ``seed`` (one derived seed per layer) on ``device``. ``device="meta"`` allocates nothing:
+    a pipeline rank then materialises its own stage (`ParallelEngine.create`)."""
     llm_cfg = cfg.llm
     if llm_cfg.vocab_size < tokenizer.vocab_size:
         llm_cfg = dataclasses.replace(llm_cfg, vocab_size=tokenizer.vocab_size)
-    model = MultimodalModel(
-        encoders,
-        LlamaForCausalLM(llm_cfg),
-        placeholder_ids={name: tokenizer.token_id(MODALITIES[name][0]) for name in encoders},
-    )
+    with torch.device("meta"):
+        encoders: dict[str, ModalityEncoder] = {}
+        if cfg.vision is not None:
+            encoders["vision"] = ModalityEncoder(VisionEncoder(cfg.vision), projector=cfg.projector)
+        if cfg.audio is not None:
+            encoders["audio"] = ModalityEncoder(AudioEncoder(cfg.audio), projector=cfg.projector)
+        model = MultimodalModel(
+            encoders,
+            LlamaForCausalLM(llm_cfg),
+            placeholder_ids={name: tokenizer.token_id(MODALITIES[name][0]) for name in encoders},
+        )
+    model.init_seed = seed
     if cfg.freeze:
         try:
             model.freeze(*cfg.freeze)
         except ValueError as e:
             raise ConfigError(f"model.freeze: {e}") from e
+    if torch.device(device).type != "meta":
+        for name in model.module_names:
+            model.materialise(name, device)
     return model
 
 

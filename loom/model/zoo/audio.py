@@ -65,8 +65,9 @@ def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> torch.Tensor:
     """``[n_mels, n_fft // 2 + 1]`` triangular filters, centres equally spaced on the HTK mel scale
     between 0 Hz and the Nyquist frequency; each filter peaks at 1 on its centre."""
     n_freqs = n_fft // 2 + 1
+    # the Nyquist edge is a Python number (device="cpu" even under a meta device context)
     bin_hz = torch.linspace(0.0, sample_rate / 2, n_freqs, dtype=torch.float64)
-    mel_points = torch.linspace(0.0, float(hz_to_mel(torch.tensor(sample_rate / 2.0))), n_mels + 2, dtype=torch.float64)
+    mel_points = torch.linspace(0.0, float(hz_to_mel(torch.tensor(sample_rate / 2.0, device="cpu"))), n_mels + 2, dtype=torch.float64)
     edges_hz = mel_to_hz(mel_points)  # n_mels + 2 edges: filter m spans edges[m] .. edges[m + 2]
     lower, centre, upper = edges_hz[:-2, None], edges_hz[1:-1, None], edges_hz[2:, None]
     rising = (bin_hz[None, :] - lower) / (centre - lower)
@@ -84,10 +85,17 @@ class AudioFrontend(nn.Module):
         self.n_mels = config.n_mels
         self.conv1 = nn.Conv1d(config.n_mels, config.hidden_size, kernel_size=3, padding=1)
         self.conv2 = nn.Conv1d(config.hidden_size, config.hidden_size, kernel_size=3, stride=2, padding=1)
+        self.sample_rate = config.sample_rate
         # Derived from the config, so not saved in checkpoints.
         self.register_buffer(
             "mel_filters", mel_filterbank(config.sample_rate, config.n_fft, config.n_mels), persistent=False
         )
+
+    def reset_buffers(self) -> None:
+        """Recompute the filterbank (after ``to_empty``; `loom.model.materialise`)."""
+        with torch.device(self.mel_filters.device):
+            filters = mel_filterbank(self.sample_rate, self.n_fft, self.n_mels)
+        self.mel_filters.copy_(filters)
 
     def log_mel(self, waveform: torch.Tensor) -> torch.Tensor:
         """``[num_samples] -> [n_mels, 1 + num_samples // hop_length]``, computed in fp32."""

@@ -63,6 +63,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(torch.float32)
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -195,9 +198,17 @@ class LlamaForCausalLM(nn.Module):
 
     def init_weights(self, std: float = 0.02) -> None:
         """Normal(0, std) weights for embeddings and projections (the usual LLM init); norms at 1."""
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+        self.init_layer_weights(self, std)
+
+    @staticmethod
+    def init_layer_weights(module: nn.Module, std: float = 0.02) -> None:
+        """`init_weights` restricted to ``module`` (one layer, when `loom.model.materialise`
+        allocates layers one at a time)."""
+        for sub in module.modules():
+            if isinstance(sub, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(sub.weight, mean=0.0, std=std)
+            elif isinstance(sub, RMSNorm):
+                sub.reset_parameters()
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The token embedding (same accessor as Hugging Face models)."""

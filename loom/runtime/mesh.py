@@ -1,0 +1,70 @@
+"""One `DeviceMesh` per module, built from the plan (docs/architecture.md, "Plans and schedules
+are data"; the shape of torchtitan's ``ParallelDims.build_mesh``, one mesh per module because a
+multimodal plan gives every module degrees of its own).
+
+A module's mesh covers that module's contiguous block of ranks with dimensions `MESH_DIMS` =
+``("pp", "dp", "cp", "tp")``: its ranks reshaped to ``(num_stages, data_parallel,
+context_parallel, tensor_parallel)``, which is exactly the layout of `Plan.rank_of`, so a rank's
+mesh coordinate is `Plan.coordinate_of`. Dimensions of size 1 are kept, so code for one
+technique asks ``mesh["tp"]`` or ``mesh["dp"]`` whatever the degrees. Ranks outside a module
+hold its mesh too, with ``get_coordinate() is None``.
+
+Creating a mesh creates its process groups, which is collective over the whole world: every
+rank builds every module's mesh, in plan order. Process groups of the edges between modules
+stay in `loom.runtime.comm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from loom.plan.plan import MESH_DIMS, Plan
+
+
+class MeshError(RuntimeError):
+    """A mesh that does not match the plan it was built from."""
+
+
+def module_mesh_ranks(plan: Plan, name: str) -> torch.Tensor:
+    """Module ``name``'s global ranks shaped ``plan.mesh_shape(name)`` (``MESH_DIMS`` order)."""
+    offset = plan.rank_offset(name)
+    shape = plan.mesh_shape(name)
+    return torch.arange(offset, offset + plan.spec(name).num_ranks, dtype=torch.int).reshape(shape)
+
+
+def build_meshes(plan: Plan, device_type: str) -> dict[str, DeviceMesh]:
+    """Every module's mesh, keyed by module name. Call on every rank, after
+    ``torch.distributed`` is initialised, with a plan of the world's size."""
+    if dist.get_world_size() != plan.world_size:
+        raise MeshError(f"the plan needs {plan.world_size} ranks but the world has {dist.get_world_size()}: "
+                        f"launch {plan.world_size} processes or change the plan's degrees")
+    meshes = {m.name: DeviceMesh(device_type, module_mesh_ranks(plan, m.name), mesh_dim_names=MESH_DIMS)
+              for m in plan.modules}
+    check_meshes(plan, meshes, dist.get_rank())
+    return meshes
+
+
+def check_meshes(plan: Plan, meshes: dict[str, DeviceMesh], rank: int) -> None:
+    """Each mesh has the plan's sizes, and ``rank`` has a coordinate in its own module's mesh
+    only, equal to `Plan.coordinate_of` (as torchtitan's ``ParallelDims._validate_meshes``)."""
+    mine = plan.coordinate_of(rank)
+    for name, mesh in meshes.items():
+        if tuple(mesh.shape) != plan.mesh_shape(name) or mesh.mesh_dim_names != MESH_DIMS:
+            raise MeshError(f"module {name!r}: mesh {tuple(mesh.shape)} over {mesh.mesh_dim_names}, but the plan "
+                            f"gives {plan.mesh_shape(name)} over {MESH_DIMS}")
+        coordinate = mesh.get_coordinate()
+        expected = mine.index if name == mine.module else None
+        if (tuple(coordinate) if coordinate is not None else None) != expected:
+            raise MeshError(f"rank {rank}: coordinate {coordinate} in module {name!r}'s mesh, but the plan "
+                            f"places it at {expected}")
+
+
+def data_parallel_group(meshes: dict[str, DeviceMesh], plan: Plan, rank: int) -> dist.ProcessGroup | None:
+    """The group over ``rank``'s data-parallel replicas (the ``dp`` dimension of its module's
+    mesh), or None when its module has one replica (nothing to synchronise)."""
+    module = plan.coordinate_of(rank).module
+    if plan.spec(module).data_parallel == 1:
+        return None
+    return meshes[module].get_group("dp")
