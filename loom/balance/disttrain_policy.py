@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from loom.balance.config import BalanceError
 from loom.balance.costs import SampleCosts
 from loom.balance.disttrain import balance_dp_groups, reorder_microbatches_batched
 from loom.balance.lpt import quantised_lpt
@@ -32,16 +31,11 @@ from loom.schedule.layout import BatchLayout
 
 def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> BatchLayout:
     """DistTrain: groups over the LLM's replicas, LPT microbatches, Algorithm 3 order. Slot
-    ``j`` is microbatch ``j // dp`` (in Algorithm 3's order) of group ``j % dp``."""
+    ``j`` is microbatch ``j // dp`` (in Algorithm 3's order) of group ``j % dp``. The plan has
+    passed `check_balance_config` (`make_layout` runs it first): equal data-parallel degrees,
+    microbatches a multiple of them, a sample per microbatch."""
     n, m = costs.num_samples, plan.num_microbatches
     dp = plan.spec(LLM).data_parallel
-    if any(s.data_parallel != dp for s in plan.modules):
-        raise BalanceError(
-            f"balance.default = 'disttrain' balances over one set of data-parallel groups; set every module's "
-            f"data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
-        )
-    if m % dp:
-        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
     k = m // dp
     total = sum(costs.work[p] for p in plan.module_names)
     group_of = quantised_lpt(total, dp).rank_of_sample if dp > 1 else np.zeros(n, dtype=np.int64)

@@ -41,7 +41,6 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
-from loom.balance.config import BalanceError
 from loom.balance.costs import SampleCosts
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, LayoutError
@@ -55,22 +54,12 @@ SUBSET_SUM_RESOLUTION_POLICY = 512
 
 def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> BatchLayout:
     """Entrain: replica assignment, K_eff, stratified microbatches, deferral, interleaving.
-    Slot ``j`` is position ``j // dp`` of replica ``j % dp``'s interleaved order."""
+    Slot ``j`` is position ``j // dp`` of replica ``j % dp``'s interleaved order. The plan has
+    passed `check_balance_config` (`make_layout` runs it first): equal data-parallel degrees,
+    microbatches and samples multiples of them (entrain.md §3.4, B/DP samples each)."""
     dp = plan.spec(LLM).data_parallel
-    if any(s.data_parallel != dp for s in plan.modules):
-        raise BalanceError(
-            f"balance.default = 'entrain' assigns each sample to one replica for encoders and LLM alike; set every "
-            f"module's data_parallel to {dp} (now {[s.data_parallel for s in plan.modules]})"
-        )
     m = plan.num_microbatches
-    if m % dp:
-        raise BalanceError(f"plan.num_microbatches = {m} is not a multiple of the LLM's data_parallel = {dp}")
     n = costs.num_samples
-    if n % dp:
-        raise BalanceError(
-            f"data.global_batch_size = {n} does not split evenly over the {dp} data-parallel replicas, which "
-            f"Entrain's DP-level assignment needs (entrain.md §3.4, B/DP samples each); use a multiple of {dp}"
-        )
     enc = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n))
     llm = costs.work[LLM]
     members = replicas_by_rounds(enc, llm, dp)  # (dp, n / dp) positions, ascending per row
