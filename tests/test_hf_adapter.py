@@ -165,3 +165,40 @@ def test_other_modules_get_no_adapter():
     assert hf.adapter_for(nn.Sequential(nn.Linear(4, 4))) is None
     with pytest.raises(TypeError, match="no layer adapter"):
         layers_adapter_for(nn.Linear(4, 4))
+
+
+def test_meta_build_materialised_layer_by_layer_equals_hf():
+    """Per-stage initialisation of an HF model: built on meta, each layer materialised through
+    the model's own ``_init_weights`` under its seed, the rotary tables recomputed; it then
+    computes what HF computes with the same weights, and the order of layers does not matter."""
+    from loom.model.multimodal import MultimodalModel
+
+    config = transformers.LlamaConfig(**TINY, attn_implementation="sdpa")
+
+    def meta_model() -> MultimodalModel:
+        with torch.device("meta"):
+            model = MultimodalModel({}, transformers.LlamaForCausalLM(config), {})
+        model.init_seed = 5
+        return model
+
+    model = meta_model()
+    count = len(model.module_layers("llm"))
+    for index in reversed(range(count)):
+        model.materialise("llm", "cpu", index, index + 1)
+    llm = model.llm
+    assert not any(t.is_meta for t in (*llm.parameters(), *llm.buffers()))
+    at_once = meta_model()
+    at_once.materialise("llm", "cpu")
+    for key, value in llm.state_dict().items():
+        assert torch.equal(value, at_once.llm.state_dict()[key]), key
+    # HF's init: N(0, initializer_range) linears and embeddings, norms at one
+    assert llm.model.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(config.initializer_range, rel=0.15)
+    assert torch.equal(llm.model.layers[2].input_layernorm.weight, torch.ones(TINY["hidden_size"]))
+
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.load_state_dict(llm.state_dict())
+    torch.testing.assert_close(llm.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    ids = input_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(llm(ids).logits, reference(ids).logits, rtol=0, atol=0)

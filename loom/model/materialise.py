@@ -124,7 +124,7 @@ def check_untied(layers: dict[str, list[Layer]]) -> None:
                 here = f"{module}: {layer.name}.{name}"
                 if id(p) in owner:
                     raise ValueError(
-                        f"parameter {here} is the same tensor as {owner[key]} (tied weights); layers are "
+                        f"parameter {here} is the same tensor as {owner[id(p)]} (tied weights); layers are "
                         "materialised and placed on stages one at a time: untie them (e.g. "
                         "tie_word_embeddings=False) and copy the shared values into both"
                     )

@@ -1,0 +1,113 @@
+"""Per-stage initialisation (issue 9 point 2): an 8-stage LLM on 8 gloo processes, built on the
+meta device; each rank materialises its own stage's layers and nothing else, holds exactly its
+stage's share of the parameter bytes, starts from the single-process model's values layer by
+layer, and trains to the reference loss and gradients."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import loom.model.multimodal as multimodal
+from loom.data.collate import collate, split_microbatches
+from loom.data.demo import DemoConfig
+from loom.model.zoo import LlamaConfig
+from loom.plan.plan import ModuleSpec, Plan
+from loom.runtime.engine import ParallelEngine
+from loom.runtime.local import run_local
+from loom.train.build import build_data, build_model, num_targets, token_counters
+from loom.train.config import ModelConfig, TrainConfig
+from reference import assert_matches_reference, save_rank
+
+pytestmark = pytest.mark.multiprocess
+
+STAGES = 8
+GLOBAL_BATCH = 4
+SEED = 11
+
+
+def _config() -> TrainConfig:
+    # 6 blocks + embedding, norm and head: 9 layers over 8 stages
+    llm = LlamaConfig(hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    cfg = TrainConfig(model=ModelConfig(vision=None, audio=None, llm=llm),
+                      plan=Plan([ModuleSpec("llm", num_stages=STAGES)], num_microbatches=4))
+    demo = DemoConfig(num_samples=16, seed=SEED, mix={"text": 1.0})
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo)
+    return cfg
+
+
+def _param_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def _worker(rank: int, world_size: int, out: str) -> None:
+    cfg = _config()
+    tokenizer, dataset = build_data(cfg)
+    made: list[str] = []
+    original = multimodal.materialise
+
+    def recording(layer, device, init):  # every layer this process ever gives memory to
+        made.append(layer.name)
+        original(layer, device, init)
+
+    multimodal.materialise = recording
+    try:
+        model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
+        made_by_build = list(made)
+        engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
+    finally:
+        multimodal.materialise = original
+    held = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    held_bytes = _param_bytes(p for p in model.parameters() if not p.is_meta)
+    held_buffers = sorted(n for n, b in model.named_buffers() if not b.is_meta)
+
+    indices = list(range(GLOBAL_BATCH))
+    targets = sum(num_targets(dataset.meta(i)) for i in indices)
+    parts = split_microbatches(indices, cfg.plan.num_microbatches)
+    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, token_counters(model))
+               for j in engine.microbatches_to_load()}
+    result = engine.step(batches, targets, 0, layout=engine.identity_layout(GLOBAL_BATCH))
+    loss = torch.tensor([result.loss], dtype=torch.float64)
+    dist.all_reduce(loss)
+    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(),
+              made=made, made_by_build=made_by_build, held=held, held_bytes=held_bytes, held_buffers=held_buffers,
+              stage_layers=[l.name for l in engine.stage.layers])
+
+
+def _reference():
+    cfg = _config()
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED)
+    indices = list(range(GLOBAL_BATCH))
+    targets = sum(num_targets(dataset.meta(i)) for i in indices)
+    loss = model.loss(collate([dataset[i] for i in indices], tokenizer, token_counters(model)), targets)
+    loss.backward()
+    return cfg, model, float(loss.detach())
+
+
+def test_each_rank_materialises_only_its_stage(tmp_path):
+    run_local(_worker, STAGES, str(tmp_path))
+    cfg, model, ref_loss = _reference()
+    plan = cfg.plan.resolve(model.layer_counts(), STAGES)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(STAGES)]
+    layers = model.module_layers("llm")
+    total = 0
+    for rank, res in enumerate(results):
+        start, end = plan.layers_of("llm", rank)
+        mine = layers[start:end]
+        assert res["made_by_build"] == [], f"rank {rank}: build_model(device='meta') allocated layers"
+        assert res["made"] == res["stage_layers"] == [l.name for l in mine], f"rank {rank} materialised {res['made']}"
+        share = _param_bytes(p for l in mine for p in l.module.parameters())
+        assert res["held_bytes"] == share, f"rank {rank}: {res['held_bytes']} parameter bytes, its stage has {share}"
+        total += share
+        expected = {f"{l.name}.{n}": p for l in mine for n, p in l.module.named_parameters()}
+        assert sorted(res["held"]) == sorted(expected)
+        for name, value in res["held"].items():  # per-layer init equals the single process's
+            torch.testing.assert_close(value, expected[name].detach(), rtol=0, atol=0, msg=f"rank {rank} {name}")
+        assert res["held_buffers"] == [], "the zoo Llama keeps no buffers"
+    assert total == _param_bytes(model.parameters())  # the stages partition the model
+    assert_matches_reference(results, model, ref_loss)
