@@ -174,7 +174,7 @@ def test_bucket_runs_equals_the_greedy_over_positions():
         values = np.unique(lengths)
         counts = np.bincount(np.searchsorted(values, lengths), minlength=values.size)[::-1]
         wv = (2.0 * values + 0.01 * values * values)[::-1]
-        assert _bucket_runs(wv.tolist(), np.cumsum(counts).tolist(), bound, 10**9) == runs
+        assert _bucket_runs(wv, np.cumsum(counts).tolist(), bound, 10**9) == runs
 
 
 def test_from_gathered_reads_lists_and_padded_tables_alike():

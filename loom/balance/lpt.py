@@ -298,9 +298,12 @@ def quantised_lpt(costs: Sequence[float] | np.ndarray, num_ranks: int, levels: i
     num_ranks = _check_num_ranks(num_ranks)
     c = _check_workloads(costs, "costs")
     top = float(c.max()) if c.size else 0.0
+    # uint16 keys when they fit (the default levels): the integer core reads them without a wider copy
+    dtype = np.uint16 if levels < 2**16 else np.int64
     if top <= 0.0:
-        q = np.zeros(c.size, dtype=np.int64)
+        q = np.zeros(c.size, dtype=dtype)
     else:
-        q = np.rint(c * (levels / top)).astype(np.int64)
+        scaled = np.multiply(c, levels / top)
+        q = np.rint(scaled, out=scaled).astype(dtype)
     rank_of, _ = _lpt_assign(q, num_ranks)
     return Assignment(rank_of, packed_loads(c, rank_of, num_ranks))

@@ -34,14 +34,15 @@ def contiguous_sizes(n: int, m: int) -> np.ndarray:
     return sizes
 
 
-def nonempty_bins(bins: np.ndarray, cost: np.ndarray, num_bins: int) -> np.ndarray:
+def nonempty_bins(bins: np.ndarray, cost: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
     """Move the cheapest sample (ties: lowest position) of the fullest bin (ties: lowest bin)
     into each empty bin: zero-cost samples (text-only ones in an encoder phase) all land on one
-    bin under LPT, and the padded algorithm may need fewer runs than bins. Keeps every sample."""
+    bin under LPT, and the padded algorithm may need fewer runs than bins. Keeps every sample.
+    Returns the bins (``bins`` itself when none was empty) and each bin's sample count."""
     counts = np.bincount(bins, minlength=num_bins)
     empty = np.flatnonzero(counts == 0)
     if not empty.size:
-        return bins
+        return bins, counts
     bins = bins.copy()
     for b in empty.tolist():
         donor = int(np.argmax(counts))
@@ -50,25 +51,27 @@ def nonempty_bins(bins: np.ndarray, cost: np.ndarray, num_bins: int) -> np.ndarr
         bins[s] = b
         counts[donor] -= 1
         counts[b] += 1
-    return bins
+    return bins, counts
 
 
-def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: int, llm_padded: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Bins of positions ``lo..hi-1`` (one round) and the bins' loads under the phase's own
-    cost (padded for a padded LLM, summed otherwise)."""
+def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: int,
+                  llm_padded: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Bins of positions ``lo..hi-1`` (one round), the bins' loads under the phase's own cost
+    (padded for a padded LLM, summed otherwise) and their sample counts."""
     if phase == LLM and llm_padded:
         a = padded_balance_fast(costs.llm_lengths[lo:hi], num_bins, costs.llm_alpha, costs.llm_beta)
-        bins = nonempty_bins(a.rank_of_sample, costs.work[LLM][lo:hi], num_bins)
+        bins, counts = nonempty_bins(a.rank_of_sample, costs.work[LLM][lo:hi], num_bins)
         if bins is a.rank_of_sample:  # no bin was empty: the search's loads are the padded ones
-            return bins, a.loads
+            return bins, a.loads, counts
         w = costs.llm_padded_weight()[lo:hi]
         peak = np.zeros(num_bins)
         np.maximum.at(peak, bins, w)
-        return bins, np.bincount(bins, minlength=num_bins) * peak
+        return bins, counts * peak, counts
     cost = costs.work[phase][lo:hi]
     a = quantised_lpt(cost, num_bins)
-    bins = nonempty_bins(a.rank_of_sample, cost, num_bins)
-    return bins, a.loads if bins is a.rank_of_sample else np.bincount(bins, weights=cost, minlength=num_bins)
+    bins, counts = nonempty_bins(a.rank_of_sample, cost, num_bins)
+    loads = a.loads if bins is a.rank_of_sample else np.bincount(bins, weights=cost, minlength=num_bins)
+    return bins, loads, counts
 
 
 def place_bins(loads: np.ndarray, dp: int, carried: np.ndarray) -> np.ndarray:
@@ -121,6 +124,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     loader = loader_rank_of(n, plan.world_size) if nodewise else None
     calls = len(balanced) * rounds
     slot_load: dict[str, np.ndarray] = {}  # per balanced phase, each slot's load (its bin's)
+    slot_counts: dict[str, np.ndarray] = {}  # and its sample count
     for phase, policy in chosen.items():
         if policy == "none":
             slot_of[phase] = base
@@ -129,6 +133,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         carried = np.zeros(dp)
         idx = np.empty(n, dtype=np.int64)
         per_slot = slot_load[phase] = np.zeros(m)
+        slot_count = np.empty(m, dtype=np.int64)
         if nodewise:
             dest_all = slot_destinations(plan, phase, m)
             undo = np.arange(m, dtype=np.int64)
@@ -137,7 +142,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
             applied = 0
         for t in range(rounds):
             lo, hi = int(bounds[t * r]), int(bounds[(t + 1) * r])
-            bins, loads = balance_round(phase, costs, lo, hi, r, llm_padded)
+            bins, loads, counts = balance_round(phase, costs, lo, hi, r, llm_padded)
             slot_of_bin = place_bins(loads, dp, carried)
             if nodewise:
                 got = rearrange_round(bins, slot_of_bin, loader[lo:hi], costs.payload_bytes[phase][lo:hi],
@@ -149,9 +154,13 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
                 methods.add(got.method)
                 applied += got.applied
                 slot_of_bin = got.slot_of_bin
-            idx[lo:hi] = t * r + slot_of_bin[bins]
+            np.take(slot_of_bin, bins, out=idx[lo:hi])
+            if t:
+                idx[lo:hi] += t * r
             per_slot[t * r + slot_of_bin] = loads
+            slot_count[t * r + slot_of_bin] = counts
         slot_of[phase] = idx
+        slot_counts[phase] = slot_count
         if nodewise:
             unpermuted[phase] = undo
             record[phase] = {"ranks_per_node": ranks_per_node, "rounds_permuted": applied, "rounds": rounds,
@@ -163,14 +172,15 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
         new_round[perm] = np.arange(perm.size)
         move = lambda v: new_round[v // r] * r + v % r  # noqa: E731 (slot after the round reorder)
         slot_of = {p: move(v) for p, v in slot_of.items()}
-        for p, v in slot_load.items():
-            slot_load[p] = np.empty_like(v)
-            slot_load[p][move(np.arange(m))] = v
+        for held in (slot_load, slot_counts):
+            for p, v in held.items():
+                held[p] = np.empty_like(v)
+                held[p][move(np.arange(m))] = v
         for p, undo in unpermuted.items():
             moved = np.empty_like(undo)
             moved[move(np.arange(m))] = move(undo)
             unpermuted[p] = moved
-    layout = BatchLayout(None, dict(chosen), arrays={p: slot_arrays(v, m) for p, v in slot_of.items()})
+    layout = BatchLayout(None, dict(chosen), arrays={p: slot_arrays(v, m, slot_counts.get(p)) for p, v in slot_of.items()})
     for p, v in slot_of.items():
         layout.set_slot_index(p, v)  # the arrays were sorted from it: the check and the prediction read it
     # the balanced loads are the never-slower prediction's per-slot costs (`predict.slot_costs`):
@@ -181,14 +191,15 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     return layout
 
 
-def slot_arrays(slot_of: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+def slot_arrays(slot_of: np.ndarray, num_slots: int, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`BatchLayout`'s ``(order, bounds)`` of one phase from each sample's slot (positions
     ascending inside a slot), as `BatchLayout.from_slot_index`, but sorting the slot ids as
     uint16 when they fit: NumPy's stable sort of 16-bit keys is a radix sort, ~4x faster than
-    the int64 merge sort at 153,600 samples."""
+    the int64 merge sort at 153,600 samples. ``counts``: each slot's sample count, when known."""
     key = slot_of.astype(np.uint16) if num_slots <= 1 << 16 else slot_of
     order = np.argsort(key, kind="stable")
-    counts = np.bincount(slot_of, minlength=num_slots)
+    if counts is None:
+        counts = np.bincount(slot_of, minlength=num_slots)
     return order, np.concatenate(([0], np.cumsum(counts)))
 
 

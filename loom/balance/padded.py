@@ -123,8 +123,20 @@ def padded_balance(
     return result
 
 
-def _bucket_runs(w: list[float], ends: list[int], bound: float, limit: int,
-                 segments: list[tuple[int, int, int]] | None = None) -> int:
+def _run_sizes(w: np.ndarray, bound: float, n: int) -> list[int]:
+    """Per bucket of row cost ``w``, the rows of a run that starts in it under ``bound``:
+    ``floor(bound / w)`` (Python's float floor division, corrected where ``k * w`` still
+    exceeds the bound), at least 1; ``n + 1`` (every row left) for zero-cost rows."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        k = np.floor_divide(bound, w)
+        k[k * w > bound] -= 1.0  # float floor one too high
+    k[~(w > 0)] = n + 1  # zero cost: every row left
+    np.clip(k, 1.0, float(n + 1), out=k)
+    return k.astype(np.int64).tolist()
+
+
+def _bucket_runs(w: "np.ndarray | list[float]", ends: list[int], bound: float, limit: int,
+                 segments: tuple[list[int], list[int], list[int]] | None = None) -> int:
     """How many greedy maximal runs from the top the descending order needs under ``bound``
     (stops counting once above ``limit``), the order given as *buckets* of equal length: bucket
     ``i`` holds positions ``ends[i - 1]..ends[i] - 1`` and each of its rows costs ``w[i]``.
@@ -135,24 +147,20 @@ def _bucket_runs(w: list[float], ends: list[int], bound: float, limit: int,
     which is no longer than the other's). All runs that start inside one bucket have that bucket's
     ``k``, so the bucket is one step: ``ceil((ends[i] - p) / k)`` runs, the last one spilling into
     the next buckets. O(distinct lengths) scalar steps per probe, whatever the sample count
-    (~1,000 at 153,600 LLaVA-like samples, against ~2,560 run steps before).
-    ``segments`` (if given) receives ``(first start, k, runs)`` per step."""
+    (~1,000 at 153,600 LLaVA-like samples, against ~2,560 run steps before); every bucket's
+    ``k`` comes from one array operation (`_run_sizes`).
+    ``segments`` (if given: three lists) receives each step's first start, ``k`` and run count."""
+    n = ends[-1] if ends else 0
+    ks = _run_sizes(np.asarray(w, dtype=np.float64), bound, n)
     runs = pos = 0
-    for wi, end in zip(w, ends):
+    for k, end in zip(ks, ends):
         if end <= pos:  # covered by the run that spilled from a longer bucket
             continue
-        if wi <= 0.0:  # zero-cost rows (and all after them): any count fits
-            if segments is not None:
-                segments.append((pos, ends[-1] - pos, 1))
-            return runs + 1
-        k = int(bound // wi)
-        if k * wi > bound:  # float floor one too high
-            k -= 1
-        if k < 1:
-            k = 1
         m = (end - pos + k - 1) // k
         if segments is not None:
-            segments.append((pos, k, m))
+            segments[0].append(pos)
+            segments[1].append(k)
+            segments[2].append(m)
         runs += m
         if runs > limit:
             return runs
@@ -198,34 +206,33 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
         order = np.lexsort((np.arange(n), -lf))
     vf = values.astype(np.float64)
     w = alpha * vf + beta * vf * vf
-    w_list, ends = w.tolist(), np.cumsum(counts).tolist()
-    lo = max(w_list[0], float(np.dot(counts, w)) / d)
+    ends = np.cumsum(counts).tolist()
+    lo = max(float(w[0]), float(np.dot(counts, w)) / d)
     # the step-up probes count every run (no early stop): their ratio to d sets the next step
-    segments: list[tuple[int, int, int]] = []  # the runs of the best feasible bound probed
-    runs = _bucket_runs(w_list, ends, lo, n, segments)
+    bound = lo
+    runs = _bucket_runs(w, ends, lo, n)
     if runs > d:
-        segments.clear()
         while True:  # step up by the run count's ratio until feasible; lo stays infeasible
             hi = lo * max(runs / d, 1.0) * (1.0 + 0.5 * tolerance)
-            runs = _bucket_runs(w_list, ends, hi, n, segments)
+            runs = _bucket_runs(w, ends, hi, n)
             if runs <= d:
                 break
-            segments.clear()
             lo = hi
         first = True
         while hi - lo > tolerance * hi:
             # the model's estimate is usually within the tolerance: try to certify it at once
             mid = hi * (1.0 - tolerance) if first and hi * (1.0 - tolerance) > lo else 0.5 * (lo + hi)
             first = False
-            probe: list[tuple[int, int, int]] = []
-            if _bucket_runs(w_list, ends, mid, d, probe) <= d:
-                hi, segments = mid, probe
+            if _bucket_runs(w, ends, mid, d) <= d:
+                hi = mid
             else:
                 lo = mid
-    seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)
-    per = seg[:, 2]
+        bound = hi
+    segments: tuple[list[int], list[int], list[int]] = ([], [], [])  # the runs at the bound found
+    _bucket_runs(w, ends, bound, n, segments)
+    first_start, k, per = (np.array(v, dtype=np.int64) for v in segments)
     first_of_seg = np.cumsum(per) - per
-    starts = np.repeat(seg[:, 0] - seg[:, 1] * first_of_seg, per) + np.repeat(seg[:, 1], per) * np.arange(per.sum())
+    starts = np.repeat(first_start - k * first_of_seg, per) + np.repeat(k, per) * np.arange(per.sum())
     sizes = np.diff(np.append(starts, n))
     while (spare := min(d - starts.size, int((sizes >= 2).sum()))) > 0:
         # fewer runs than ranks: halve the `spare` costliest runs of 2+ rows into the empty ranks

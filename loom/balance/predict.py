@@ -85,13 +85,16 @@ def slot_costs(layout: BatchLayout, costs: SampleCosts, llm_padded: bool = True)
             continue
         starts = bounds[:-1]
         padded = phase == LLM and llm_padded
-        w = costs.llm_padded_weight() if padded else costs.work[phase]
+        # a padded slot's longest row, then its cost: the row cost is increasing in the length
+        # (alpha, beta >= 0), so this is the largest `llm_padded_weight` of the slot, bit for bit
+        w = costs.llm_lengths if padded else costs.work[phase]
         if not layout.contiguous:
             w = w[order]
         if not w.size:
             out[phase] = np.zeros(len(starts))
         elif padded:
-            out[phase] = np.maximum.reduceat(w, starts) * np.diff(bounds)
+            longest = np.maximum.reduceat(w, starts).astype(np.float64)
+            out[phase] = (costs.llm_alpha * longest + costs.llm_beta * longest * longest) * np.diff(bounds)
         else:
             out[phase] = np.add.reduceat(w, starts)
     return out
