@@ -1,12 +1,13 @@
 """Balance, measured: a real 2-rank CPU training run on skewed data, every policy against none.
 
-The production path, as ``loom train`` runs it (`loom.train.main`): `build_data` (the demo
-dataset with a skewed mix: many text-only samples, some with one image, many with several
-large ones, so a few samples carry most of the vision work), `build_model` (a vision encoder and
-a Llama LLM from the zoo, no audio), `ParallelEngine.create` on the plan ``[vision, llm]`` (2
-ranks: the vision encoder on rank 0, the LLM on rank 1, a 2-stage pipeline with 8
-microbatches), the `Dispatcher` under ``BalanceConfig(default=policy)``, then
-``engine.step(got.batches, got.num_targets, step, layout=got.layout, rows=got.rows)`` with AdamW.
+The production path: each rank is built by `loom.train.rank.build_rank` and steps with
+`RankRun.step`, the two calls ``loom train`` makes (`loom.train.main`), on a `TrainConfig`
+(`train_config`) with the demo dataset in a skewed mix (many text-only samples, some with one
+image, many with several large ones, so a few samples carry most of the vision work), a vision
+encoder and a Llama LLM from the zoo (no audio), the plan ``[vision, llm]`` (2 ranks: the vision
+encoder on rank 0, the LLM on rank 1, a 2-stage pipeline with 8 microbatches),
+``[balance] default = policy``, and the run's optimizer and LR schedule (AdamW with the config's
+weight decay and betas, warmup then cosine decay over the run's steps).
 
 Two LLM batchings, each a run of its own: ``padded`` (one right-padded row per sample, the
 default of ``data.pack_sequences = false``) and ``packed`` (each LLM microbatch one packed row,
@@ -15,10 +16,10 @@ default of ``data.pack_sequences = false``) and ``packed`` (each LLM microbatch 
 fed the same global batches (`GlobalBatchSampler`, a new batch every step). The groups take
 turns step by step (the order rotates every step), so slow phases of a shared machine hit every
 group alike; after ``--warmup`` untimed steps, ``--repeats`` repeats of ``--steps-per-repeat``
-timed steps follow. A timed step runs, inside the worker, from a barrier to a barrier and holds
-everything a trainer pays per iteration: the dispatch (metadata all-gather, the policy, the
-payload all-to-all), the schedule for a new layout (`ParallelEngine.schedule_for`, cached per
-layout) and the step itself (AdamW included).
+timed steps follow. A timed step runs, inside the worker, from a barrier to a barrier around one
+`RankRun.step` and holds everything a trainer pays per iteration: the dispatch (metadata
+all-gather, the policy, the payload all-to-all), the schedule for a new layout (cached per
+layout), the step itself with the optimizer, the LR scheduler's step and the loss all-reduce.
 
 Figures (``better``: higher for every ratio):
 
@@ -94,7 +95,7 @@ class RealConfig:
     llm_heads: int = 4
     llm_kv_heads: int = 2
     llm_intermediate: int = 344
-    lr: float = 1e-3
+    lr: float = 1e-3  # optim.lr (the rest of [optim] as in configs/demo.toml: the defaults)
     seed: int = 0
     # balance.min_gain (None: the config's default); a negative value makes every policy use
     # its own layout even where its cost model predicts no gain (a diagnostic, not the default)
@@ -128,8 +129,11 @@ class RealConfig:
         return self
 
 
-def train_config(cfg: RealConfig, llm_batching: str):
-    """The `TrainConfig` (model, plan, data) of the run with ``llm_batching`` rows."""
+def train_config(cfg: RealConfig, llm_batching: str, policy: str = BASELINE):
+    """The `TrainConfig` of the run with ``llm_batching`` rows under ``policy``: model, plan,
+    data, ``[balance]``, ``optim.lr`` and ``run.steps`` (every step the group runs, so the LR
+    schedule is that of a run of this length)."""
+    from loom.balance.config import BalanceConfig
     from loom.data.demo import DemoConfig
     from loom.model.zoo import LlamaConfig, VisionConfig
     from loom.plan.plan import ModuleSpec, Plan
@@ -144,57 +148,41 @@ def train_config(cfg: RealConfig, llm_batching: str):
     plan = Plan([ModuleSpec("vision"), ModuleSpec("llm")], num_microbatches=cfg.microbatches)
     demo = DemoConfig(num_samples=cfg.num_samples, seed=cfg.seed, mix=cfg.mix_dict(),
                       max_image_size=cfg.max_image_size, max_images=cfg.max_images)
-    train = TrainConfig(model=model, plan=plan)
+    train = TrainConfig(model=model, plan=plan, balance=BalanceConfig(default=policy))
+    if cfg.min_gain is not None:
+        train.balance.min_gain = cfg.min_gain
+    train.run = dataclasses.replace(train.run, seed=cfg.seed, steps=cfg.warmup + cfg.repeats * cfg.steps_per_repeat)
+    train.optim = dataclasses.replace(train.optim, lr=cfg.lr)
     train.data = dataclasses.replace(train.data, global_batch_size=cfg.global_batch, demo=demo,
                                      pack_sequences=llm_batching == "packed")
-    return train
+    return train.check()
 
 
 # ---- one group, on each of its ranks -------------------------------------------------------
 def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict, llm_batching: str, commands: list, replies,
             trace_dir: str | None) -> None:
-    """Build the group as `loom.train.main.train` does, then run one step per command from the
-    driver on ``commands[rank]`` (``None`` ends) and reply with its times, loss and layout.
-    ``group`` names the group in `WorkerGroup`'s messages."""
-    from loom.balance.policy import BalanceConfig, load_stats
-    from loom.cost.arch_from_model import arch_from_model
+    """Build the rank with `build_rank`, as `loom.train.main.train` does, then run one
+    `RankRun.step` per command from the driver on ``commands[rank]`` (``None`` ends) and reply
+    with its times, loss and layout. ``group`` names the group in `WorkerGroup`'s messages."""
+    from loom.balance.policy import load_stats
     from loom.data.collate import count_tokens
-    from loom.data.sampler import GlobalBatchSampler
-    from loom.runtime.dispatch import Dispatcher
-    from loom.runtime.engine import ParallelEngine
     from loom.schedule.timeline import events_to_dicts
-    from loom.train.build import build_data, build_model, token_counters
+    from loom.train.rank import build_rank
 
     cfg = RealConfig(**cfg_dict)
-    train = train_config(cfg, llm_batching)
-    cpu = torch.device("cpu")
-    tokenizer, dataset = build_data(train)
-    model = build_model(train.model, tokenizer, seed=cfg.seed)
-    arch, counters = arch_from_model(model), token_counters(model)
-    plan = train.plan
-    balance = BalanceConfig(default=policy)
-    if cfg.min_gain is not None:
-        balance.min_gain = cfg.min_gain
-    engine = ParallelEngine.create(model, plan, cpu, optimizer_factory=lambda ps: torch.optim.AdamW(ps, lr=cfg.lr))
-    engine.eager_forward = balance.eager_forward
-    dispatcher = Dispatcher(plan, dataset, tokenizer, counters, arch, balance, cpu, pack=train.data.pack_sequences)
-    sampler = GlobalBatchSampler(len(dataset), cfg.global_batch, seed=cfg.seed)
-    del model
+    train = train_config(cfg, llm_batching, policy)
+    run = build_rank(train, torch.device("cpu"))
+    counters = run.token_counts
     replies.put(("ready", rank))
     while (i := commands[rank].get()) is not None:
-        indices = sampler.batch(i)
         dist.barrier()
         t0 = time.perf_counter()
-        got = dispatcher.dispatch(indices)
-        t1 = time.perf_counter()
-        engine.schedule_for(got.layout)  # build + validate on a new layout, a cache hit otherwise
-        t2 = time.perf_counter()
-        result = engine.step(got.batches, got.num_targets, i, layout=got.layout, rows=got.rows)
-        t3 = time.perf_counter()
+        done = run.step(i)
         dist.barrier()
-        t4 = time.perf_counter()
-        stats = load_stats(got.layout, plan, got.costs)
-        compute = sum(e.duration_s for e in result.timeline if e.kind in COMPUTE_KINDS)
+        t1 = time.perf_counter()
+        got = done.dispatched
+        stats = load_stats(got.layout, train.plan, got.costs)
+        compute = sum(e.duration_s for e in done.result.timeline if e.kind in COMPUTE_KINDS)
         counts = [count_tokens(m, counters) for m in got.metas]
         # what the runtime really computes: padded LLM rows are right-padded to each
         # microbatch's longest row; packed rows have no padding
@@ -202,7 +190,7 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
         llm_padded = (sum(len(slot) * max(counts[s]["llm"] for s in slot) for slot in got.layout.slots["llm"] if slot)
                       if not train.data.pack_sequences else llm_tokens)
         info = {
-            "total": t4 - t0, "dispatch": t1 - t0, "schedule": t2 - t1, "engine_step": t3 - t2, "compute": compute,
+            "total": t1 - t0, "dispatch": done.dispatch_s, "engine_step": done.engine_s, "compute": compute,
             "num_microbatches": got.layout.num_microbatches, "llm_padded_over_real": llm_padded / llm_tokens,
             "mb_max_over_mean": {phase: s["microbatches"] for phase, s in stats.items()},
             "slots": {phase: [list(slot) for slot in slots] for phase, slots in got.layout.slots.items()},
@@ -212,8 +200,9 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
         if trace_dir is not None:
             import json
             (Path(trace_dir) / f"{llm_batching}_{policy}_rank{rank}_step{i}.json").write_text(
-                json.dumps(events_to_dicts(result.timeline)))
-        replies.put(("step", rank, i, result.loss, info))
+                json.dumps(events_to_dicts(done.result.timeline)))
+        replies.put(("step", rank, i, done.loss, info))
+    run.close()
     replies.put(("done", rank, peak_rss_mb()))
 
 
@@ -230,10 +219,10 @@ class Group(WorkerGroup):
 
     def step(self, i: int) -> dict[str, Any]:
         got = self.command(i)
-        self.losses.append(sum(r[3] for r in got))  # only the LLM rank computes the loss
+        self.losses.append(got[0][3])  # the global batch's loss, all-reduced: the same on every rank
         infos = [r[4] for r in got]
         # both ranks leave at the closing barrier: the slower clock; parts: the slower rank's
-        step = {k: max(info[k] for info in infos) for k in ("total", "dispatch", "schedule", "engine_step")}
+        step = {k: max(info[k] for info in infos) for k in ("total", "dispatch", "engine_step")}
         step["compute"] = [info["compute"] for info in infos]
         step.update({k: infos[0][k] for k in ("num_microbatches", "mb_max_over_mean", "llm_padded_over_real",
                                               "slots", "kept_given", "predicted_gain")})
@@ -305,7 +294,6 @@ def summarize_batching(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "repeat_step_s": medians,
             "repeat_ratio": [b / m for b, m in zip(base, medians)],
             "dispatch_ms": median([s["dispatch"] for s in st]) * 1e3,
-            "schedule_ms_per_step": _mean([s["schedule"] for s in st]) * 1e3,
             "engine_step_ms": median([s["engine_step"] for s in st]) * 1e3,
             "compute_ms": [median([s["compute"][r] for s in st]) * 1e3 for r in range(WORLD_SIZE)],
             "mean_microbatches": _mean([s["num_microbatches"] for s in st]),
@@ -367,9 +355,13 @@ def real_run(verbose: bool = True, trace_dir: str | Path | None = None, **overri
     say(f"{NAME}: {wall:.0f} s in all")
     figures["config"] = {
         **asdict(cfg), "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo",
-        "plan": "[vision] -> [llm], one rank each", "optimizer": "AdamW",
-        "timing": "barrier to barrier per step: dispatch + schedule_for + engine.step; groups take turns step by "
-                  "step; a repeat's step time is the median of its steps, a repeat's ratio none / policy of those",
+        "plan": "[vision] -> [llm], one rank each",
+        "optimizer": "loom.train.rank.make_optimizer (AdamW, [optim] weight decay, betas 0.9/0.95) with the run's "
+                     "LR schedule",
+        "path": "loom.train.rank.build_rank + RankRun.step, as loom train",
+        "timing": "barrier to barrier per step around RankRun.step (dispatch, engine.step with its schedule and "
+                  "optimizer step, LR scheduler, loss all-reduce); groups take turns step by step; a repeat's step "
+                  "time is the median of its steps, a repeat's ratio none / policy of those",
         "headline": "real_step_time_ratio[_packed]: the policy with the highest median ratio (best_policy)",
         "batchings": details, "wall_s": round(wall, 1),
     }
@@ -397,14 +389,14 @@ def _print_table(batching: str, summary: dict[str, dict[str, Any]], ratio_figs: 
         s = summary[n]
         ratio = "-" if n == BASELINE else spread(ratio_figs[n], ".3f")
         rows.append([n, spread(figures[f"real_{batching}_{n}_step_ms"], ".0f"), ratio, f"{s['dispatch_ms']:.1f}",
-                     f"{s['schedule_ms_per_step']:.1f}", f"{s['compute_ms'][0]:.0f}/{s['compute_ms'][1]:.0f}",
+                     f"{s['engine_step_ms']:.0f}", f"{s['compute_ms'][0]:.0f}/{s['compute_ms'][1]:.0f}",
                      f"{s['mb_max_over_mean']['vision']:.2f}", f"{s['mb_max_over_mean']['llm']:.2f}",
                      f"{s['llm_padded_over_real']:.2f}", f"{s['mean_microbatches']:.1f}",
                      f"{100 * s['same_layout_as_none']:.0f}%", f"{100 * s['kept_given']:.0f}%",
                      f"{100 * s['predicted_gain']:.1f}%", s["peak_rss_mb"]])
     spread_is = next(iter(ratio_figs.values()))["spread_is"]
     print(f"\nLLM rows {batching} (value [spread: {spread_is}] over the repeats)")
-    print(format_table(["policy", "step ms", "none / policy", "dispatch ms", "schedule ms", "compute r0/r1 ms",
+    print(format_table(["policy", "step ms", "none / policy", "dispatch ms", "engine step ms", "compute r0/r1 ms",
                         "vision mb max/mean", "llm mb max/mean", "LLM padded/real", "microbatches",
                         "none's layout", "kept given", "predicted gain", "peak RSS MB"], rows))
     per_repeat = "; ".join(f"{p} " + " ".join(f"{r:.3f}" for r in summary[p]["repeat_ratio"])

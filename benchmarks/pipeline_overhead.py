@@ -3,18 +3,22 @@
 Both sides train the same 2-stage LLM-only model (the zoo ``LlamaForCausalLM`` in a
 ``MultimodalModel`` with no encoders) on 2 gloo processes with one thread each: the same
 initial weights (same seed), the same layer boundaries, the same global batches of
-fixed-length text samples (so torch's static-shape pipelining applies), the same loss (summed
-token cross-entropy over the global batch's target-token count; torch runs with
-``scale_grads=False`` so nothing else rescales it) and the same optimizer (AdamW; its step is
-*included* in the timed step on both sides).
+fixed-length text samples (so torch's static-shape pipelining applies; the run's seeded
+`GlobalBatchSampler` picks them), the same loss (summed token cross-entropy over the global
+batch's target-token count; torch runs with ``scale_grads=False`` so nothing else rescales it),
+the same optimizer and LR schedule (`loom.train.rank.make_optimizer` and `make_lr_scheduler`:
+AdamW with the run's weight decay and betas; both steps are *included* in the timed step on
+both sides) and the global loss summed over the ranks.
 
 Each side does per step what its user does:
-- loom runs exactly what `loom train` runs: the `Dispatcher` (each rank loads its loader shard
-  of the global batch, metadata all-gathered, the layout of policy ``none`` from
-  `make_layout`, the payload all-to-all, collation) and then ``engine.step`` with that layout
-  and its `RowMap`; the optimizer step is the schedule's ``optimizer_step`` action;
+- loom runs exactly what `loom train` runs: each rank is built by `loom.train.rank.build_rank`
+  from a `TrainConfig` (`train_config`) with this benchmark's samples, and steps with
+  `RankRun.step`: the `Dispatcher` (each rank loads its loader shard of the global batch,
+  metadata all-gathered, the layout of policy ``none``, the payload all-to-all, collation),
+  ``engine.step`` with that layout and its `RowMap` (the optimizer step is the schedule's
+  ``optimizer_step`` action), the LR scheduler's step and the loss all-reduce;
 - torch: every rank reads and collates the same microbatches itself and runs
-  ``Schedule1F1B.step``, then the optimizer.
+  ``Schedule1F1B.step``, then the optimizer, the LR scheduler and the loss all-reduce.
 
 Two configurations run in one invocation: ``default`` (figure ``step_time_ratio``) and
 ``small``, the overhead-dominated model of issue 8 point 9 (figure ``step_time_ratio_small``).
@@ -50,23 +54,23 @@ from torch import nn
 
 from benchmarks.common import (WorkerGroup, figure, format_table, median, peak_rss_mb, start_run, summarize,
                                write_result)
-from loom.balance.policy import BalanceConfig
-from loom.cost.arch_from_model import arch_from_model
 from loom.data.collate import collate, split_microbatches
 from loom.data.sample import Batch, Sample, SampleMeta
+from loom.data.sampler import GlobalBatchSampler
 from loom.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from loom.model.layers import Layer, run_layers
 from loom.model.multimodal import MultimodalModel, loss_sum
-from loom.model.zoo import LlamaConfig, LlamaForCausalLM
+from loom.model.zoo import LlamaConfig
 from loom.plan.plan import LLM, ModuleSpec, Plan
-from loom.runtime.dispatch import Dispatcher
-from loom.runtime.engine import ParallelEngine
+from loom.train.build import build_model as build_run_model
+from loom.train.config import ModelConfig, TrainConfig
+from loom.train.rank import build_rank, make_lr_scheduler, make_optimizer
 
 NAME = "pipeline_overhead"
 SIDES = ("loom", "torch")
 WORLD_SIZE = 2
 LOSS_RTOL = 1e-4
-BATCHES = 4  # distinct global batches, used in turn
+BATCHES = 4  # the dataset holds this many global batches; the run's sampler draws from it
 
 
 @dataclass
@@ -80,7 +84,7 @@ class BenchConfig:
     kv_heads: int = 4
     intermediate: int = 688
     vocab: int = 512
-    lr: float = 1e-3
+    lr: float = 1e-3  # optim.lr (the rest of [optim]: the run's defaults)
     seed: int = 0
 
     @property
@@ -98,20 +102,28 @@ CONFIGS = {
 FIGURE = {"default": "step_time_ratio", "small": "step_time_ratio_small"}
 
 
-# ---- the shared model, plan and data -------------------------------------------------------
-def build_model(cfg: BenchConfig) -> MultimodalModel:
-    torch.manual_seed(cfg.seed)
-    llm = LlamaForCausalLM(LlamaConfig(
+# ---- the shared run config, model, plan and data --------------------------------------------
+def train_config(cfg: BenchConfig, total_steps: int) -> TrainConfig:
+    """The run both sides train: an LLM-only zoo model, two LLM stages with loom's default even
+    split (the torch side cuts at the same layers), ``optim.lr``, and ``run.steps`` (every step
+    the side runs, so the LR schedule is that of a run of this length)."""
+    model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
-        num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len,
-    ))
-    return MultimodalModel({}, llm, {})
-
-
-def build_plan(cfg: BenchConfig, model: MultimodalModel) -> Plan:
-    """Two LLM stages with loom's default even split; the torch side cuts at the same layers."""
+        num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
     plan = Plan([ModuleSpec(LLM, num_stages=WORLD_SIZE)], num_microbatches=cfg.microbatches, schedule="1f1b")
-    return plan.resolve(model.layer_counts(), WORLD_SIZE)
+    train = TrainConfig(model=model, plan=plan)
+    train.run = replace(train.run, seed=cfg.seed, steps=total_steps)
+    train.optim = replace(train.optim, lr=cfg.lr)
+    train.data = replace(train.data, global_batch_size=cfg.global_batch)
+    return train.check()
+
+
+def build_model(train: TrainConfig, tokenizer: Tokenizer) -> MultimodalModel:
+    """The run's model (`loom.train.build.build_model`, as every loom rank builds it), with the
+    plan resolved against it."""
+    model = build_run_model(train.model, tokenizer, seed=train.run.seed)
+    train.plan.resolve(model.layer_counts(), WORLD_SIZE)
+    return model
 
 
 class TextDataset:
@@ -134,13 +146,6 @@ class TextDataset:
         return self.samples[index]
 
 
-def batch_indices(cfg: BenchConfig, step: int) -> list[int]:
-    first = (step % BATCHES) * cfg.global_batch
-    return list(range(first, first + cfg.global_batch))
-
-
-def make_optimizer(cfg: BenchConfig):
-    return lambda params: torch.optim.AdamW(params, lr=cfg.lr)
 
 
 # ---- the torch side ------------------------------------------------------------------------
@@ -162,10 +167,10 @@ class TorchStageModule(nn.Module):
         return run_layers(self._layers, None if self._is_first else x, ctx)
 
 
-def build_torch_pipeline(cfg: BenchConfig, model: MultimodalModel, plan: Plan, rank: int, num_targets: int):
+def build_torch_pipeline(cfg: BenchConfig, train: TrainConfig, model: MultimodalModel, rank: int, num_targets: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    start, end = plan.layers_of(LLM, rank)
+    start, end = train.plan.layers_of(LLM, rank)
     all_layers = model.module_layers(LLM)
     mine = all_layers[start:end]
     held = {id(layer.module) for layer in mine}
@@ -185,8 +190,8 @@ def build_torch_pipeline(cfg: BenchConfig, model: MultimodalModel, plan: Plan, r
         return loss_sum(logits, labels) / num_targets
 
     schedule = Schedule1F1B(stage, cfg.microbatches, loss_fn=loss_fn, scale_grads=False)
-    optimizer = make_optimizer(cfg)([p for p in module.parameters() if p.requires_grad])
-    return schedule, optimizer
+    optimizer = make_optimizer(train.optim)([p for p in module.parameters() if p.requires_grad])
+    return schedule, optimizer, make_lr_scheduler(train, optimizer)
 
 
 # ---- one side, on each of its ranks --------------------------------------------------------
@@ -194,29 +199,26 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
     """Build the side, then run one step per command from the driver on ``commands[rank]``
     (``None`` ends) and reply with its time, loss and (loom) dispatch time; the driver makes
     the two sides take turns."""
-    warmup = cfg_dict.pop("_warmup")
+    warmup, total = cfg_dict.pop("_warmup"), cfg_dict.pop("_total")
     cfg = BenchConfig(**cfg_dict)
-    model = build_model(cfg)
-    plan = build_plan(cfg, model)
+    train = train_config(cfg, total)
     data = TextDataset(cfg)
     num_targets = cfg.global_batch * (cfg.seq_len - 1)  # every position but the last predicts
 
     if side == "loom":
-        engine = ParallelEngine.create(model, plan, torch.device("cpu"), optimizer_factory=make_optimizer(cfg))
-        dispatcher = Dispatcher(plan, data, data.tokenizer, {}, arch_from_model(model), BalanceConfig(),
-                                torch.device("cpu"))
+        run = build_rank(train, torch.device("cpu"), data=(data.tokenizer, data))
 
         def step(i: int) -> tuple[float, float]:
-            t0 = time.perf_counter()
-            got = dispatcher.dispatch(batch_indices(cfg, i))
-            t1 = time.perf_counter()
-            result = engine.step(got.batches, got.num_targets, i, exact_timing=False, layout=got.layout, rows=got.rows)
-            return result.loss, t1 - t0
+            done = run.step(i)
+            return done.loss, done.dispatch_s
     else:
-        schedule, optimizer = build_torch_pipeline(cfg, model, plan, rank, num_targets)
+        model = build_model(train, data.tokenizer)
+        schedule, optimizer, scheduler = build_torch_pipeline(cfg, train, model, rank, num_targets)
+        sampler = GlobalBatchSampler(len(data), cfg.global_batch, seed=train.run.seed)  # the run's batches
+        del model
 
         def step(i: int) -> tuple[float, float]:
-            samples = [data[k] for k in batch_indices(cfg, i)]
+            samples = [data[k] for k in sampler.batch(i)]
             parts = split_microbatches(samples, cfg.microbatches)
             batches = [collate(p, data.tokenizer, {}) for p in parts]
             losses: list[torch.Tensor] = []
@@ -225,10 +227,12 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
             else:
                 schedule.step(target=torch.cat([b.labels for b in batches]), losses=losses, return_outputs=False)
             optimizer.step()
+            scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            return float(sum(float(l.detach()) for l in losses)), 0.0
+            loss = torch.tensor([sum(float(l.detach()) for l in losses)], dtype=torch.float64)
+            dist.all_reduce(loss)  # as loom's step: the global loss on every rank
+            return float(loss), 0.0
 
-    del model
     profiler = cProfile.Profile() if profile_dir is not None else None
     replies.put(("ready", rank))
     while (i := commands[rank].get()) is not None:
@@ -244,7 +248,7 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
             profiler.disable()
         replies.put(("step", rank, i, elapsed, loss, dispatch_s))
     if side == "loom":
-        engine.close()
+        run.close()
     if profiler is not None:
         profiler.dump_stats(str(Path(profile_dir) / f"{side}_rank{rank}.prof"))
     replies.put(("done", rank, peak_rss_mb()))
@@ -253,8 +257,9 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
 class Side(WorkerGroup):
     """A side's pair of processes and the queues that drive them."""
 
-    def __init__(self, side: str, cfg: BenchConfig, warmup: int, profile_dir: str | None):
-        super().__init__(side, _worker, WORLD_SIZE, {**asdict(cfg), "_warmup": warmup}, extra=(profile_dir,))
+    def __init__(self, side: str, cfg: BenchConfig, warmup: int, total: int, profile_dir: str | None):
+        super().__init__(side, _worker, WORLD_SIZE, {**asdict(cfg), "_warmup": warmup, "_total": total},
+                         extra=(profile_dir,))
         self.losses: list[float] = []
         self.dispatch: list[float] = []
         self.peak_rss_mb = 0.0
@@ -262,7 +267,7 @@ class Side(WorkerGroup):
     def step(self, i: int) -> float:
         got = self.command(i)
         elapsed = max(r[3] for r in got)  # both ranks leave at the closing barrier: the slower clock
-        self.losses.append(got[-1][4])  # the last stage computes the loss
+        self.losses.append(got[-1][4])  # the global loss, all-reduced: the same on every rank
         self.dispatch.append(max(r[5] for r in got))
         return elapsed
 
@@ -272,9 +277,9 @@ class Side(WorkerGroup):
 
 def run_config(name: str, cfg: BenchConfig, steps: int, warmup: int, profile: Path | None) -> dict:
     """Both sides of one configuration, taking turns; returns their per-step times and more."""
-    model = build_model(cfg)
-    plan = build_plan(cfg, model)
-    bounds = plan.spec(LLM).stage_boundaries
+    train = train_config(cfg, warmup + steps)
+    model = build_model(train, TextDataset(cfg).tokenizer)
+    bounds = train.plan.spec(LLM).stage_boundaries
     params = sum(p.numel() for p in model.parameters())
     del model
     print(f"[{name}] 2-stage LLM ({params / 1e6:.2f} M parameters, layer boundaries {bounds}), "
@@ -285,7 +290,7 @@ def run_config(name: str, cfg: BenchConfig, steps: int, warmup: int, profile: Pa
         (profile / name).mkdir(parents=True, exist_ok=True)
         profile_dir = str(profile / name)
     t0 = time.perf_counter()
-    sides = {side: Side(side, cfg, warmup, profile_dir) for side in SIDES}
+    sides = {side: Side(side, cfg, warmup, warmup + steps, profile_dir) for side in SIDES}
     times: dict[str, list[float]] = {side: [] for side in SIDES}
     try:
         for side in sides.values():
@@ -352,16 +357,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     start_run()
-    print(f"{NAME}: loom (Dispatcher + engine.step with the layout) vs torch Schedule1F1B, 2 gloo processes x "
-          f"1 thread per side, the sides taking turns step by step (AdamW step included)")
+    print(f"{NAME}: loom (build_rank + RankRun.step, as loom train) vs torch Schedule1F1B, 2 gloo processes x "
+          f"1 thread per side, the sides taking turns step by step (optimizer and LR scheduler steps included)")
     t0 = time.perf_counter()
     runs = {name: run_config(name, cfg, args.steps, args.warmup, args.profile) for name, cfg in args.configs.items()}
 
     figures, rows, config = {}, [], {"world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo",
                                      "schedule": "1f1b", "steps": args.steps, "warmup": args.warmup,
-                                     "optimizer": "AdamW, step included in the timed step",
-                                     "loom_path": "Dispatcher.dispatch (policy none) + engine.step(layout=, rows=)",
-                                     "torch_path": "each rank collates the microbatches, Schedule1F1B.step",
+                                     "optimizer": "loom.train.rank.make_optimizer (AdamW, [optim] weight decay, betas "
+                                                  "0.9/0.95) and make_lr_scheduler on both sides, steps included in "
+                                                  "the timed step",
+                                     "loom_path": "loom.train.rank.build_rank + RankRun.step (Dispatcher.dispatch with "
+                                                  "policy none, engine.step(layout=, rows=), LR scheduler, loss "
+                                                  "all-reduce), as loom train",
+                                     "torch_path": "each rank collates the microbatches, Schedule1F1B.step, optimizer "
+                                                  "and LR scheduler steps, loss all-reduce",
                                      "timing": "barrier to barrier per step; the sides take turns step by step; "
                                                "figure = median of the paired per-step ratios loom / torch, spread IQR",
                                      "configurations": {}}

@@ -1,6 +1,6 @@
 """The demo model learns: a short deterministic single-process run on the demo data lowers the
 loss. Model, data and optimizer settings are those of ``configs/demo.toml`` (AdamW with betas
-(0.9, 0.95), linear warmup then cosine decay, as `loom.train.main` builds them); only the number
+(0.9, 0.95), linear warmup then cosine decay, from `loom.train.rank` as every rank of a run builds them); only the number
 of steps and the batch size are cut, so it runs in seconds on one CPU thread."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from loom.data.collate import collate
 from loom.data.sampler import GlobalBatchSampler
 from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import load_config
-from loom.train.main import lr_lambda
+from loom.train.rank import make_lr_scheduler, make_optimizer
 
 DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 STEPS = 20
@@ -31,8 +31,8 @@ def test_demo_model_loss_falls_to_at_most_0_7_of_its_start():
         model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
         counts = token_counters(model)
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+        optimizer = make_optimizer(cfg.optim)(params)
+        scheduler = make_lr_scheduler(cfg, optimizer)
         sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
         losses = []
         for step in range(STEPS):

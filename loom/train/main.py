@@ -2,10 +2,12 @@
 
     torchrun --nproc-per-node 4 -m loom.train.main --config runs/demo/config.toml --run-dir runs/demo
 
-One obvious loop (torchtitan style): every rank builds the model from the same seed, keeps its
-stage, and for each step takes the global batch's sample indices from the seeded sampler; the
-`Dispatcher` loads each rank's share, gathers the metadata, applies the ``[balance]`` policy
-and moves every payload to the ranks that run it; each rank runs its share of the schedule.
+One obvious loop (torchtitan style): every rank builds its share of the run with
+`loom.train.rank.build_rank` (the model from the same seed, cut to its stage; the optimizer, LR
+schedule, sampler and `Dispatcher`) and runs `RankRun.step` once per step: the global batch's
+sample indices from the seeded sampler; the dispatcher loads each rank's share, gathers the
+metadata, applies the ``[balance]`` policy and moves every payload to the ranks that run it;
+each rank runs its share of the schedule. The benchmarks call the same two functions.
 Rank 0 writes ``metrics.jsonl``, ``balance.jsonl`` (per step: the policy, the microbatches'
 dataset indices per phase, max/mean load across replicas and microbatches) and, at the end,
 ``trace.json`` with every rank's timeline of the last step. Every rank writes its output to
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -30,28 +31,11 @@ import torch
 import torch.distributed as dist
 
 from loom.balance.policy import load_stats
-from loom.cost.arch_from_model import arch_from_model
-from loom.data.sampler import GlobalBatchSampler
-from loom.runtime.dispatch import Dispatcher
-from loom.runtime.engine import ParallelEngine
 from loom.schedule.timeline import write_chrome_trace
-from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import TrainConfig, load_config
 from loom.train.launch import SUPERVISOR_ENV, die_with_parent
+from loom.train.rank import build_rank, lr_lambda
 from loom.train.status import LOGS, RankExit, Terminated, classify, write_pid, write_status
-
-
-def lr_lambda(cfg: TrainConfig):
-    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak at the last step."""
-    warm, total, floor = cfg.optim.warmup_steps, cfg.run.steps, cfg.optim.min_lr_ratio
-
-    def f(step: int) -> float:
-        if step < warm:
-            return (step + 1) / warm
-        progress = (step - warm) / max(1, total - warm)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    return f
 
 
 def init_distributed(device_kind: str) -> torch.device:
@@ -68,22 +52,10 @@ def init_distributed(device_kind: str) -> torch.device:
 def train(cfg: TrainConfig, run_dir: Path) -> None:
     device = init_distributed(cfg.run.device)
     rank = dist.get_rank()
-    tokenizer, dataset = build_data(cfg)
-    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
-    counters = token_counters(model)
-
-    def make_optimizer(params):
-        return torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
-
-    engine = ParallelEngine.create(model, cfg.plan, device, make_optimizer)
-    engine.eager_forward = cfg.balance.eager_forward
-    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lr_lambda(cfg)) if engine.optimizer else None
+    run = build_rank(cfg, device)
     if rank == 0:
         cfg.plan.to_json(run_dir / "plan.json")
-        engine.schedule.to_json(run_dir / "schedule.json")
-    sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
-    dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch_from_model(model), cfg.balance, device,
-                            pack=cfg.data.pack_sequences)
+        run.engine.schedule.to_json(run_dir / "schedule.json")
 
     progress = None
     metrics = balance_log = None
@@ -97,25 +69,16 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
 
     last_timeline = []
     for step in range(cfg.run.steps):
-        t0 = time.perf_counter()
-        indices = sampler.batch(step)
-        got = dispatcher.dispatch(indices)
-        targets = got.num_targets
-        result = engine.step(got.batches, targets, step, exact_timing=step == cfg.run.steps - 1,  # traced step
-                             layout=got.layout, rows=got.rows)
-        if scheduler is not None:
-            scheduler.step()
-        loss = torch.tensor([result.loss], dtype=torch.float64)
-        dist.all_reduce(loss)  # only the LLM's last stages contribute
-        step_time = time.perf_counter() - t0
-        last_timeline = result.timeline
+        done = run.step(step, exact_timing=step == cfg.run.steps - 1)  # the traced step
+        got, loss, step_time = done.dispatched, done.loss, done.total_s
+        last_timeline = done.result.timeline
         if rank == 0:
             row = {
                 "step": step,
-                "loss": round(float(loss), 6),
-                "samples_per_s": round(len(indices) / step_time, 3),
+                "loss": round(loss, 6),
+                "samples_per_s": round(len(done.indices) / step_time, 3),
                 "step_time_s": round(step_time, 4),
-                "target_tokens": targets,
+                "target_tokens": got.num_targets,
                 "lr": cfg.optim.lr * lr_lambda(cfg)(step),
             }
             metrics.write(json.dumps(row) + "\n")
@@ -126,18 +89,18 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
                 "nodewise": got.layout.nodewise,
                 "num_microbatches": got.layout.num_microbatches,
                 "max_over_mean": load_stats(got.layout, cfg.plan, got.costs),
-                "microbatches": {p: [[indices[s] for s in slot] for slot in v] for p, v in got.layout.slots.items()},
+                "microbatches": {p: [[done.indices[s] for s in slot] for slot in v] for p, v in got.layout.slots.items()},
             }) + "\n")
             if progress is not None:
-                progress.set_postfix(loss=f"{float(loss):.3f}", samples_s=f"{row['samples_per_s']:.1f}")
+                progress.set_postfix(loss=f"{loss:.3f}", samples_s=f"{row['samples_per_s']:.1f}")
                 progress.update(1)
             elif step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
-                print(f"step {step:5d}/{cfg.run.steps}  loss {float(loss):.4f}  "
+                print(f"step {step:5d}/{cfg.run.steps}  loss {loss:.4f}  "
                       f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step", flush=True)
 
     if rank == 0 and set(got.layout.policy.values()) != {"none"}:
         # a balanced run's schedule changes with its layout: keep the last step's next to the base one
-        engine.schedule_for(got.layout).to_json(run_dir / "schedule_last_step.json")
+        run.engine.schedule_for(got.layout).to_json(run_dir / "schedule_last_step.json")
     gathered = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(last_timeline, gathered, dst=0)
     if rank == 0:
@@ -152,7 +115,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
             e.end_s -= t_min
         roles = {r: "{}.stage{} dp{}".format(*cfg.plan.role_of(r)) for r in range(dist.get_world_size())}
         write_chrome_trace(events, run_dir / "trace.json", roles)
-    engine.close()  # no send in flight when the group goes (issue 8, point 16)
+    run.close()  # no send in flight when the group goes (issue 8, point 16)
     dist.barrier()
     dist.destroy_process_group()
 
