@@ -296,28 +296,42 @@ class _SubsetSums:
             shifted = (flat[src] << b) | ((flat[src - 1] >> one) >> (top_bit - b))
             padded[:, w:] |= shifted
             self.prefix.append(padded[:, w:].copy())
-        reach = padded[:, w:]
-        # every row's reachable sums as one sorted array of row * span + units: a query is then
-        # a binary search (bit 0, the empty subset, is reachable in every row)
-        bits = np.unpackbits(reach.view(np.uint8), axis=1, bitorder="little")
-        self.span = bits.shape[1]
-        self.flat = np.flatnonzero(bits)
-        row_start = np.arange(t) * self.span
-        self.top = self.flat[np.searchsorted(self.flat, row_start + self.span) - 1] - row_start
+        self.reach = padded[:, w:]
+        # per row and word, the last nonzero word at or before it and the first at or after it
+        # (-1, words: none), so a query finds the nearest reachable sums with no scan
+        index = np.arange(w)
+        nonzero = self.reach != 0
+        self.last_word = np.maximum.accumulate(np.where(nonzero, index, -1), axis=1)
+        self.next_word = np.minimum.accumulate(np.where(nonzero, index, w)[:, ::-1], axis=1)[:, ::-1]
+        last = self.last_word[:, -1]  # bit 0, the empty subset, is reachable in every row
+        self.top = last * 64 + _highest_bit(self.reach[np.arange(t), last])
 
     def _units(self, rows: np.ndarray, target: np.ndarray) -> np.ndarray:
-        """Units of the reachable sum closest to ``target`` (ties: the smaller), per query."""
+        """Units of the reachable sum closest to ``target`` (ties: the smaller), per query: the
+        highest set bit at or below ``t = floor(target / quantum)`` and the lowest above it, each
+        in ``t``'s word or else in the nearest nonzero word on its side."""
         q = self.quantum[rows]
         ok = (target > 0) & (q > 0)
         with np.errstate(divide="ignore", invalid="ignore"):
             t = np.where(ok, np.floor(target / np.where(q > 0, q, 1.0)), 0)
-        t = np.minimum(t, self.top[rows]).astype(np.int64)
-        base = rows * self.span
-        lo = self.flat[np.searchsorted(self.flat, base + t, side="right") - 1] - base
-        # t <= top, so the smallest reachable sum above t is in the row whenever t < top
-        above = np.searchsorted(self.flat, base + t + 1, side="left")
-        has_hi = t < self.top[rows]
-        hi = np.where(has_hi, self.flat[np.minimum(above, self.flat.size - 1)] - base, 0)
+        top = self.top[rows]
+        t = np.minimum(t, top).astype(np.int64)
+        word_at, bit = t >> 6, (t & 63).astype(np.uint64)
+        word = self.reach[rows, word_at]
+        upto = (np.uint64(2) << bit) - np.uint64(1)  # bits 0..bit (all 64 at bit 63: the shift wraps to 0)
+        below = word & upto
+        in_word = below != 0
+        # t's word holds bit 0 in word 0, so a row without a set bit up to t has an earlier word
+        before = self.last_word[rows, np.maximum(word_at - 1, 0)]
+        lo = np.where(in_word, word_at * 64 + _highest_bit(below),
+                      before * 64 + _highest_bit(self.reach[rows, np.maximum(before, 0)]))
+        # t < top, so the smallest reachable sum above t is in the row
+        has_hi = t < top
+        above = word & ~upto
+        in_word = above != 0
+        after = np.minimum(self.next_word[rows, np.minimum(word_at + 1, self.words - 1)], self.words - 1)
+        hi = np.where(in_word, word_at * 64 + _lowest_bit(above), after * 64 + _lowest_bit(self.reach[rows, after]))
+        hi = np.where(has_hi, hi, 0)
         lower = ~has_hi | (target - lo * q <= hi * q - target)
         return np.where(ok, np.where(lower, lo, hi), 0)
 
@@ -337,6 +351,21 @@ class _SubsetSums:
             take[:, c] = ~reachable
             units = units - np.where(reachable, 0, self.units[rows, c])
         return take
+
+
+def _highest_bit(x: np.ndarray) -> np.ndarray:
+    """Index of the highest set bit of each nonzero uint64 (garbage for 0): a 32-bit half as a
+    float is exact, so its binary exponent is the bit's index."""
+    high = x >> np.uint64(32)
+    upper = high != 0
+    half = np.where(upper, high, x & np.uint64(0xFFFFFFFF)).astype(np.float64)
+    return np.frexp(half)[1].astype(np.int64) - 1 + 32 * upper
+
+
+def _lowest_bit(x: np.ndarray) -> np.ndarray:
+    """Index of the lowest set bit of each nonzero uint64: ``x & -x`` is that bit alone, a power
+    of two, which a float holds exactly."""
+    return np.frexp((x & (~x + np.uint64(1))).astype(np.float64))[1].astype(np.int64) - 1
 
 
 def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
