@@ -82,3 +82,46 @@ def test_policy_keeps_the_given_layout_when_its_gain_is_too_small(arch) -> None:
     same = sample_costs(vision_arch, [metas[0]] * 64)
     flat = make_layout(BalanceConfig(default="orchmllm"), plan, same)
     assert flat.kept_given and flat.predicted_gain["total"] <= 0.01
+
+
+def test_backward_ratio_follows_the_frozen_aware_rule() -> None:
+    """`SampleCosts.backward_ratio` per phase makes the costs' backward exactly what
+    `loom.cost.flops.model_flops` prices under the frozen-aware rule."""
+    from loom.cost.flops import model_flops
+
+    base = load_model_arch("llama3-8b", {"vision": "vit-h-14"})
+    metas = _metas("caption", 40)
+    ratios = {}
+    for frozen in ((), ("vision",), ("vision.encoder",), (LLM,)):
+        arch = base.with_freeze(frozen)
+        costs = sample_costs(arch, metas)
+        forward = sum(float(costs.work[p].sum()) for p in arch.module_names)
+        backward = sum(costs.backward_ratio_of(p) * float(costs.work[p].sum()) for p in arch.module_names)
+        assert forward + backward == pytest.approx(model_flops(arch, sample_work(arch, metas)), rel=1e-9), frozen
+        ratios[frozen] = costs.backward_ratio
+    assert ratios[()][LLM] == 2.0 and 1.99 < ratios[()]["vision"] < 2.0  # the patch embedding has no input gradient
+    assert ratios[("vision",)] == {"vision": 0.0, LLM: 2.0}  # nothing before the frozen encoder trains
+    assert 0.0 < ratios[("vision.encoder",)]["vision"] < 0.1  # only the projector
+    assert 1.0 < ratios[(LLM,)][LLM] < 2.0 and 1.99 < ratios[(LLM,)]["vision"]  # input gradients pass through
+
+
+def test_a_frozen_encoder_changes_the_prediction(arch) -> None:
+    # the hand-worked pipeline of test_balance_predict, vision forwards 3 then 1, the LLM 1 then 3:
+    # trainable, the encoder's backwards end at 17; frozen (no backward), the LLM's last at 15
+    from loom.balance.costs import SampleCosts
+    from loom.balance.predict import predict_step
+    from loom.schedule.layout import identity_layout
+
+    plan = Plan([ModuleSpec("vision"), ModuleSpec(LLM)], num_microbatches=2).resolve({"vision": 4, LLM: 4})
+    layout = identity_layout([[0], [1]], plan.module_names)
+    trainable = SampleCosts({"vision": [3.0, 1.0], LLM: [1.0, 3.0]}, [1, 3], 1.0, 0.0)
+    frozen = dataclasses.replace(trainable, backward_ratio={"vision": 0.0})
+    assert predict_step(layout, plan, trainable, llm_padded=False).step == 17.0
+    assert predict_step(layout, plan, frozen, llm_padded=False).step == 15.0
+    # and from the arch: freezing the encoder lowers the predicted step of the same layout
+    vision_arch = load_model_arch("llama3-8b", {"vision": "vit-h-14"})
+    metas = _metas("caption", 16)
+    plan = _plan(2, 4)
+    given = make_layout(BalanceConfig(), plan, sample_costs(vision_arch, metas))
+    steps = [predict_step(given, plan, sample_costs(a, metas)).step for a in (vision_arch, vision_arch.with_freeze(["vision"]))]
+    assert steps[1] < steps[0]

@@ -435,3 +435,32 @@ def test_render():
         "r1: F llm.1 mb0 | B llm.1 mb0 | F llm.1 mb1 | B llm.1 mb1 | sync llm.1 | step llm.1",
     ]
     assert "sendA llm.0 mb0 -> r1" in render(build_schedule(plan))
+
+
+def test_batch_layout_arrays_are_read_only_and_keyed():
+    import numpy as np
+
+    from loom.schedule.layout import BatchLayout, contiguous_layout, identity_layout
+
+    phases = ["vision", "llm"]
+    a = identity_layout([[0, 2], [1, 3]], phases)
+    order, bounds = a.arrays["llm"]
+    with pytest.raises(ValueError):
+        order[0] = 5  # the cached slots could not follow
+    with pytest.raises(TypeError):
+        a.arrays["llm"] = (order, bounds)
+    with pytest.raises(AttributeError):
+        a.arrays = {}
+    assert a.slots["llm"] == ((0, 2), (1, 3))
+    # the key follows the slots (not the policy) and is hashable
+    b = BatchLayout({p: ((0, 2), (1, 3)) for p in phases}, {p: "orchmllm" for p in phases})
+    assert a.key() == b.key() and hash(a.key()) == hash(b.key())
+    c = identity_layout([[0, 3], [1, 2]], phases)
+    d = BatchLayout({"vision": ((0, 2), (1, 3)), "llm": ((0, 2), (3, 1))})
+    assert len({a.key(), c.key(), d.key()}) == 3
+    e = contiguous_layout(4, 2, phases)
+    assert e.key() == identity_layout([[0, 1], [2, 3]], phases).key() and e.is_identity()
+    # a caller's array is not frozen by the layout built over it
+    mine = np.array([0, 1, 2, 3])
+    BatchLayout(None, arrays={p: (mine, np.array([0, 2, 4])) for p in phases})
+    mine[0] = 0

@@ -154,7 +154,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
                 methods.add(got.method)
                 applied += got.applied
                 slot_of_bin = got.slot_of_bin
-            np.take(slot_of_bin, bins, out=idx[lo:hi])
+            np.take(slot_of_bin, bins, out=idx[lo:hi], mode="clip")  # "raise" would buffer the output
             if t:
                 idx[lo:hi] += t * r
             per_slot[t * r + slot_of_bin] = loads

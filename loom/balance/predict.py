@@ -298,13 +298,10 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
             bounds = first.arrays[LLM][1]
             llm_index = first.slot_index(LLM)
             for e in first.encoders:
-                e_order, e_bounds = first.arrays[e]
-                l_order = first.arrays[LLM][0]
-                if (e_order is l_order or np.array_equal(e_order, l_order)) and \
-                        (e_bounds is bounds or np.array_equal(e_bounds, bounds)):
+                if first.shares_llm_slots(e):
                     continue  # this encoder's slots are the LLM's: slot k waits for slot k
                 feeders[e], cons, split = _routes(first, e, lanes, plan, llm_index)
-                consumers[e] = (cons, e_bounds)
+                consumers[e] = (cons, first.arrays[e][1])
                 if split is not None:  # deferred samples: their backward runs with a later slot
                     per_slot = np.bincount(split, weights=costs.work[e], minlength=first.num_microbatches)
                     backward[e] = _grid(per_slot * (ratio[e] * scales[e]), lanes, positions)

@@ -176,13 +176,16 @@ class BatchLayout:
     def is_identity(self) -> bool:
         """Every encoder slot holds exactly its LLM slot's samples (then the routes are the
         plain ``j -> j`` edges)."""
-        held = self.__dict__.get("_identity")
-        if held is None:
+        return all(self.shares_llm_slots(e) for e in self.encoders)
+
+    def shares_llm_slots(self, encoder: str) -> bool:
+        """Every slot of ``encoder`` holds exactly the LLM slot's samples, in order (computed once)."""
+        held = self.__dict__.setdefault("_shares", {})
+        if encoder not in held:
             o, b = self._arrays[LLM]
-            held = all((self._arrays[e][0] is o or np.array_equal(self._arrays[e][0], o))
-                       and (self._arrays[e][1] is b or np.array_equal(self._arrays[e][1], b)) for e in self.encoders)
-            self._identity = held
-        return held
+            eo, eb = self._arrays[encoder]
+            held[encoder] = (eb is b or np.array_equal(eb, b)) and (eo is o or np.array_equal(eo, o))
+        return held[encoder]
 
     # ---- routes between an encoder and the LLM -------------------------------------------
     def consumers(self, encoder: str, j: int) -> list[tuple[int, tuple[int, ...]]]:
