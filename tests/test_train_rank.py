@@ -1,0 +1,85 @@
+"""`loom.train.rank`: the builder `loom train` and the benchmarks share. Two ranks (an LLM in two
+pipeline stages) run `RankRun.step` twice; the losses of both steps and the parameters after
+them equal one process training the same model on the same batches with the run's optimizer
+(AdamW with ``optim.weight_decay`` and betas 0.9/0.95) and LR schedule, so the step holds the
+dispatch, the optimizer and the scheduler exactly once each."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from loom.data.collate import collate
+from loom.data.demo import DemoConfig
+from loom.model.zoo import LlamaConfig
+from loom.plan.plan import ModuleSpec, Plan
+from loom.runtime.local import run_local
+from loom.train.build import build_data, build_model, num_targets, token_counters
+from loom.train.config import ModelConfig, TrainConfig
+from loom.train.rank import ADAM_BETAS, build_rank, lr_lambda, make_lr_scheduler, make_optimizer
+
+pytestmark = pytest.mark.multiprocess
+
+WORLD = 2
+STEPS = 2
+
+
+def _config() -> TrainConfig:
+    model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(hidden_size=32, num_layers=2, num_heads=4,
+                                                                 num_kv_heads=2, intermediate_size=64))
+    cfg = TrainConfig(model=model, plan=Plan([ModuleSpec("llm", num_stages=WORLD)], num_microbatches=4))
+    cfg.run = dataclasses.replace(cfg.run, seed=3, steps=4)
+    # weight decay and a warmup of 2 steps: a step that left out either would change the second step
+    cfg.optim = dataclasses.replace(cfg.optim, lr=1e-2, weight_decay=0.1, warmup_steps=2)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=8,
+                                   demo=DemoConfig(num_samples=64, seed=3, mix={"text": 1.0}))
+    return cfg.check()
+
+
+def _worker(rank: int, world_size: int, out: str) -> None:
+    cfg = _config()
+    run = build_rank(cfg, torch.device("cpu"))
+    steps = [run.step(i) for i in range(STEPS)]
+    group = run.optimizer.param_groups[0] if run.optimizer is not None else {}
+    torch.save({
+        "losses": [s.loss for s in steps],
+        "indices": [s.indices for s in steps],
+        "lr": group.get("lr"), "betas": group.get("betas"), "weight_decay": group.get("weight_decay"),
+        "params": {n: p.detach().clone() for n, p in run.engine.stage.named_parameters().items()},
+    }, Path(out) / f"rank{rank}.pt")
+    run.close()
+
+
+def test_rank_steps_match_one_process_with_the_runs_optimizer_and_schedule(tmp_path: Path) -> None:
+    run_local(_worker, WORLD, str(tmp_path))
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+    cfg = _config()
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+    optimizer = make_optimizer(cfg.optim)([p for p in model.parameters() if p.requires_grad])
+    scheduler = make_lr_scheduler(cfg, optimizer)
+    losses = []
+    for indices in results[0]["indices"]:
+        batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
+        loss = model.loss(batch, sum(num_targets(dataset.meta(i)) for i in indices))
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+
+    ref = dict(model.named_parameters())
+    seen = set()
+    for r, res in enumerate(results):
+        assert res["losses"] == pytest.approx(losses, rel=1e-5), f"rank {r}: the global loss of each step"
+        assert res["betas"] == ADAM_BETAS and res["weight_decay"] == cfg.optim.weight_decay
+        assert res["lr"] == pytest.approx(cfg.optim.lr * lr_lambda(cfg)(STEPS)), "one scheduler step per step"
+        for name, p in res["params"].items():
+            torch.testing.assert_close(p, ref[name].detach(), rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+            seen.add(name)
+    assert seen == set(ref), f"parameters no rank holds: {sorted(set(ref) - seen)}"
+    assert results[0]["indices"] == results[1]["indices"]  # the seeded sampler, the same on every rank
