@@ -99,13 +99,12 @@ def replicas_by_rounds(enc: np.ndarray, llm: np.ndarray, dp: int) -> np.ndarray:
     # loads keep their order, replica order at the start)
     perm = np.arange(dp)
     load = np.zeros(dp)
-    taken = []
-    for t in range(rounds.shape[0]):
-        taken.append(perm)
-        load = load + work[t]
-        again = np.argsort(load, kind="stable")
-        perm, load = perm[again], load[again]
-    replica = np.stack(taken)
+    replica = np.empty(rounds.shape, dtype=np.int64)
+    for t, round_work in enumerate(work):
+        replica[t] = perm
+        load += round_work
+        again = load.argsort(kind="stable")
+        perm, load = perm.take(again), load.take(again)
     rep = np.empty(n, dtype=np.int64)
     rep[rounds.ravel()] = replica.ravel()
     small = np.int16 if dp < 2**15 else np.int64  # a stable sort of 16-bit keys is a radix sort
@@ -132,9 +131,14 @@ def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 
     # the fine set: the fine_fraction of members with the least LLM work, at least k of them
     # (stable sorts: ties go to the lower member)
     n_fine = min(per, max(k, math.ceil(fine_fraction * per)))
-    by_llm = np.argsort(llm, axis=1, kind="stable")
-    fine = np.zeros((rows, per), dtype=bool)
-    fine[r, by_llm[:, :n_fine]] = True
+    if n_fine < per:
+        # below the n_fine-th smallest LLM work, then the first members at it (no full sort)
+        cut = np.partition(llm, n_fine - 1, axis=1)[:, n_fine - 1:n_fine]
+        fine = llm < cut
+        at_cut = llm == cut
+        fine |= at_cut & (np.cumsum(at_cut, axis=1) <= n_fine - fine.sum(axis=1, keepdims=True))
+    else:
+        fine = np.ones((rows, per), dtype=bool)
     # list order: k fine seeds (largest encoder work), the coarse set, the rest of the fine set,
     # each by encoder work descending (ties: lower member)
     by_enc = np.argsort(-enc, axis=1, kind="stable")
@@ -323,15 +327,15 @@ class _SubsetSums:
         in_word = below != 0
         # t's word holds bit 0 in word 0, so a row without a set bit up to t has an earlier word
         before = self.last_word[rows, np.maximum(word_at - 1, 0)]
-        lo = np.where(in_word, word_at * 64 + _highest_bit(below),
-                      before * 64 + _highest_bit(self.reach[rows, np.maximum(before, 0)]))
+        lo_at = np.where(in_word, word_at, before)
+        lo = lo_at * 64 + _highest_bit(np.where(in_word, below, self.reach[rows, np.maximum(before, 0)]))
         # t < top, so the smallest reachable sum above t is in the row
         has_hi = t < top
         above = word & ~upto
         in_word = above != 0
         after = np.minimum(self.next_word[rows, np.minimum(word_at + 1, self.words - 1)], self.words - 1)
-        hi = np.where(in_word, word_at * 64 + _lowest_bit(above), after * 64 + _lowest_bit(self.reach[rows, after]))
-        hi = np.where(has_hi, hi, 0)
+        hi_at = np.where(in_word, word_at, after)
+        hi = np.where(has_hi, hi_at * 64 + _lowest_bit(np.where(in_word, above, self.reach[rows, after])), 0)
         lower = ~has_hi | (target - lo * q <= hi * q - target)
         return np.where(ok, np.where(lower, lo, hi), 0)
 
@@ -430,8 +434,8 @@ def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> t
     free = np.argsort(np.where(used, np.inf, l_ul), axis=1, kind="stable")
     waiting = np.argsort(critical, axis=1, kind="stable")  # non-critical first
     n_wait = (~critical).sum(axis=1)
-    for r in np.flatnonzero(n_wait).tolist():
-        partner[r, waiting[r, :n_wait[r]]] = free[r, :n_wait[r]]
+    r, i = np.nonzero(np.arange(half)[None, :] < n_wait[:, None])  # the i-th waiting takes the i-th free
+    partner[r, waiting[r, i]] = free[r, i]
     return partner, critical
 
 
