@@ -79,7 +79,8 @@ def test_rank_steps_match_one_process_with_the_runs_optimizer_and_schedule(tmp_p
         assert res["betas"] == ADAM_BETAS and res["weight_decay"] == cfg.optim.weight_decay
         assert res["lr"] == pytest.approx(cfg.optim.lr * lr_lambda(cfg)(STEPS)), "one scheduler step per step"
         for name, p in res["params"].items():
-            torch.testing.assert_close(p, ref[name].detach(), rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+            torch.testing.assert_close(p, ref[name].detach(), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"rank {r} {name}: {m}")
             seen.add(name)
     assert seen == set(ref), f"parameters no rank holds: {sorted(set(ref) - seen)}"
     assert results[0]["indices"] == results[1]["indices"]  # the seeded sampler, the same on every rank

@@ -126,7 +126,8 @@ class ModuleConfig:
                 if self.projector is None or self.projector.kind != "merger":
                     raise ValueError(
                         f"projector 'merger' for encoder {name!r}: {self.name}.toml has no [projector] merger "
-                        "(only architectures that merge tokens, like qwen2-vl-vision, have one)"
+                        "(only architectures that merge tokens, like qwen2-vl-vision, have one); choose 'mlp' or "
+                        "'linear' for it"
                     )
                 merge = self.projector.merge
             layers.append(LayerArch("projector", "projector", self.transformer.hidden, projector=projector,
@@ -216,7 +217,8 @@ def load_module_config(name: str | Path) -> ModuleConfig:
         raise ValueError(f"{where}: an encoder needs a [frontend] table; add one (type = \"patch\" or \"conv1d\": see "
                          f"configs/models/vit-h-14.toml)")
     if cfg.frontend is not None and cfg.frontend.type not in FRONTENDS:
-        raise ValueError(f"{where} [frontend].type = {cfg.frontend.type!r} is unknown; set it to one of {list(FRONTENDS)}")
+        raise ValueError(f"{where} [frontend].type = {cfg.frontend.type!r} is unknown; set it to one of "
+                         f"{list(FRONTENDS)}")
     return cfg
 
 

@@ -103,4 +103,4 @@ def build_dataclass(cls: type, data: Any, where: str, check: FieldsCheck | None 
     try:
         return cls(**kwargs)
     except (TypeError, ValueError, ArithmeticError) as e:
-        raise ConfigError(f"[{where or 'top level'}]: {e}") from e
+        raise ConfigError(f"[{where or 'top level'}]: {e}; correct that value of [{where or 'top level'}]") from e
