@@ -126,7 +126,6 @@ def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 
     """Microbatch of every member (``(replicas, per)`` in, same shape out) by
     `entrain.stratified_assignment`'s list, all replicas in lockstep."""
     rows, per = enc.shape
-    col = np.broadcast_to(np.arange(per), (rows, per))
     r = np.arange(rows)[:, None]
     # the fine set: the fine_fraction of members with the least LLM work, at least k of them
     # (stable sorts: ties go to the lower member)
@@ -140,18 +139,15 @@ def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 
     else:
         fine = np.ones((rows, per), dtype=bool)
     # list order: k fine seeds (largest encoder work), the coarse set, the rest of the fine set,
-    # each by encoder work descending (ties: lower member)
+    # each by encoder work descending (ties: lower member); rows are read through flat indices
+    # (``+ at``), one gather per step for every replica
+    at = (np.arange(rows) * per)[:, None]
     by_enc = np.argsort(-enc, axis=1, kind="stable")
-
-    def grouped(group: np.ndarray) -> np.ndarray:  # by group, then by encoder work descending
-        return np.take_along_axis(by_enc, np.argsort(np.take_along_axis(group, by_enc, axis=1), axis=1,
-                                                     kind="stable"), axis=1)
-
-    seeds = grouped(np.where(fine, 0, 1).astype(np.int8))[:, :k]
-    group = np.where(fine, 2, 1).astype(np.int8)
-    group[r, seeds] = 0
-    listed = grouped(group)
-    w = np.take_along_axis(enc, listed, axis=1)
+    fine_by_enc = fine.ravel()[by_enc + at]
+    seed = fine_by_enc & (np.cumsum(fine_by_enc, axis=1) <= k)  # the first k fine members
+    group = np.where(seed, 0, np.where(fine_by_enc, 2, 1)).astype(np.int8)
+    listed = by_enc.ravel()[np.argsort(group, axis=1, kind="stable") + at]  # by group, then encoder work
+    w = np.ascontiguousarray(enc).ravel()[listed + at]
     aside = (w == 0) & (np.arange(per) >= k)  # no encoder work: placed by LLM work below
     w = np.where(aside, 0.0, w)
     # the list in rounds of k: the first is the seeds, one per microbatch; in every later round
@@ -160,16 +156,17 @@ def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 
     chosen = np.empty((rows, per), dtype=np.int64)
     chosen[:, :k] = np.arange(k)
     loads = w[:, :k].copy()
+    at_k = (np.arange(rows) * k)[:, None]
+    flat_w, flat_chosen, flat_loads = w.ravel(), chosen.ravel(), loads.ravel()
     lanes = np.arange(rows)
     for t in range(k, per, k):
         width = min(k, per - t)
-        part = w[:, t:t + width]
-        heavy = np.argsort(-part, axis=1, kind="stable")  # a round mixes the list's segments
+        heavy = np.argsort(-w[:, t:t + width], axis=1, kind="stable") + (at + t)  # a round mixes the list's segments
         light = np.argsort(loads, axis=1, kind="stable")[:, :width]
-        np.put_along_axis(chosen[:, t:t + width], heavy, light, axis=1)
-        loads[lanes[:, None], light] += np.take_along_axis(part, heavy, axis=1)
+        flat_chosen[heavy] = light
+        flat_loads[light + at_k] += flat_w[heavy]
     mb = np.empty((rows, per), dtype=np.int64)
-    np.put_along_axis(mb, listed, chosen, axis=1)
+    mb.ravel()[listed + at] = chosen
     if aside.any():
         # text-only samples, heaviest LLM first, where the LLM work is least (ties: lowest
         # index): they change no encoder load, and deferral starts from balanced LLM loads
