@@ -176,3 +176,16 @@ def test_bad_input_names_the_field():
         dist.tokens_on(2)
     with pytest.raises(ValueError, match="the BAM has 200 tokens"):
         local_mask(bitfield_mask([[Span("text", 200)]]), dist, 0)
+
+
+def test_one_split_for_a_padded_microbatch_sums_the_rows_workloads():
+    rows = [bitfield_mask([[Span("text", 20), Span("vision", 16)]], length=60),
+            bitfield_mask([[Span("audio", 30), Span("text", 30)]], length=60)]
+    dist = distribute_tokens(rows, 2, 8)
+    assert np.array_equal(dist.workloads, block_workloads(rows[0], 8) + block_workloads(rows[1], 8))
+    check_partition(dist)
+    for bam in rows:
+        dense = dense_mask(bam)
+        assert np.array_equal(local_mask(bam, dist, 1), dense[np.ix_(dist.tokens_on(1), dist.gather_order())])
+    with pytest.raises(ValueError, match=r"bam rows have lengths \[50, 60\]"):
+        distribute_tokens([rows[0], bitfield_mask([[Span("text", 50)]])], 2, 8)

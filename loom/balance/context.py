@@ -28,6 +28,7 @@ gathered keys (§3.3.6), as booleans or as tile classes for block skipping.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,16 +106,27 @@ def _block_tokens(blocks: np.ndarray, block: int, length: int) -> np.ndarray:
     return np.repeat(starts, sizes) + offsets
 
 
-def _check(bam: BitfieldMask, context_parallel: int, block: int) -> int:
+def _rows(bam: BitfieldMask | Sequence[BitfieldMask]) -> list[BitfieldMask]:
+    rows = [bam] if isinstance(bam, BitfieldMask) else list(bam)
+    if not rows:
+        raise ValueError("bam is an empty list; pass one BitfieldMask per row of the microbatch")
+    lengths = sorted({r.length for r in rows})
+    if len(lengths) > 1:
+        raise ValueError(f"bam rows have lengths {lengths}; one split serves a microbatch of rows "
+                         "padded to one length (collate pads them), so pass rows of equal length")
+    return rows
+
+
+def _check(length: int, context_parallel: int, block: int) -> int:
     if not isinstance(block, (int, np.integer)) or block < 1:
         raise ValueError(f"block = {block!r}; use a positive int (tokens per CP block, e.g. 128)")
     if not isinstance(context_parallel, (int, np.integer)) or context_parallel < 1:
         raise ValueError(f"context_parallel = {context_parallel!r}; use a positive int")
-    num_blocks = math.ceil(bam.length / block)
+    num_blocks = math.ceil(length / block)
     if context_parallel > num_blocks:
         raise ValueError(
             f"context_parallel = {context_parallel} but the row has {num_blocks} blocks of {block} tokens "
-            f"({bam.length} tokens); use context_parallel <= {num_blocks}, a smaller block, or longer rows"
+            f"({length} tokens); use context_parallel <= {num_blocks}, a smaller block, or longer rows"
         )
     return num_blocks
 
@@ -142,12 +154,20 @@ def random_blocks(num_blocks: int, cp: int, seed: int) -> np.ndarray:
 
 
 def distribute_tokens(
-    bam: BitfieldMask, context_parallel: int, block: int = 128, method: str = "lpt", seed: int = 0
+    bam: BitfieldMask | Sequence[BitfieldMask],
+    context_parallel: int,
+    block: int = 128,
+    method: str = "lpt",
+    seed: int = 0,
 ) -> ContextDistribution:
     """Distribute the row's blocks over ``context_parallel`` ranks by ``method`` (``"lpt"`` or
-    ``"random"``, with ``seed``); see the module docstring."""
-    num_blocks = _check(bam, context_parallel, block)
-    workloads = block_workloads(bam, block)
+    ``"random"``, with ``seed``); see the module docstring. Given several rows of one length (a
+    right-padded microbatch), one split serves them all and a block's workload is summed over the
+    rows, as the repository does (cornstarch.md §6.5, point 10)."""
+    rows = _rows(bam)
+    length = rows[0].length
+    num_blocks = _check(length, context_parallel, block)
+    workloads = np.sum([block_workloads(r, block) for r in rows], axis=0).astype(np.int64)
     if method == "lpt":
         rank_of_block = lpt_blocks(workloads, context_parallel)
     elif method == "random":
@@ -155,7 +175,7 @@ def distribute_tokens(
     else:
         raise ValueError(f"method = {method!r}; use one of {list(METHODS)}")
     loads = np.bincount(rank_of_block, weights=workloads, minlength=context_parallel).astype(np.int64)
-    return ContextDistribution(block, bam.length, rank_of_block.astype(np.int64), workloads, loads, method)
+    return ContextDistribution(block, length, rank_of_block.astype(np.int64), workloads, loads, method)
 
 
 def _check_same_row(bam: BitfieldMask, dist: ContextDistribution) -> None:

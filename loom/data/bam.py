@@ -231,45 +231,75 @@ def _pieces(bam: BitfieldMask, cuts: np.ndarray) -> np.ndarray:
     return np.flatnonzero(change)
 
 
-def block_counts(bam: BitfieldMask, block_q: int, block_k: int | None = None) -> np.ndarray:
-    """int64 ``[ceil(T / block_q), ceil(T / block_k)]``: allowed (query, key) pairs per tile.
-
-    Exact without decoding T² pairs: cut the row wherever a field changes or a tile starts. Between
-    two such pieces the mask is all True or all False (keys wholly before or after the queries),
-    and a piece against itself is a lower triangle or a full square, so counts follow from the
-    pieces' lengths; `np.add.reduceat` then sums pieces into tiles. Cost: pieces², about
-    (T/block_q + T/block_k + spans)², in row chunks."""
+def _check_tiles(block_q: int, block_k: int | None) -> int:
     block_k = block_q if block_k is None else block_k
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(b, (int, np.integer)) or b < 1:
             raise ValueError(f"{name} = {b!r}; use a positive int (tokens per tile side)")
+    return block_k
+
+
+def _tile_counts(bam: BitfieldMask, block_q: int, block_k: int):
+    """Yield ``(first query tile, key tiles, counts)`` chunks of `block_counts`; tiles not yielded
+    hold no allowed pair.
+
+    Cut the row wherever a field changes or a tile starts. Between two such pieces the mask is all
+    True or all False (keys wholly before or after the queries), and a piece against itself is a
+    lower triangle or a full square, so counts follow from the pieces' lengths; `np.add.reduceat`
+    sums pieces into tiles. When every sample is one contiguous run (what `bitfield_mask` builds)
+    a chunk of query pieces is paired only with the pieces of its own samples, so the work
+    follows the non-empty tiles rather than the whole grid."""
     n = bam.length
-    if n == 0:
-        return np.zeros((0, 0), dtype=np.int64)
     starts = _pieces(bam, np.union1d(np.arange(0, n, block_q), np.arange(0, n, block_k)))
     size = np.diff(np.append(starts, n))
     sample, item = bam.sample[starts], bam.item[starts]
     bits, kind = bam.bits[starts], np.maximum(bam.kind[starts], 0).astype(np.int64)
-    q_first = np.flatnonzero(np.diff(starts // block_q, prepend=-1))  # first piece of each query tile
-    k_first = np.flatnonzero(np.diff(starts // block_k, prepend=-1))
     num_pieces = starts.size
-    out = np.empty((q_first.size, k_first.size), dtype=np.int64)
-    # chunks of whole query tiles, about 4M piece pairs each
-    tiles_per_chunk = max(1, (1 << 22) // max(1, num_pieces) * q_first.size // num_pieces)
-    for t0 in range(0, q_first.size, tiles_per_chunk):
-        t1 = min(q_first.size, t0 + tiles_per_chunk)
+    q_first = np.flatnonzero(np.diff(starts // block_q, prepend=-1))  # first piece of each query tile
+    # per piece, the pieces [lo, hi) that may share its sample
+    run_start = np.flatnonzero(np.diff(sample, prepend=-2))
+    run_end = np.append(run_start[1:], num_pieces)
+    run_sample = sample[run_start]
+    valid_runs = run_sample >= 0
+    if np.unique(run_sample[valid_runs]).size == int(valid_runs.sum()):  # each sample one run
+        run_of = np.repeat(np.arange(run_start.size), run_end - run_start)
+        lo = np.where(sample >= 0, run_start[run_of], num_pieces)
+        hi = np.where(sample >= 0, run_end[run_of], 0)
+    else:
+        lo, hi = np.zeros(num_pieces, np.int64), np.full(num_pieces, num_pieces)
+    rows_per_chunk = max(64, (1 << 22) // max(1, num_pieces))  # about 4M piece pairs at most
+    t0 = 0
+    while t0 < q_first.size:
         p0 = q_first[t0]
+        t1 = int(np.searchsorted(q_first, p0 + rows_per_chunk, side="left"))
+        t1 = max(t1, t0 + 1)
         p1 = q_first[t1] if t1 < q_first.size else num_pieces
-        p = np.arange(p0, p1)[:, None]
-        r = np.arange(num_pieces)[None, :]
-        same_sample = (sample[p] == sample[r]) & (sample[p] >= 0)
-        same_item = (item[p] == item[r]) & (item[p] >= 0)
-        attends = ((bits[p] & CAUSAL_BIT) != 0) & (((bits[p] >> kind[r]) & 1) != 0)
-        sq, sk = size[p], size[r]
-        causal = np.where(r < p, sq * sk, np.where(r == p, sq * (sq + 1) // 2, 0))
-        pairs = np.where(same_sample & same_item, sq * sk, np.where(same_sample & attends, causal, 0))
-        by_q = np.add.reduceat(pairs, q_first[t0:t1] - p0, axis=0)
-        out[t0:t1] = np.add.reduceat(by_q, k_first, axis=1)
+        c0, c1 = int(lo[p0:p1].min()), int(hi[p0:p1].max())
+        if c0 < c1:
+            p = np.arange(p0, p1)[:, None]
+            r = np.arange(c0, c1)[None, :]
+            same_sample = (sample[p] == sample[r]) & (sample[p] >= 0)
+            same_item = (item[p] == item[r]) & (item[p] >= 0)
+            attends = ((bits[p] & CAUSAL_BIT) != 0) & (((bits[p] >> kind[r]) & 1) != 0)
+            sq, sk = size[p], size[r]
+            causal = np.where(r < p, sq * sk, np.where(r == p, sq * (sq + 1) // 2, 0))
+            pairs = np.where(same_sample & same_item, sq * sk, np.where(same_sample & attends, causal, 0))
+            by_q = np.add.reduceat(pairs, q_first[t0:t1] - p0, axis=0)
+            # key segments: split where a key tile starts (and at c0, which may be mid-tile)
+            k_tile = starts[c0:c1] // block_k
+            k_cut = np.flatnonzero(np.diff(k_tile, prepend=-1))
+            yield t0, k_tile[k_cut], np.add.reduceat(by_q, k_cut, axis=1)
+        t0 = t1
+
+
+def block_counts(bam: BitfieldMask, block_q: int, block_k: int | None = None) -> np.ndarray:
+    """int64 ``[ceil(T / block_q), ceil(T / block_k)]``: allowed (query, key) pairs per tile,
+    exact, without decoding T² pairs (`_tile_counts`)."""
+    block_k = _check_tiles(block_q, block_k)
+    n = bam.length
+    out = np.zeros((-(-n // block_q), -(-n // block_k)), dtype=np.int64)
+    for t0, k_tiles, counts in _tile_counts(bam, block_q, block_k):
+        out[t0:t0 + counts.shape[0], k_tiles] = counts
     return out
 
 
@@ -277,13 +307,15 @@ def block_mask(bam: BitfieldMask, block_q: int, block_k: int | None = None) -> n
     """int8 tile classes (cornstarch.md §3.3.1's compressed mask): ``EMPTY`` where no pair of the
     tile may attend (the kernel skips it), ``FULL`` where every pair may (no masking needed),
     ``PARTIAL`` otherwise (the tile's mask is decoded from the two BAM slices)."""
-    block_k = block_q if block_k is None else block_k
-    counts = block_counts(bam, block_q, block_k)
+    block_k = _check_tiles(block_q, block_k)
     n = bam.length
-    rows = np.minimum(block_q, n - np.arange(counts.shape[0]) * block_q)
-    cols = np.minimum(block_k, n - np.arange(counts.shape[1]) * block_k)
-    full = counts == rows[:, None] * cols[None, :]
-    return np.where(counts == 0, EMPTY, np.where(full, FULL, PARTIAL)).astype(np.int8)
+    out = np.zeros((-(-n // block_q), -(-n // block_k)), dtype=np.int8)  # EMPTY
+    for t0, k_tiles, counts in _tile_counts(bam, block_q, block_k):
+        rows = np.minimum(block_q, n - np.arange(t0, t0 + counts.shape[0]) * block_q)
+        cols = np.minimum(block_k, n - k_tiles * block_k)
+        full = counts == rows[:, None] * cols[None, :]
+        out[t0:t0 + counts.shape[0], k_tiles] = np.where(counts == 0, EMPTY, np.where(full, FULL, PARTIAL))
+    return out
 
 
 def span_lengths(bam: BitfieldMask) -> Mapping[str, int]:
