@@ -213,20 +213,24 @@ class MultimodalModel(nn.Module):
             raise ValueError(f"unknown module {name!r}; modules are {self.module_names}")
         return self.encoders[name]
 
+    def _init_of(self, owner: Any, key: str, index: int) -> SeededInit:
+        """``owner``'s init (its ``init_layer_weights`` / ``init_layer_buffers`` when it has them,
+        else PyTorch's ``reset_parameters`` / modules' ``reset_buffers``) under a seed of
+        (`init_seed`, ``key``, ``index``)."""
+        return SeededInit(self.init_seed, key, index, getattr(owner, "init_layer_weights", reset_parameters),
+                          getattr(owner, "init_layer_buffers", reset_buffers))
+
     def layer_init(self, name: str, index: int) -> SeededInit:
-        """The seeded initialisation of layer ``index`` of module ``name``: its model's own
-        init (the adapter's ``init_layer_weights`` / ``init_layer_buffers`` when it has them,
-        else PyTorch's ``reset_parameters``), under a seed from (`init_seed`, module, index)."""
+        """The seeded initialisation of layer ``index`` of module ``name`` by its model's own
+        init (the LLM's or the encoder's adapter; a projector is a plain module)."""
         count = len(self.module_layers(name))
         if not 0 <= index < count:
             raise IndexError(f"module {name!r} has {count} layers; no layer {index}")
         if name == "llm":
             owner: Any = adapter_for(self.llm)
-        else:  # the encoder's layers, then the projector (a plain module: PyTorch's init)
+        else:  # the encoder's layers, then the projector
             owner = adapter_for(self.encoders[name].encoder) if index < count - 1 else None
-        return SeededInit(self.init_seed, name, index,
-                          getattr(owner, "init_layer_weights", reset_parameters),
-                          getattr(owner, "init_layer_buffers", reset_buffers))
+        return self._init_of(owner, name, index)
 
     def context_modules(self, name: str) -> dict[str, nn.Module]:
         """Submodules of module ``name`` outside its layers that hold tensors of their own (a
@@ -252,11 +256,8 @@ class MultimodalModel(nn.Module):
                 layer.module.to(device)
         owner = adapter_for(self.llm) if name == "llm" else adapter_for(self.encoders[name].encoder)
         for path, module in self.context_modules(name).items():
-            if is_meta(module):
-                # no layer index: seeded by the module path (these hold derived buffers in practice)
-                materialise_module(module, device, SeededInit(self.init_seed, f"{name}/{path}", 0,
-                                                              getattr(owner, "init_layer_weights", reset_parameters),
-                                                              getattr(owner, "init_layer_buffers", reset_buffers)))
+            if is_meta(module):  # no layer index: seeded by its path (derived buffers, in practice)
+                materialise_module(module, device, self._init_of(owner, f"{name}/{path}", 0))
             else:
                 module.to(device)
 
