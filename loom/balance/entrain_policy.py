@@ -318,21 +318,23 @@ class _SubsetSums:
         top = self.top[rows]
         t = np.minimum(t, top).astype(np.int64)
         word_at, bit = t >> 6, (t & 63).astype(np.uint64)
-        word = self.reach[rows, word_at]
+        # the (rows, words) tables read through flat indices: row * words + word
+        reach, words, first = self.reach.ravel(), self.words, rows * self.words
+        at = first + word_at
+        word = reach.take(at)
         upto = (np.uint64(2) << bit) - np.uint64(1)  # bits 0..bit (all 64 at bit 63: the shift wraps to 0)
         below = word & upto
         in_word = below != 0
         # t's word holds bit 0 in word 0, so a row without a set bit up to t has an earlier word
-        before = self.last_word[rows, np.maximum(word_at - 1, 0)]
-        lo_at = np.where(in_word, word_at, before)
-        lo = lo_at * 64 + _highest_bit(np.where(in_word, below, self.reach[rows, np.maximum(before, 0)]))
+        before = np.where(in_word, at, first + self.last_word.ravel().take(np.maximum(at - 1, first)))
+        lo = (before - first) * 64 + _highest_bit(np.where(in_word, below, reach.take(before)))
         # t < top, so the smallest reachable sum above t is in the row
         has_hi = t < top
         above = word & ~upto
         in_word = above != 0
-        after = np.minimum(self.next_word[rows, np.minimum(word_at + 1, self.words - 1)], self.words - 1)
-        hi_at = np.where(in_word, word_at, after)
-        hi = np.where(has_hi, hi_at * 64 + _lowest_bit(np.where(in_word, above, self.reach[rows, after])), 0)
+        after = np.where(in_word, at, first + np.minimum(self.next_word.ravel().take(np.minimum(at + 1, first + words - 1)),
+                                                         words - 1))
+        hi = np.where(has_hi, (after - first) * 64 + _lowest_bit(np.where(in_word, above, reach.take(after))), 0)
         lower = ~has_hi | (target - lo * q <= hi * q - target)
         return np.where(ok, np.where(lower, lo, hi), 0)
 
