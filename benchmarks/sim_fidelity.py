@@ -8,38 +8,44 @@ What runs, in this order:
    *before any step is measured*; the simulator loads that file as production would
    (`loom.cost.profile_file.load_profile_for`, then `loom.cost.profiled.ProfiledCostModel`).
    ``--profile PATH`` reuses a stored profile instead (it must match the model).
-2. **Real steps on the production path** of ``loom train`` (loom/train/main.py): 4 local gloo
-   processes, one thread each, the demo config with each case's overrides; every step runs the
-   `Dispatcher` (metadata all-gather, the ``[balance]`` policy's layout, one payload all-to-all
-   per phase) and then ``engine.step`` with that layout and its `RowMap`. The cases:
+2. **Real steps on the production path** of ``loom train``: 4 local gloo processes, one thread
+   each, the demo config with each case's overrides, each rank built by
+   `loom.train.rank.build_rank` and stepped by `RankRun.step` (the training loop's own builder
+   and iteration: the seeded sampler's global batch of that step, the `Dispatcher` with its
+   metadata all-gather, the ``[balance]`` policy's layout and the payload all-to-all, then
+   ``engine.step`` with the layout and its `RowMap`, the run's AdamW and LR schedule). The cases:
    - ``demo``: the demo plan (vision and audio encoders in parallel on a rank each, a 2-stage
      LLM; multimodal 1F1B, 4 microbatches) under policy ``none``, ``disttrain`` and
      ``entrain`` (whose layout defers LLM work, entrain.md §3.6, so its schedule has split
      backwards);
    - ``dp2``: vision | audio | an LLM of data-parallel degree 2 (routed encoder->LLM edges,
      a gradient all-reduce), under ``none`` and ``orchmllm``.
-   The samples of the global batch are decoded once before timing (the data loader's work is
-   not the dispatcher's); payload checks, tokenisation and everything after are timed. Rounds
-   alternate the cases (one step of each per round) so every case samples the machine over the
-   same minutes; a step runs from a barrier to the end of ``engine.step`` on the last rank
-   (``max end - min start``, one clock), the dispatch included.
-3. **The simulation of the same IR**: the schedule ``engine.schedule_for`` runs for the layout
+   The samples of the steps to run are decoded before timing (a data loader's prefetch: the
+   decoding is the loader's work, not the step's); payload checks, tokenisation and everything
+   after are timed. Rounds alternate the cases (one step of each per round) so every case
+   samples the machine over the same minutes; a step runs from a barrier to the end of
+   `RankRun.step` on the last rank (``max end - min start``, one clock), the dispatch included.
+3. **The simulation of the same IR**, for every timed step's batch: the schedule
+   ``engine.schedule_for`` runs for the layout
    (rebuilt here from the same metadata by the same `make_layout`), each slot's workload per
    phase from the samples it holds (`loom.cost.workload.sample_work`, right-padded LLM rows as
    the runtime collates them), and the dispatch priced by `loom.sim.dispatch`: the metadata
    all-gather and the payload all-to-alls over the profile's measured message link (alpha-beta
    from its ``latency`` fit), the decision at its time measured here before the steps (median of
-   repeated ``sample_costs`` + ``make_layout`` calls on the gathered metadata, with the profile's
-   co-running processes computing alongside, as the other ranks do when they decide).
+   repeated ``sample_costs`` + ``make_layout`` calls on the gathered metadata, with the
+   profile's co-running processes, none by default). The 4 ranks share this machine's cores:
+   the simulation prices that with `loom.sim.sharing.CoreSharing` (processor sharing), the
+   profile being solo (``--no-sharing`` plays each rank on a core of its own).
 
 Figures:
 
 - ``median_abs_rel_error``: iteration level, the median over cases of ``|sim - real| / real``
-  with ``real`` the median step time of the case (target <= 0.15);
+  with ``real`` the median step time of the case and ``sim`` the median of its simulated
+  steps, over the same steps (target <= 0.15);
 - ``action_median_abs_rel_error``: per action kind, the median over kinds of each kind's median
   ``|sim - real| / real``, where one observation is the time one rank spends in that kind in one
-  step of one case (the sum of its matched actions' durations; real: the median over the timed
-  steps), for the kinds forward, backward, send/receive (every send and receive), gradient
+  step of one case (the sum of its matched actions' durations; real and simulated: the
+  medians over the timed steps), for the kinds forward, backward, send/receive (every send and receive), gradient
   sync, optimizer and dispatch (target <= 0.25). Per rank-step sums rather than single actions
   because the simulator's sends take no time on their rank (their CPU cost is charged to the
   compute action around them, `ProfiledCostModel`), so single messages have no counterpart.
@@ -68,7 +74,6 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -85,15 +90,14 @@ from loom.data.sampler import GlobalBatchSampler
 from loom.data.sample import SampleMeta
 from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.profile.corun import CoRunners
-from loom.runtime.dispatch import Dispatcher
-from loom.runtime.engine import ParallelEngine
 from loom.runtime.stage import trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.timeline import events_from_dicts, events_to_dicts
 from loom.sim.dispatch import DISPATCH, Links, metadata_bytes, price_dispatch
 from loom.sim.sharing import CoreSharing
 from loom.sim.simulator import simulate
-from loom.train.build import build_data, build_model, token_counters
+from loom.train.build import build_data, build_model
+from loom.train.rank import build_rank
 from loom.train.config import TrainConfig, load_config
 
 NAME = "sim_fidelity"
@@ -134,9 +138,9 @@ def train_config(case: Case) -> TrainConfig:
     return load_config(CONFIG, list(case.overrides))
 
 
-def batch_indices(cfg: TrainConfig) -> list[int]:
-    """The global batch of step 0, as `loom train`'s sampler draws it."""
-    return GlobalBatchSampler(cfg.data.demo.num_samples, cfg.data.global_batch_size, seed=cfg.run.seed).batch(0)
+def batch_indices(cfg: TrainConfig, step: int) -> list[int]:
+    """The global batch of ``step``, as `loom train`'s sampler draws it."""
+    return GlobalBatchSampler(cfg.data.demo.num_samples, cfg.data.global_batch_size, seed=cfg.run.seed).batch(step)
 
 
 # ---- 1. the profile: a separate `loom profile` run -------------------------------------------
@@ -156,45 +160,38 @@ def run_profiler(out: Path, co_runners: int, repeats: int) -> float:
 
 # ---- 2. the real steps ------------------------------------------------------------------------
 class Decoded:
-    """The dataset with the global batch's samples decoded in advance: the dispatcher reads
-    them as from a data loader's prefetch."""
+    """The dataset with the samples of the steps to be run decoded in advance: the dispatcher
+    reads them as from a data loader's prefetch (decoding is the loader's work, not the step's)."""
 
     def __init__(self, dataset: Any, indices: list[int]):
+        self.size = len(dataset)
         self.samples = {i: dataset[i] for i in indices}
+
+    def __len__(self) -> int:
+        return self.size
 
     def __getitem__(self, index: int):
         return self.samples[index]
 
 
-def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], commands, replies) -> None:
+def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], rounds: int, commands, replies) -> None:
     runs = []
     for cd in case_dicts:
         cfg = train_config(Case(**cd))
         tokenizer, dataset = build_data(cfg)
-        model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
-
-        def make_optimizer(params, cfg=cfg):
-            return torch.optim.AdamW(params, lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay, betas=(0.9, 0.95))
-
-        engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), make_optimizer)
-        engine.eager_forward = cfg.balance.eager_forward
-        indices = batch_indices(cfg)
-        dispatcher = Dispatcher(cfg.plan, Decoded(dataset, indices), tokenizer, token_counters(model),
-                                arch_from_model(model), cfg.balance, torch.device("cpu"), pack=cfg.data.pack_sequences)
-        runs.append((engine, dispatcher, indices))
+        wanted = sorted({i for r in range(rounds) for i in batch_indices(cfg, r)})
+        runs.append(build_rank(cfg, torch.device("cpu"), data=(tokenizer, Decoded(dataset, wanted))))
     replies.put(("ready", rank))
     while (r := commands[rank].get()) is not None:
         records = []
-        for engine, dispatcher, indices in runs:
+        for run in runs:
             dist.barrier()  # every rank is idle: the step's clock starts here
             start = time.time()
-            got = dispatcher.dispatch(indices)
-            dispatched = time.time()
-            result = engine.step(got.batches, got.num_targets, r, exact_timing=True, layout=got.layout, rows=got.rows)
+            got = run.step(r, exact_timing=True)  # what `loom train` runs: sampler, dispatcher, engine, LR step
             end = time.time()
             dist.barrier()
-            records.append({"start": start, "dispatched": dispatched, "end": end,
-                            "timeline": events_to_dicts(result.timeline)})
+            records.append({"start": start, "dispatched": start + got.dispatch_s, "end": end,
+                            "timeline": events_to_dicts(got.result.timeline)})
         replies.put(("step", rank, records))
     replies.put(("done", rank, 0.0))
 
@@ -202,7 +199,7 @@ def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], comma
 def measure(selected: list[Case], steps: int, warmup: int) -> list[dict]:
     """Per case: step times and, per timed step, every rank's measured events (the dispatch as
     one ``dispatch`` event per rank)."""
-    group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected])
+    group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected], warmup + steps)
     per_case = [{"times": [], "steps": []} for _ in selected]
     try:
         group.wait_ready()
@@ -253,20 +250,20 @@ def measure_decisions(selected: list[Case], co_runners: int) -> list[float]:
             arch = arch_from_model(build_model(cfg.model, tokenizer, seed=cfg.run.seed))
             plan = cfg.plan.resolve(arch.layer_counts(), WORLD_SIZE)
             cfg.plan = plan
-            out.append(decision_seconds(cfg, arch, [dataset.meta(i) for i in batch_indices(cfg)]))
+            out.append(decision_seconds(cfg, arch, [dataset.meta(i) for i in batch_indices(cfg, 0)]))
     return out
 
 
-def predict(case: Case, profile_path: Path, links: Links, decide_s: float, sharing: CoreSharing | None):
-    """The simulated step of ``case``: its `SimResult` and the dispatch's price (the decision
-    taking ``decide_s``), the ranks sharing this host's cores as ``sharing`` says."""
+def predict(case: Case, step: int, profile_path: Path, links: Links, decide_s: float, sharing: CoreSharing | None):
+    """The simulated step ``step`` of ``case``: its `SimResult` and the dispatch's price (the
+    decision taking ``decide_s``), the ranks sharing this host's cores as ``sharing`` says."""
     cfg = train_config(case)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
     plan = cfg.plan.resolve(model.layer_counts(), WORLD_SIZE)
     profile = load_profile_for(profile_path, model)  # as production loads a stored profile
     arch = arch_from_model(model)
-    metas = [dataset.meta(i) for i in batch_indices(cfg)]
+    metas = [dataset.meta(i) for i in batch_indices(cfg, step)]
     batching = "packed" if cfg.data.pack_sequences else "padded"
     layout = make_layout(cfg.balance, plan, sample_costs(arch, metas), batching)
     schedule = build_schedule(plan, trainable_stages(model, plan), layout=layout, eager=cfg.balance.eager_forward)
@@ -295,6 +292,15 @@ def kind_totals(events: list) -> dict[tuple[int, str], float]:
 def host_cores() -> int:
     """The cores this process (and the ranks it starts) may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def per_step_kinds(steps: list[list]) -> dict[tuple[int, str], list[float]]:
+    """(rank, reported kind) -> its seconds in each step (`kind_totals` of every step's events)."""
+    out: dict[tuple[int, str], list[float]] = {}
+    for events in steps:
+        for key, v in kind_totals(events).items():
+            out.setdefault(key, []).append(v)
+    return out
 
 
 # ---- simulator speed ---------------------------------------------------------------------------
@@ -343,7 +349,7 @@ def parse_args(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed rounds (one step of every case each)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
     ap.add_argument("--cases", type=str, default=None,
-                    help=f"comma-separated case indices (default: all): "
+                    help="comma-separated case indices (default: all): "
                          + ", ".join(f"{i} {c.name}" for i, c in enumerate(cases())))
     ap.add_argument("--profile", type=Path, default=None,
                     help="a stored profile of the demo model to use instead of running `loom profile`")
@@ -395,29 +401,32 @@ def main(argv=None) -> dict:
         sharing = None if args.no_sharing else CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE)
         rows, errors, observations, details = [], [], {k: [] for k in KINDS}, []
         for case, meas, decide_s in zip(selected, measured, decisions):
-            sim, dispatch = predict(case, profile_path, links, decide_s, sharing)
+            # every timed step has its own global batch (the run's sampler): simulate each, and
+            # compare the medians over the same steps
+            sims = [predict(case, step, profile_path, links, decide_s, sharing)
+                    for step in range(args.warmup, args.warmup + args.steps)]
             real = statistics.median(meas["times"])
-            err = abs(sim.iteration_time - real) / real
+            predicted = statistics.median(sim.iteration_time for sim, _ in sims)
+            err = abs(predicted - real) / real
             errors.append(err)
-            sim_kinds = kind_totals(sim.timeline)
-            real_kinds: dict[tuple[int, str], list[float]] = {}
-            for events in meas["steps"]:
-                for key, v in kind_totals(events).items():
-                    real_kinds.setdefault(key, []).append(v)
+            sim_kinds, real_kinds = per_step_kinds([sim.timeline for sim, _ in sims]), per_step_kinds(meas["steps"])
+            dispatch = sims[0][1]
             per_kind = {}
             for key in sorted(set(sim_kinds) | set(real_kinds)):
                 r = statistics.median(real_kinds[key]) if key in real_kinds else 0.0
-                s = sim_kinds.get(key, 0.0)
+                s = statistics.median(sim_kinds[key]) if key in sim_kinds else 0.0
                 per_kind[f"r{key[0]} {key[1]}"] = {"measured_ms": round(r * 1e3, 3), "simulated_ms": round(s * 1e3, 3)}
                 if r > 0 and max(r, s) >= MIN_OBSERVATION_S:
                     observations[key[1]].append((abs(s - r) / r, r, s))
-            rows.append([case.name, real * 1e3, sim.iteration_time * 1e3, f"{(sim.iteration_time - real) / real:+.1%}",
+            rows.append([case.name, real * 1e3, predicted * 1e3, f"{(predicted - real) / real:+.1%}",
                          statistics.median([e["end_s"] - e["start_s"] for ev in meas["steps"] for e in ev
-                                            if e["kind"] == DISPATCH]) * 1e3, dispatch.total * 1e3])
+                                            if e["kind"] == DISPATCH]) * 1e3,
+                         statistics.median(d.total for _, d in sims) * 1e3])
             details.append({"case": case.name, "overrides": case.overrides,
                             "measured_ms": [round(t * 1e3, 3) for t in meas["times"]],
-                            "predicted_ms": round(sim.iteration_time * 1e3, 3), "abs_rel_error": round(err, 4),
-                            "dispatch": dispatch.summary(), "per_rank_kind": per_kind})
+                            "predicted_ms": [round(sim.iteration_time * 1e3, 3) for sim, _ in sims],
+                            "abs_rel_error": round(err, 4),
+                            "dispatch_first_step": dispatch.summary(), "per_rank_kind": per_kind})
 
     print()
     print(format_table(["case", "measured ms", "predicted ms", "error", "dispatch measured ms", "dispatch simulated ms"],
