@@ -220,3 +220,31 @@ def test_decode_of_selected_rows_and_columns():
     dense = dense_mask(bam)
     rows, cols = np.array([15, 2, 7]), np.array([8, 0, 15, 4, 9])
     assert np.array_equal(decode(bam, rows, cols), dense[np.ix_(rows, cols)])
+
+
+def test_tile_counts_are_the_same_in_many_small_chunks(monkeypatch):
+    import loom.data.bam as bam_module
+
+    rng = np.random.default_rng(13)
+    for chunk in (1, 7, 50):
+        monkeypatch.setattr(bam_module, "CHUNK_PAIRS", chunk)
+        for _ in range(15):
+            samples, length = random_row(rng)
+            bam = bitfield_mask(samples, length=length)
+            dense = dense_mask(bam)
+            bq, bk = int(rng.integers(1, 9)), int(rng.integers(1, 9))
+            assert np.array_equal(block_counts(bam, bq, bk), _dense_counts(dense, bq, bk))
+            assert np.array_equal(block_mask(bam, bq, bk), tiles_of(dense, bq, bk))
+
+
+def test_sample_spans_check_markers_against_items():
+    from loom.data import ImageMeta, SampleMeta, Tokenizer
+    from loom.data.bam import sample_spans
+
+    tok = Tokenizer(["a", "cat"])
+    meta = SampleMeta(sample_id=3, text_tokens=5, images=(ImageMeta(16, 16), ImageMeta(8, 8)))
+    ids = tok.encode("a <image> cat")  # one marker, two images
+    with pytest.raises(ValueError, match="sample 3: its text has 1 <image> markers but meta.images has 2"):
+        sample_spans(meta, ids, tok, TOKEN_COUNTS)
+    one = SampleMeta(sample_id=4, text_tokens=5, images=(ImageMeta(16, 16),))
+    assert sample_spans(one, ids, tok, TOKEN_COUNTS) == [Span("text", 2), Span("vision", 4), Span("text", 2)]

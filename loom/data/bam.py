@@ -36,7 +36,7 @@ sample, as loom's LLM does):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,6 +49,8 @@ TEXT = "text"
 CAUSAL_BIT = 1 << 62
 MAX_KINDS = 62  # bits 0..61 name kinds; bit 62 is causal; bit 63 is int64's sign
 ITEM_ATTENTION = ("bidirectional", "causal", "isolated")
+
+CHUNK_PAIRS = 1 << 21  # piece pairs per chunk of `_tile_counts`: bounds its scratch arrays (~75 MB)
 
 # Block classes of `block_mask` (cornstarch.md §3.3.1, the repo's compressed mask).
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -179,6 +181,13 @@ def sample_spans(
         prev = pos + 1
     if ids.size > prev:
         spans.append(Span(TEXT, int(ids.size) - prev))
+    for enc, used in next_item.items():
+        items = getattr(meta, SAMPLE_FIELDS[enc])
+        if used != len(items):
+            raise ValueError(
+                f"sample {meta.sample_id}: its text has {used} {MODALITIES[enc][0]} markers but "
+                f"meta.{SAMPLE_FIELDS[enc]} has {len(items)} items; the text needs one marker per item"
+            )
     return spans
 
 
@@ -267,7 +276,7 @@ def _tile_counts(bam: BitfieldMask, block_q: int, block_k: int):
         hi = np.where(sample >= 0, run_end[run_of], 0)
     else:
         lo, hi = np.zeros(num_pieces, np.int64), np.full(num_pieces, num_pieces)
-    rows_per_chunk = max(64, (1 << 22) // max(1, num_pieces))  # about 4M piece pairs at most
+    rows_per_chunk = max(1, CHUNK_PAIRS // max(1, num_pieces))
     t0 = 0
     while t0 < q_first.size:
         p0 = q_first[t0]
@@ -316,11 +325,3 @@ def block_mask(bam: BitfieldMask, block_q: int, block_k: int | None = None) -> n
         full = counts == rows[:, None] * cols[None, :]
         out[t0:t0 + counts.shape[0], k_tiles] = np.where(counts == 0, EMPTY, np.where(full, FULL, PARTIAL))
     return out
-
-
-def span_lengths(bam: BitfieldMask) -> Mapping[str, int]:
-    """Tokens per kind in the row (``"text"``, each modality, ``"padding"``): a summary for docs
-    and checks."""
-    names = (TEXT, *bam.modalities)
-    counts = np.bincount(bam.kind[bam.kind >= 0].astype(np.int64), minlength=len(names))
-    return {**{name: int(c) for name, c in zip(names, counts)}, "padding": int((bam.kind < 0).sum())}
