@@ -503,6 +503,7 @@ class _BatchedRecurrence:
         self.offset = np.tile(np.arange(chains) * self.l, copies)
         lanes = self.offset.size
         self.ends = np.empty((self.l + depth - 1, depth, lanes))
+        self._stages = [list(row) for row in self.ends[:self.l]]  # each row's per-stage views, made once
         # the backward time of B(s, k) at the row that computes it, k + p - 1 - s: written when
         # microbatch k is placed, through a view whose stage axis steps one row back per stage
         self.bwd = np.zeros((self.l + depth - 1, depth, lanes))
@@ -519,18 +520,22 @@ class _BatchedRecurrence:
         skew = self._bwd_at_placement[q]
         skew[0] = b_enc
         skew[1:] = b_llm
-        row = ends[q]
+        row, stages, add, maximum = ends[q], self._stages[q], np.add, np.maximum
         # F(s, q) = max(op before it on stage s, F(s-1, q)) + t (no op before it at q = 0)
+        upstream = stages[0]
         if q == 0:
-            np.add(f_enc, 0.0, out=row[0])
-            for s in range(1, p):
-                np.add(row[s - 1], f_llm, out=row[s])
+            add(f_enc, 0.0, out=upstream)
+            for here in stages[1:]:
+                add(upstream, f_llm, out=here)
+                upstream = here
         else:
-            prev = ends[q - 1]
-            np.add(prev[0], f_enc, out=row[0])
+            before = self._stages[q - 1]
+            add(before[0], f_enc, out=upstream)
             for s in range(1, p):
-                np.maximum(prev[s], row[s - 1], out=row[s])
-                row[s] += f_llm
+                here = stages[s]
+                maximum(before[s], upstream, out=here)
+                add(here, f_llm, out=here)
+                upstream = here
         # steady-phase backwards B(s, q - w_s), stages s0.. (w_s <= q): each waits for F(s, q)
         # and for B(s+1, q - w_s), fixed at position q - 1; on the last stage for F(p-1, q) alone
         s0 = max(0, p - 1 - q)

@@ -127,23 +127,24 @@ def _lockstep_lpt(members: np.ndarray, cost: np.ndarray, k: int) -> np.ndarray:
     zero cost, which changes no load. Returns each sample's microbatch within its group."""
     groups, width = members.shape
     loads = np.zeros((groups, k))
-    rows = np.arange(groups)
     w = np.where(members >= 0, cost[np.maximum(members, 0)], 0.0)
-    chosen = np.empty((groups, width), dtype=np.int64)
+    by_step = np.ascontiguousarray(w.T)  # (width, groups): step t's costs, contiguous
+    chosen = np.empty((width, groups), dtype=np.int64)
     start = 0
     if width >= k and np.all(w[:, :k - 1] > 0):
         # while a microbatch is empty the least-loaded one is the first empty one: with positive
         # costs the first k samples go to microbatches 0..k-1 in turn (the loop's own choices)
-        chosen[:, :k] = np.arange(k)
+        chosen[:k] = np.arange(k)[:, None]
         loads[:] = w[:, :k]
         start = k
+    flat, at = loads.ravel(), np.arange(groups) * k  # group g's microbatch b is flat[g * k + b]
     for t in range(start, width):
         b = loads.argmin(axis=1)
-        chosen[:, t] = b
-        loads[rows, b] += w[:, t]
+        chosen[t] = b
+        flat[b + at] += by_step[t]
     out = np.empty(cost.size, dtype=np.int64)
     real = members >= 0
-    out[members[real]] = chosen[real]
+    out[members[real]] = chosen.T[real]
     return out
 
 
