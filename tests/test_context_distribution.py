@@ -189,3 +189,47 @@ def test_one_split_for_a_padded_microbatch_sums_the_rows_workloads():
         assert np.array_equal(local_mask(bam, dist, 1), dense[np.ix_(dist.tokens_on(1), dist.gather_order())])
     with pytest.raises(ValueError, match=r"bam rows have lengths \[50, 60\]"):
         distribute_tokens([rows[0], bitfield_mask([[Span("text", 50)]])], 2, 8)
+
+
+def test_all_gather_attention_with_local_masks_equals_full_attention():
+    """§3.3.6 in one process: each rank attends its queries against the gathered keys and values
+    with its local mask, skipping EMPTY key tiles; the outputs, put back at their positions, equal
+    attention over the whole row with the dense mask."""
+    import torch
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(4)
+    for method, _ in itertools.product(("lpt", "random"), range(8)):
+        bam = random_row(rng, max_samples=3)
+        block = 5
+        cp = min(3, -(-bam.length // block))
+        dist = distribute_tokens(bam, cp, block, method=method, seed=1)
+        t, heads, dim = bam.length, 2, 8
+        q, k, v = (torch.randn(heads, t, dim, dtype=torch.float64) for _ in range(3))
+        dense = torch.from_numpy(dense_mask(bam))
+        rows_with_keys = dense.any(dim=1)  # padding rows attend nothing: compare the others
+
+        def attend(qq, kk, vv, mask):
+            scores = (qq @ kk.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
+            return torch.nan_to_num(torch.softmax(scores, dim=-1)) @ vv
+
+        want = attend(q, k, v, dense)
+        got = torch.zeros_like(want)
+        order = torch.from_numpy(dist.gather_order())
+        k_all, v_all = k[:, order], v[:, order]  # what the all-gather delivers
+        key_sizes = [min(block, t - b * block) for b in dist.key_blocks()]
+        key_starts = np.cumsum([0] + key_sizes)
+        for r in range(cp):
+            rows = torch.from_numpy(dist.tokens_on(r))
+            mask = torch.from_numpy(local_mask(bam, dist, r))
+            tiles = local_block_mask(bam, dist, r)
+            q_starts = np.cumsum([0] + [min(block, t - b * block) for b in dist.blocks_on(r)])
+            for i in range(tiles.shape[0]):
+                keep = np.flatnonzero(tiles[i] != EMPTY)  # block skipping
+                cols = torch.from_numpy(np.concatenate(
+                    [np.arange(key_starts[j], key_starts[j + 1]) for j in keep]).astype(np.int64)) \
+                    if keep.size else torch.zeros(0, dtype=torch.long)
+                lo, hi = q_starts[i], q_starts[i + 1]
+                out = attend(q[:, rows[lo:hi]], k_all[:, cols], v_all[:, cols], mask[lo:hi][:, cols])
+                got[:, rows[lo:hi]] = out
+        assert torch.allclose(got[:, rows_with_keys], want[:, rows_with_keys], atol=1e-12)
