@@ -406,20 +406,24 @@ def test_batched_reorder_bad_input():
 def test_policy_lockstep_lpt_is_balance_dp_groups_per_group():
     """The disttrain policy's microbatch LPT runs every group in lockstep; per group it must be
     `balance_dp_groups` itself (same order, same float sums), zero costs and ties included."""
-    from loom.balance.disttrain_policy import _by_group_then_descending, _lockstep_lpt
+    from loom.balance.disttrain_policy import (
+        _by_group,
+        _lockstep_lpt,
+        _members_descending,
+    )
 
     rng = np.random.default_rng(16)
     for trial in range(30):
         groups, k = int(rng.integers(1, 5)), int(rng.integers(1, 6))
         group_of = np.concatenate([np.full(int(rng.integers(k, 3 * k + 1)), g) for g in range(groups)])
         rng.shuffle(group_of)
-        n = group_of.size
-        cost = rng.integers(0, 4, n).astype(float) if trial % 2 else rng.lognormal(0, 1, n)
+        cost = rng.integers(0, 4, group_of.size).astype(float) if trial % 2 else rng.lognormal(0, 1, group_of.size)
         sizes = np.bincount(group_of, minlength=groups)
-        order = _by_group_then_descending(group_of, cost, groups)
-        members = np.full((groups, int(sizes.max())), -1)
-        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-        members[group_of[order], np.arange(n) - np.repeat(starts, sizes)] = order
+        members = _members_descending(_by_group(group_of, sizes), cost, sizes)
+        for g in range(groups):  # each row: the group's positions by cost descending, then position
+            mine = np.flatnonzero(group_of == g)
+            assert members[g].tolist() == sorted(mine.tolist(), key=lambda i: (-cost[i], i)) + [-1] * (
+                members.shape[1] - mine.size)
         mb_of = _lockstep_lpt(members, cost, k)
         for g in range(groups):
             mine = np.flatnonzero(group_of == g)

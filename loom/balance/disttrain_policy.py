@@ -53,17 +53,13 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
         sizes = np.bincount(group_of, minlength=dp)
     # members of each group, heaviest first (ties: lower position), as a (dp, width) matrix
     # padded with -1
-    order = _by_group_then_descending(group_of, total, dp)
-    width = int(sizes.max())
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    rank_in_group = np.arange(n) - np.repeat(starts, sizes)
-    members = np.full((dp, width), -1, dtype=np.int64)
-    members[group_of[order], rank_in_group] = order
+    by_group = _by_group(group_of, sizes)
+    members = _members_descending(by_group, total, sizes)
     mb_of = _lockstep_lpt(members, total, k)
     mb_of = _nonempty(mb_of, group_of, total, k)
     candidates = [mb_of]
     if llm_padded:
-        candidates.append(_sorted_runs(group_of, sizes, costs.llm_padded_weight(), k))
+        candidates.append(_sorted_runs(_members_descending(by_group, costs.llm_padded_weight(), sizes), sizes, k))
     enc_total = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n))
     p_llm = plan.spec(LLM).num_stages
     enc, llm = [], []
@@ -100,12 +96,27 @@ def _shared_layout(slot: np.ndarray, m: int, phases: list[str], policy: str) -> 
     return BatchLayout(None, {p: policy for p in phases}, arrays={p: (order, bounds) for p in phases})
 
 
-def _by_group_then_descending(group: np.ndarray, value: np.ndarray, groups: int) -> np.ndarray:
-    """Positions ordered by group, then value descending, then position (two stable sorts; the
-    second on 16-bit keys is a radix sort)."""
-    by_value = np.argsort(-value, kind="stable")
-    small = np.int16 if groups < 2**15 else np.int64
-    return by_value[np.argsort(group[by_value].astype(small), kind="stable")]
+def _by_group(group: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Positions ordered by group, then position (a stable sort of 16-bit keys is a radix
+    sort), with each one's group and its rank inside the group."""
+    small = np.int16 if sizes.size < 2**15 else np.int64
+    order = np.argsort(group.astype(small), kind="stable")
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    return order, group[order], np.arange(group.size) - np.repeat(starts, sizes)
+
+
+def _members_descending(by_group: tuple[np.ndarray, np.ndarray, np.ndarray], value: np.ndarray,
+                        sizes: np.ndarray) -> np.ndarray:
+    """Each group's positions by value descending, then position, as a ``(groups, width)``
+    matrix padded with -1: one stable sort per row (a group's positions enter it ascending, and
+    padding sorts last), cheaper than sorting the whole batch by value."""
+    order, group, rank = by_group
+    width = int(sizes.max(initial=0))
+    key = np.full((sizes.size, width), np.inf)
+    key[group, rank] = -value[order]
+    members = np.full((sizes.size, width), -1, dtype=np.int64)
+    members[group, rank] = order
+    return np.take_along_axis(members, np.argsort(key, axis=1, kind="stable"), axis=1)
 
 
 def _peak(slot: np.ndarray, value: np.ndarray, slots: int) -> np.ndarray:
@@ -167,21 +178,18 @@ def _nonempty(mb_of: np.ndarray, group_of: np.ndarray, cost: np.ndarray, k: int)
     return mb_of
 
 
-def _sorted_runs(group_of: np.ndarray, sizes: np.ndarray, weight: np.ndarray, k: int) -> np.ndarray:
-    """Each group's samples by padded row cost, longest first (ties: lower position), cut into
-    ``k`` contiguous runs of equal count (the larger runs first): similar lengths share a
-    microbatch, so right-padding adds the least."""
-    n = group_of.size
-    order = _by_group_then_descending(group_of, weight, int(sizes.size))
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    rank = np.arange(n) - np.repeat(starts, sizes)
-    size_g = sizes[group_of[order]]
-    base, extra = size_g // k, size_g % k
+def _sorted_runs(members: np.ndarray, sizes: np.ndarray, k: int) -> np.ndarray:
+    """Each group's samples by padded row cost, longest first (``members``, ties: lower
+    position), cut into ``k`` contiguous runs of equal count (the larger runs first): similar
+    lengths share a microbatch, so right-padding adds the least."""
+    rank = np.arange(members.shape[1])[None, :]
+    base, extra = (sizes // k)[:, None], (sizes % k)[:, None]
     # runs 0..extra-1 hold base + 1 samples, the rest base
     big = extra * (base + 1)
     run = np.where(rank < big, rank // np.maximum(base + 1, 1), extra + (rank - big) // np.maximum(base, 1))
-    out = np.empty(n, dtype=np.int64)
-    out[order] = run
+    real = members >= 0
+    out = np.empty(int(sizes.sum()), dtype=np.int64)
+    out[members[real]] = run[real]
     return out
 
 

@@ -391,7 +391,7 @@ def _bottleneck_matching(v: np.ndarray, l_ol: np.ndarray, l_ul: np.ndarray) -> t
         m = which.size
         critical = l_ol[which] > threshold[:, None]
         edges = critical[:, :, None] & (v[which] <= threshold[:, None, None])
-        r, a, b = np.nonzero(edges)  # row-major: the CSR order of the block-diagonal graph
+        r, _, b = np.nonzero(edges)  # row-major: the CSR order of the block-diagonal graph
         indptr = np.concatenate(([0], np.cumsum(edges.sum(axis=2).ravel())))
         graph = csr_matrix((np.ones(r.size, dtype=np.int8), (r * n_ul + b).astype(np.int32), indptr.astype(np.int32)),
                            shape=(m * half, m * n_ul))
