@@ -38,7 +38,8 @@ def random_row(rng: np.random.Generator) -> tuple[list[list[Span]], int]:
 
 
 def reference_mask(samples: list[list[Span]], length: int, mode: str) -> np.ndarray:
-    """Per token pair, from the spans and the rules in words: attention stays inside a sample;
+    """Per token pair, from the spans and the rules in words: attention stays inside a sample
+    (padding sees itself alone);
     text sees every earlier token of it; an item's tokens see, by mode, their whole item and the
     earlier tokens (bidirectional), the earlier tokens only (causal), or their item only."""
     owner = []  # per token: (sample, item number or None, position)
@@ -51,7 +52,7 @@ def reference_mask(samples: list[list[Span]], length: int, mode: str) -> np.ndar
                 pos += 1
             if span.kind != "text":
                 item += 1
-    mask = np.zeros((length, length), dtype=bool)
+    mask = np.eye(length, dtype=bool)  # padding attends itself alone
     for q, (sq, iq, pq) in enumerate(owner):
         for k, (sk, ik, pk) in enumerate(owner):
             if sq != sk:
@@ -123,7 +124,10 @@ def test_decode_of_arbitrary_words_follows_the_formula():
         want = np.zeros((t, t), dtype=bool)
         for q in range(t):
             for k in range(t):
-                if bam.sample[q] < 0 or bam.sample[q] != bam.sample[k]:
+                if bam.sample[q] < 0:
+                    want[q, k] = q == k
+                    continue
+                if bam.sample[q] != bam.sample[k]:
                     continue
                 grouped = bam.item[q] >= 0 and bam.item[q] == bam.item[k]
                 causal = (int(bam.bits[q]) & CAUSAL_BIT) and k <= q and (int(bam.bits[q]) >> max(int(bam.kind[k]), 0)) & 1

@@ -109,6 +109,8 @@ def test_distribution_is_a_partition_and_local_masks_are_dense_rows(method):
         cp = int(rng.integers(1, min(4, nb) + 1))
         dist = distribute_tokens(bam, cp, block, method=method, seed=trial)
         check_partition(dist)
+        if method == "lpt":  # every block has work (a token sees at least itself): no rank idles
+            assert dist.workloads.min() >= 1 and all(dist.blocks_on(r).size for r in range(cp))
         dense = dense_mask(bam)
         gathered = dist.gather_order()
         for r in range(cp):
@@ -207,11 +209,11 @@ def test_all_gather_attention_with_local_masks_equals_full_attention():
         t, heads, dim = bam.length, 2, 8
         q, k, v = (torch.randn(heads, t, dim, dtype=torch.float64) for _ in range(3))
         dense = torch.from_numpy(dense_mask(bam))
-        rows_with_keys = dense.any(dim=1)  # padding rows attend nothing: compare the others
+        assert bool(dense.any(dim=1).all())  # every row has a key (padding: itself)
 
         def attend(qq, kk, vv, mask):
             scores = (qq @ kk.transpose(-1, -2)).masked_fill(~mask, float("-inf"))
-            return torch.nan_to_num(torch.softmax(scores, dim=-1)) @ vv
+            return torch.softmax(scores, dim=-1) @ vv
 
         want = attend(q, k, v, dense)
         got = torch.zeros_like(want)
@@ -226,10 +228,8 @@ def test_all_gather_attention_with_local_masks_equals_full_attention():
             q_starts = np.cumsum([0] + [min(block, t - b * block) for b in dist.blocks_on(r)])
             for i in range(tiles.shape[0]):
                 keep = np.flatnonzero(tiles[i] != EMPTY)  # block skipping
-                cols = torch.from_numpy(np.concatenate(
-                    [np.arange(key_starts[j], key_starts[j + 1]) for j in keep]).astype(np.int64)) \
-                    if keep.size else torch.zeros(0, dtype=torch.long)
+                cols = torch.from_numpy(np.concatenate([np.arange(key_starts[j], key_starts[j + 1]) for j in keep]))
                 lo, hi = q_starts[i], q_starts[i + 1]
                 out = attend(q[:, rows[lo:hi]], k_all[:, cols], v_all[:, cols], mask[lo:hi][:, cols])
                 got[:, rows[lo:hi]] = out
-        assert torch.allclose(got[:, rows_with_keys], want[:, rows_with_keys], atol=1e-12)
+        assert torch.allclose(got, want, atol=1e-12)

@@ -17,7 +17,8 @@ distributions:
   coprime to ``cp`` and ``a, b0, offset`` drawn from ``seed``: every rank computes the same split
   from the same seed (the digest's [gap]). When ``cp`` divides ``p`` (a power of two) the hash
   mod ``cp`` is a shifted stride through the ranks, so each rank gets ``num_blocks / cp`` blocks
-  (±1); otherwise the counts vary, and a rank may get none.
+  (±1); otherwise the counts vary, and a rank may get none. (LPT gives every rank a block: a
+  token attends at least itself, so every block has work.)
 
 The runtime then needs, per rank, its tokens' global positions (its hidden states, RoPE
 positions and labels are those positions of the row: they follow the tokens), the order in

@@ -21,8 +21,12 @@ attend every other image of its modality, future ones included). The decoded mas
     allowed(q, k) = sample[q] == sample[k] >= 0 and (
         item[q] == item[k] >= 0
         or (bits[q] has CAUSAL_BIT and k <= q and bits[q] has bit kind[k]))
+      or (sample[q] < 0 and k == q)
 
-so attention restarts at every packed sample and padding attends and is attended by nothing.
+so attention restarts at every packed sample, and no token attends padding. A padding token
+attends itself alone: every row keeps a key, so attention over the mask stays finite without a
+guard for empty rows (the paper's word 0 attends nothing, which needs the kernel's guard,
+§3.3.5), and nothing reads a padding token's output.
 
 ``item_attention`` picks what an item's tokens see (text always sees every earlier token of its
 sample, as loom's LLM does):
@@ -219,7 +223,8 @@ def decode(bam: BitfieldMask, rows: np.ndarray | Sequence[int], cols: np.ndarray
     bq = bam.bits[q][:, None]
     kind_k = np.maximum(bam.kind[k], 0).astype(np.int64)[None, :]
     causal = ((bq & CAUSAL_BIT) != 0) & (k[None, :] <= q[:, None]) & (((bq >> kind_k) & 1) != 0)
-    return (sq == sk) & (sq >= 0) & (((iq == ik) & (iq >= 0)) | causal)
+    padding_self = (sq < 0) & (q[:, None] == k[None, :])
+    return ((sq == sk) & (sq >= 0) & (((iq == ik) & (iq >= 0)) | causal)) | padding_self
 
 
 def dense_mask(bam: BitfieldMask) -> np.ndarray:
@@ -272,8 +277,9 @@ def _tile_counts(bam: BitfieldMask, block_q: int, block_k: int):
     valid_runs = run_sample >= 0
     if np.unique(run_sample[valid_runs]).size == int(valid_runs.sum()):  # each sample one run
         run_of = np.repeat(np.arange(run_start.size), run_end - run_start)
-        lo = np.where(sample >= 0, run_start[run_of], num_pieces)
-        hi = np.where(sample >= 0, run_end[run_of], 0)
+        own = np.arange(num_pieces)
+        lo = np.where(sample >= 0, run_start[run_of], own)  # padding: itself alone
+        hi = np.where(sample >= 0, run_end[run_of], own + 1)
     else:
         lo, hi = np.zeros(num_pieces, np.int64), np.full(num_pieces, num_pieces)
     rows_per_chunk = max(1, CHUNK_PAIRS // max(1, num_pieces))
@@ -293,6 +299,7 @@ def _tile_counts(bam: BitfieldMask, block_q: int, block_k: int):
             sq, sk = size[p], size[r]
             causal = np.where(r < p, sq * sk, np.where(r == p, sq * (sq + 1) // 2, 0))
             pairs = np.where(same_sample & same_item, sq * sk, np.where(same_sample & attends, causal, 0))
+            pairs += np.where((sample[p] < 0) & (r == p), sq, 0)  # padding's diagonal
             by_q = np.add.reduceat(pairs, q_first[t0:t1] - p0, axis=0)
             # key segments: split where a key tile starts (and at c0, which may be mid-tile)
             k_tile = starts[c0:c1] // block_k
