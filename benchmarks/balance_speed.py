@@ -11,9 +11,10 @@ Figures (medians over repeats, fresh seeded inputs, one process on this machine)
   with the optimality gap it reached (100 ms): (value - best certified lower bound) / value, the
   bound being HiGHS's dual bound or the per-node Lagrangian (LP-strength) bound.
 - ``decide_ms_orchmllm`` / ``decide_ms_disttrain`` / ``decide_ms_entrain``: the decision a rank
-  pays per step through the public API, from the gathered metadata arrays (one flat int array
-  per rank, `MetadataArrays`) to the checked layout: concat, costs (`sample_costs`) and
-  `make_layout`, on skewed LLaVA-like metadata (the ``caption`` mix, high-resolution tail) for
+  pays per step through the public API, from the gathered metadata table (one padded
+  `MetadataArrays.to_flat` row per rank of the plan, as `loom.runtime.metadata` gathers it) to
+  the checked layout: the runtime's parse (`MetadataArrays.from_gathered`), costs
+  (`sample_costs`) and `make_layout`, on skewed LLaVA-like metadata (the ``caption`` mix, high-resolution tail) for
   Llama-3-8B + ViT-H/14. orchmllm: DP 2560, 60 samples per rank, vision and LLM phases (target
   20 ms); disttrain: 64 groups x 64 microbatches of 4, pipeline depth 8 (20 ms); entrain: 64
   replicas x 32 microbatches of 16 (30 ms).
@@ -45,9 +46,10 @@ from loom.balance.lpt import lpt_balance, quantised_lpt
 from loom.balance.nodewise import nodewise_rearrangement
 from loom.balance.policy import BalanceConfig, make_layout
 from loom.cost.model_configs import load_model_arch
-from loom.cost.workload import MetadataArrays
+from loom.cost.workload import MetadataArrays, gather_capacity, padded_row
 from loom.data.synthetic import SyntheticMetadata
 from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.runtime.dispatch import loader_shards
 
 TARGETS_MS = {"post_balance_ms": 5.0, "disttrain_reorder_ms": 10.0, "entrain_assign_ms": 20.0, "nodewise_ms": 100.0}
 DECIDE_TARGETS_MS = {"orchmllm": 20.0, "disttrain": 20.0, "entrain": 30.0}
@@ -55,20 +57,27 @@ DECIDE_TARGETS_MS = {"orchmllm": 20.0, "disttrain": 20.0, "entrain": 30.0}
 DECIDE_SHAPES = {"orchmllm": (2560, 1, 60, 1), "disttrain": (64, 64, 4, 7), "entrain": (64, 32, 16, 4)}
 
 
-def decide_inputs(policy: str, arch, pool: list) -> tuple[Plan, list[np.ndarray]]:
-    """The plan and each rank's flat metadata (what the dispatcher's all-gather returns)."""
+def decide_inputs(policy: str, arch, pool: list) -> tuple[Plan, np.ndarray]:
+    """The plan and the gathered metadata table exactly as the dispatcher's all-gather returns it:
+    each rank's loader shard encoded and padded by the runtime's own functions
+    (`MetadataArrays.to_flat`, `padded_row` at `gather_capacity`; a second round's width when a
+    row outgrows it), one row per rank. The collective itself is not part of the figure."""
     dp, per, size, stages = DECIDE_SHAPES[policy]
     n = dp * per * size
     plan = Plan([ModuleSpec("vision", data_parallel=dp), ModuleSpec(LLM, data_parallel=dp, num_stages=stages)],
                 num_microbatches=dp * per)
     plan = plan.resolve({name: arch.module(name).num_layers for name in arch.module_names})
     metas = [pool[i % len(pool)] for i in range(n)]
-    shard = -(-n // dp)
-    return plan, [MetadataArrays.from_metas(metas[i:i + shard]).to_flat() for i in range(0, n, shard)]
+    rows = [MetadataArrays.from_metas([metas[p] for p in shard]).to_flat() for shard in loader_shards(n, plan.world_size)]
+    # the first round's capacity, or the second round's width when a row outgrows it
+    width = max(gather_capacity(n, plan.world_size), max(r.size for r in rows))
+    return plan, np.stack([padded_row(r, width) for r in rows])
 
 
-def decide(policy: str, plan: Plan, arch, flats: list[np.ndarray]):
-    gathered = MetadataArrays.from_gathered(flats)
+def decide(policy: str, plan: Plan, arch, table: np.ndarray):
+    """What a rank runs per step from the gathered table to its layout (`Dispatcher.dispatch`):
+    the runtime's parse, costs, `make_layout`."""
+    gathered = MetadataArrays.from_gathered(table)
     return make_layout(BalanceConfig(default=policy, min_gain=0.0), plan, sample_costs(arch, gathered))
 
 
@@ -106,9 +115,9 @@ def main() -> None:
     pool = [data.meta(i) for i in range(4096)]  # drawn once; batches cycle through them
     decide_ms: dict[str, list[float]] = {}
     for policy in [p for p in DECIDE_TARGETS_MS if wanted(f"decide_ms_{p}")]:
-        plan, flats = decide_inputs(policy, arch, pool)
-        decide(policy, plan, arch, flats)  # warm caches
-        decide_ms[policy] = [timed(lambda: decide(policy, plan, arch, flats))[0] for _ in range(args.decide_repeats)]
+        plan, table = decide_inputs(policy, arch, pool)
+        decide(policy, plan, arch, table)  # warm caches
+        decide_ms[policy] = [timed(lambda: decide(policy, plan, arch, table))[0] for _ in range(args.decide_repeats)]
     runs: dict[str, list[float]] = {k: [] for k in TARGETS_MS if wanted(k)}
     gaps = []
     load_start = os.getloadavg()[0]  # wall-clock medians on a shared 2-core machine: record load

@@ -380,8 +380,12 @@ def test_price_dispatch_parts_and_refusals():
 
     metas = [SampleMeta(0, 10), SampleMeta(1, 12, images=(ImageMeta(32, 32),) * 2),
              SampleMeta(2, 8, audios=(AudioMeta(16000, 16000),))]
-    assert metadata_bytes(metas) == 8 * (3 + 3 + 2 * 3 + 1 * 2)  # header, samples, images, clips
-    assert metadata_bytes(metas, world_size=4) == metadata_bytes(metas) + 3 * 3 * 8  # a header per rank
+    # the padded table the dispatcher gathers: ranks x (5-value header + 16 per sample of a shard)
+    assert metadata_bytes(metas) == 8 * 1 * (5 + 16 * 3)
+    assert metadata_bytes(metas, world_size=4) == 8 * 4 * (5 + 16 * 1)
+    # a shard whose row (header, 5 per sample, 2 per image) outgrows that takes a second round
+    many = [SampleMeta(3, 40, images=(ImageMeta(32, 32),) * 10)] + metas
+    assert metadata_bytes(many, world_size=4) == 8 * 4 * ((5 + 16 * 1) + (5 + 5 + 2 * 10))
     links = _links(ranks_per_node=2)
     payload = {"vision": np.array([[0, 0, 4e6, 0], [0] * 4, [0] * 4, [0] * 4], dtype=float),
                "llm": np.full((4, 4), 100.0)}

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from loom.cost.arch import ModelArch, ModuleArch
 from loom.cost.model import MicrobatchWork, Workload
-from loom.data.sample import SampleMeta
+from loom.data.sample import AudioMeta, ImageMeta, SampleMeta
 from loom.plan.plan import LLM
 
 # which metadata field holds an encoder's items, by the encoder architecture's kind
@@ -24,6 +25,12 @@ ITEM_FIELDS = {"vision": "images", "audio": "audios"}
 
 class WorkloadError(ValueError):
     """Metadata the model cannot cost (a modality without an encoder, an unknown batching)."""
+
+
+def _unknown_kind(name: str, kind: str) -> str:
+    return (f"encoder {name!r} has kind {kind!r}, which metadata cannot cost (known kinds: {sorted(ITEM_FIELDS)}); "
+            f"set the encoder's architecture kind to one of them, or add the kind's item field to "
+            f"loom.cost.workload.ITEM_FIELDS and its token rule to _item_tokens")
 
 
 def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "packed") -> MicrobatchWork:
@@ -41,7 +48,7 @@ def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "p
         module = arch.module(name)
         field_name = ITEM_FIELDS.get(module.kind)
         if field_name is None:
-            raise WorkloadError(f"encoder {name!r} has kind {module.kind!r}; simulation knows {sorted(ITEM_FIELDS)}")
+            raise WorkloadError(_unknown_kind(name, module.kind))
         lengths = []
         for b, meta in enumerate(metas):
             for item in getattr(meta, field_name):
@@ -54,95 +61,282 @@ def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "p
     return work
 
 
-# ---- the same rule over arrays (the balancing hot path) ---------------------------------------
+# ---- the same rule over arrays (the balancing hot path), and the metadata's wire form ----------
+# Segment names a sample's ``segments`` may hold, coded on the wire by their index here.
+SEGMENT_NAMES: tuple[str, ...] = ("text", "image", "audio")
+_SEGMENT_CODE = {name: code for code, name in enumerate(SEGMENT_NAMES)}
+
+# A rank's row (`MetadataArrays.to_flat`): a header ``[samples, images, audios, segments, error
+# bytes]``; per sample, field after field: ``sample_id``, ``text_tokens``, ``image_count``,
+# ``audio_count``, ``segment_count``; then ``(height, width)`` per image, ``(num_samples,
+# sample_rate)`` per audio clip, one code per segment and the payload error's UTF-8 bytes. Each
+# per-sample field is a run of the row, so `from_gathered` copies it out of the gathered table
+# for every rank at once (a strided slice when the ranks' sample counts agree).
+HEADER = 5
+PER_SAMPLE = 5
+# ints per sample of the dispatcher's first all-gather round: the per-sample fields and room for
+# a few items and segments (a LLaVA-like sample with one image takes 9); a larger share (many
+# items, a long error message) takes a second round
+GATHER_INTS_PER_SAMPLE = 16
+
+
+def gather_capacity(batch_size: int, world_size: int) -> int:
+    """Width of every rank's row in the dispatcher's first metadata all-gather: fixed from the
+    batch size alone, so every rank pads to it without asking the others."""
+    if batch_size < 0 or world_size < 1:
+        raise WorkloadError(f"gather_capacity(batch_size={batch_size}, world_size={world_size}): the batch "
+                            f"size must be >= 0 and the world size >= 1")
+    return HEADER + GATHER_INTS_PER_SAMPLE * -(-batch_size // world_size)
+
+
+def padded_row(row: np.ndarray, width: int) -> np.ndarray:
+    """A rank's `to_flat` row cut or zero-padded to ``width`` values: what it contributes to
+    one all-gather round (the header always fits, so every rank reads every row's length)."""
+    if width < HEADER:
+        raise WorkloadError(f"a gathered metadata row needs at least its {HEADER}-value header; width = {width}")
+    out = np.zeros(width, dtype=np.int64)
+    k = min(width, row.size)
+    out[:k] = row[:k]
+    return out
+
+
+def row_lengths(table: np.ndarray) -> np.ndarray:
+    """Every row's full length, from the headers of a gathered ``(ranks, width)`` table."""
+    h = np.asarray(table, dtype=np.int64)[:, :HEADER]
+    return HEADER + PER_SAMPLE * h[:, 0] + 2 * h[:, 1] + 2 * h[:, 2] + h[:, 3] + h[:, 4]
+
+
+def gathered_bytes(batch_size: int, lengths: Sequence[int] | np.ndarray) -> int:
+    """Bytes every rank receives in the dispatcher's metadata all-gather when the ranks' rows
+    have ``lengths`` (one per rank): the first round's table (every row padded to
+    `gather_capacity`) and, when a row exceeds the capacity, a second round at the longest
+    row's length."""
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    ranks = int(lengths.size)
+    capacity = gather_capacity(batch_size, max(ranks, 1))
+    longest = int(lengths.max(initial=0))
+    return 8 * ranks * (capacity + (longest if longest > capacity else 0))
+
+
+def _block(table: np.ndarray, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
+    """Every row's values ``[start[r], stop[r])`` of a 2-D table, back to back in row order, in
+    one pass: a slice when every row's block sits at the same columns, a mask otherwise."""
+    lo, hi = int(start.min()), int(stop.max())
+    if hi <= lo:
+        return np.zeros(0, dtype=np.int64)
+    if (start == lo).all() and (stop == hi).all():
+        return table[:, lo:hi].reshape(-1)
+    cols = np.arange(lo, hi)
+    if (start == lo).all():  # one bound per row to compare (the common case: equal shards)
+        return table[:, lo:hi][cols < stop[:, None]]
+    return table[:, lo:hi][(cols >= start[:, None]) & (cols < stop[:, None])]
+
+
+def _bounds(count: np.ndarray) -> np.ndarray:
+    """``[0, cumsum(count)...]``: sample ``s``'s items are ``[bounds[s], bounds[s + 1])``."""
+    out = np.zeros(count.size + 1, dtype=np.int64)
+    np.cumsum(count, out=out[1:])
+    return out
+
+
 @dataclass(frozen=True)
 class MetadataArrays:
-    """A batch's metadata as flat int64 arrays, what the dispatcher all-gathers (one int tensor
-    per rank, `to_flat` / `from_flat`) and the policies cost without a Python object per sample.
+    """A batch's metadata as int64 arrays: the wire form the dispatcher all-gathers (one
+    `to_flat` row per rank, `from_gathered` for the table) and what the policies cost, with no
+    Python object per sample. It holds everything a `SampleMeta` does (`metas` / `meta` build
+    them back where a consumer needs objects).
 
-    ``text_tokens[s]``: sample ``s``'s text tokens (with one marker per item, as `SampleMeta`);
-    per item, ``image_owner`` / ``audio_owner`` name the sample (ascending), ``image_hw`` holds
-    ``(height, width)`` and ``audio_samples`` the waveform length."""
+    Per sample ``s``: ``sample_id[s]``, ``text_tokens[s]`` (text tokens with one marker per item,
+    as `SampleMeta`), and how many images, audio clips and segments it has (``image_count``,
+    ``audio_count``, ``segment_count``). The items follow in sample order: ``image_hw`` holds
+    ``(height, width)`` per image, ``audio_samples`` / ``audio_rate`` each clip's length and
+    sample rate, ``segment_code`` each segment as an index of `SEGMENT_NAMES`. ``error_bytes``
+    holds the UTF-8 bytes of payload errors, ``error_owner`` the part (rank) each byte came from.
+    ``image_owner`` / ``audio_owner`` / ``segment_owner`` (each item's sample) are derived."""
 
+    sample_id: np.ndarray
     text_tokens: np.ndarray
-    image_owner: np.ndarray
+    image_count: np.ndarray
     image_hw: np.ndarray  # (images, 2)
-    audio_owner: np.ndarray
+    audio_count: np.ndarray
     audio_samples: np.ndarray
+    audio_rate: np.ndarray
+    segment_count: np.ndarray
+    segment_code: np.ndarray
+    error_owner: np.ndarray
+    error_bytes: np.ndarray
 
     @property
     def num_samples(self) -> int:
         return int(self.text_tokens.shape[0])
 
+    @property
+    def row_length(self) -> int:
+        """Values of `to_flat`."""
+        return (HEADER + PER_SAMPLE * self.num_samples + 2 * self.image_hw.shape[0] + 2 * self.audio_samples.size
+                + self.segment_code.size + self.error_bytes.size)
+
+    # each item's sample (ascending), computed on first use: costing and parsing use the counts
+    @cached_property
+    def image_owner(self) -> np.ndarray:
+        return np.repeat(np.arange(self.num_samples, dtype=np.int64), self.image_count)
+
+    @cached_property
+    def audio_owner(self) -> np.ndarray:
+        return np.repeat(np.arange(self.num_samples, dtype=np.int64), self.audio_count)
+
+    @cached_property
+    def segment_owner(self) -> np.ndarray:
+        return np.repeat(np.arange(self.num_samples, dtype=np.int64), self.segment_count)
+
+    @cached_property
+    def bounds(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(images, audios, segments)``: sample ``s``'s items of each are ``[b[s], b[s + 1])``."""
+        return _bounds(self.image_count), _bounds(self.audio_count), _bounds(self.segment_count)
+
     @staticmethod
-    def from_metas(metas: Sequence[SampleMeta]) -> "MetadataArrays":
-        img = [(b, m.height, m.width) for b, meta in enumerate(metas) for m in meta.images]
-        aud = [(b, m.num_samples) for b, meta in enumerate(metas) for m in meta.audios]
-        img_a = np.asarray(img, dtype=np.int64).reshape(-1, 3)
-        aud_a = np.asarray(aud, dtype=np.int64).reshape(-1, 2)
-        return MetadataArrays(np.fromiter((m.text_tokens for m in metas), dtype=np.int64, count=len(metas)),
-                              img_a[:, 0].copy(), img_a[:, 1:].copy(), aud_a[:, 0].copy(), aud_a[:, 1].copy())
+    def from_metas(metas: Sequence[SampleMeta], error: str | None = None) -> "MetadataArrays":
+        """The arrays of ``metas`` (and a payload ``error`` message, if any)."""
+        n = len(metas)
+        hw = [(m.height, m.width) for meta in metas for m in meta.images]
+        clips = [(m.num_samples, m.sample_rate) for meta in metas for m in meta.audios]
+        try:
+            codes = [_SEGMENT_CODE[name] for meta in metas for name in meta.segments]
+        except KeyError:
+            sid, bad = next((m.sample_id, s) for m in metas for s in m.segments if s not in _SEGMENT_CODE)
+            raise WorkloadError(
+                f"sample {sid}: segment {bad!r} is not one of the metadata codec's segment names "
+                f"{SEGMENT_NAMES}; name the sample's segments from them, or add the name to "
+                f"loom.cost.workload.SEGMENT_NAMES") from None
+        clip_a = np.asarray(clips, dtype=np.int64).reshape(-1, 2)
+        err = np.frombuffer((error or "").encode(), dtype=np.uint8).astype(np.int64)
+
+        def per_sample(values) -> np.ndarray:
+            return np.fromiter(values, dtype=np.int64, count=n)
+
+        return MetadataArrays(
+            per_sample(m.sample_id for m in metas), per_sample(m.text_tokens for m in metas),
+            per_sample(len(m.images) for m in metas), np.asarray(hw, dtype=np.int64).reshape(-1, 2),
+            per_sample(len(m.audios) for m in metas), clip_a[:, 0].copy(), clip_a[:, 1].copy(),
+            per_sample(len(m.segments) for m in metas), np.asarray(codes, dtype=np.int64),
+            np.zeros(err.size, dtype=np.int64), err)
 
     def to_flat(self) -> np.ndarray:
-        """One int64 array: ``[samples, images, audios, text..., image owner..., height...,
-        width..., audio owner..., audio samples...]`` (`from_flat` reads it back)."""
+        """One int64 row (see `HEADER`): what a rank contributes to the metadata all-gather
+        (`from_flat` / `from_gathered` read it back)."""
+        head = [self.num_samples, self.image_hw.shape[0], self.audio_samples.size, self.segment_code.size,
+                self.error_bytes.size]
+        clips = np.stack([self.audio_samples, self.audio_rate], axis=1)
         return np.concatenate([
-            np.array([self.num_samples, self.image_owner.size, self.audio_owner.size], dtype=np.int64),
-            self.text_tokens, self.image_owner, self.image_hw[:, 0], self.image_hw[:, 1],
-            self.audio_owner, self.audio_samples]).astype(np.int64, copy=False)
+            np.array(head, dtype=np.int64), self.sample_id, self.text_tokens, self.image_count, self.audio_count,
+            self.segment_count, self.image_hw.reshape(-1), clips.reshape(-1), self.segment_code,
+            self.error_bytes]).astype(np.int64, copy=False)
 
     @staticmethod
     def from_flat(flat: np.ndarray) -> "MetadataArrays":
+        """One `to_flat` row back (its length must be exactly what its header says)."""
         flat = np.asarray(flat, dtype=np.int64)
-        if flat.ndim != 1 or flat.size < 3:
-            raise WorkloadError(f"flat metadata must be a 1-D int array with a 3-value header; got shape {flat.shape}")
-        n, i, a = (int(x) for x in flat[:3])
-        if min(n, i, a) < 0 or flat.size != 3 + n + 3 * i + 2 * a:
-            raise WorkloadError(f"flat metadata header (samples {n}, images {i}, audios {a}) does not match its "
-                                f"{flat.size} values; build it with MetadataArrays.to_flat")
-        parts = np.split(flat[3:], np.cumsum([n, i, i, i, a]))
-        return MetadataArrays(parts[0], parts[1], np.stack([parts[2], parts[3]], axis=1), parts[4], parts[5])
+        if flat.ndim != 1 or flat.size < HEADER or int(row_lengths(flat[None])[0]) != flat.size:
+            raise WorkloadError(f"flat metadata of shape {flat.shape} does not match its {HEADER}-value header; "
+                                f"build it with MetadataArrays.to_flat")
+        return MetadataArrays.from_gathered(flat[None])
 
     @staticmethod
     def from_gathered(rows: np.ndarray | Sequence[np.ndarray]) -> "MetadataArrays":
-        """The global batch from every rank's `to_flat` array (a list, or the rows of one
-        zero-padded ``(ranks, width)`` int array, as a padded all-gather returns them), in rank
-        order, with a few array passes whatever the rank count."""
-        if not isinstance(rows, np.ndarray):
-            # no padded table: the rows back to back, each field gathered by index below
-            lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-            flat = np.concatenate(rows).astype(np.int64, copy=False) if len(rows) else np.zeros(0, dtype=np.int64)
+        """The global batch from every rank's `to_flat` row, in rank order: the ``(ranks, width)``
+        table a padded all-gather returns (values past a row's length are ignored), or a list of
+        rows. A handful of array passes whatever the rank count; ``error_owner`` is the row."""
+        if isinstance(rows, np.ndarray) and rows.ndim == 2:
+            table = rows if rows.dtype == np.int64 else rows.astype(np.int64)
         else:
-            table = np.asarray(rows, dtype=np.int64)
-            lengths = np.full(len(table), table.shape[1], dtype=np.int64)
-            flat = table.ravel()
-        row_start = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
-        head = flat[row_start[:, None] + np.arange(3)] if len(lengths) else np.zeros((0, 3), dtype=np.int64)
-        if (lengths < 3).any() or (3 + head[:, 0] + 3 * head[:, 1] + 2 * head[:, 2] > lengths).any():
-            raise WorkloadError("gathered metadata rows are shorter than their headers say; build each with "
-                                "MetadataArrays.to_flat")
-
-        def field(offset: np.ndarray, size: np.ndarray) -> np.ndarray:
-            # every row's `size` values from `offset` within the row, back to back: one index pass
-            before = np.cumsum(size) - size
-            return flat[np.repeat(row_start + offset - before, size) + np.arange(int(size.sum()))]
-
-        n, i, a = head[:, 0], head[:, 1], head[:, 2]
-        offsets = np.cumsum(n) - n
-        return MetadataArrays(field(np.full_like(n, 3), n), field(3 + n, i) + np.repeat(offsets, i),
-                              np.stack([field(3 + n + i, i), field(3 + n + 2 * i, i)], axis=1),
-                              field(3 + n + 3 * i, a) + np.repeat(offsets, a), field(3 + n + 3 * i + a, a))
+            rows = [np.asarray(r, dtype=np.int64).reshape(-1) for r in rows]
+            table = np.zeros((len(rows), max((r.size for r in rows), default=HEADER)), dtype=np.int64)
+            for k, r in enumerate(rows):
+                table[k, :r.size] = r
+            if rows and (row_lengths(table) > [r.size for r in rows]).any():
+                raise WorkloadError("gathered metadata rows are shorter than their headers say; build each with "
+                                    "MetadataArrays.to_flat")
+        ranks, width = table.shape
+        if ranks == 0:
+            return MetadataArrays.from_metas([])
+        if width < HEADER or (table[:, :HEADER] < 0).any() or (row_lengths(table) > width).any():
+            raise WorkloadError("gathered metadata rows are shorter than their headers say (or the headers are "
+                                "negative); build each with MetadataArrays.to_flat")
+        n, i, a, s, e = (np.ascontiguousarray(table[:, k]) for k in range(HEADER))
+        if (n == n[0]).all():  # every rank sent as many samples: each field is a strided slice
+            fields = table[:, HEADER:HEADER + PER_SAMPLE * int(n[0])].reshape(ranks, PER_SAMPLE, int(n[0]))
+            sample_id, text, image_count, audio_count, segment_count = (
+                fields[:, k, :].reshape(-1) for k in range(PER_SAMPLE))
+            counts = fields[:, 2:, :]
+            per_row, negative = counts.sum(axis=2), counts.min(initial=0) < 0
+        else:
+            sample_id, text, image_count, audio_count, segment_count = (
+                _block(table, HEADER + k * n, HEADER + (k + 1) * n) for k in range(PER_SAMPLE))
+            last = np.cumsum(n)
+            per_row = np.stack([(c := _bounds(count))[last] - c[last - n]
+                                for count in (image_count, audio_count, segment_count)], axis=1)
+            negative = min(c.min(initial=0) for c in (image_count, audio_count, segment_count)) < 0
+        # every row's per-sample counts must add up to its header's
+        if negative or not np.array_equal(per_row, table[:, 1:4]):
+            raise WorkloadError("gathered metadata rows have item or segment counts that disagree with their "
+                                "headers; build each with MetadataArrays.to_flat")
+        start = HEADER + PER_SAMPLE * n
+        hw = _block(table, start, start + 2 * i).reshape(-1, 2)
+        clips = _block(table, start + 2 * i, start + 2 * i + 2 * a).reshape(-1, 2)
+        start = start + 2 * i + 2 * a
+        codes = _block(table, start, start + s)
+        err = _block(table, start + s, start + s + e)
+        if codes.size and (codes.min() < 0 or codes.max() >= len(SEGMENT_NAMES)):
+            raise WorkloadError(f"gathered metadata holds a segment code outside 0..{len(SEGMENT_NAMES) - 1} "
+                                f"({SEGMENT_NAMES}); build each row with MetadataArrays.to_flat")
+        return MetadataArrays(sample_id, text, image_count, hw, audio_count, clips[:, 0].copy(), clips[:, 1].copy(),
+                              segment_count, codes, np.repeat(np.arange(ranks, dtype=np.int64), e), err)
 
     @staticmethod
     def concat(parts: Sequence["MetadataArrays"]) -> "MetadataArrays":
-        """The global batch from the ranks' shards, in rank order (owners shifted by offset)."""
-        offsets = np.cumsum([0] + [p.num_samples for p in parts])
+        """The global batch from the ranks' shards, in rank order (``error_owner`` becomes the
+        part's index)."""
+        def cat(values: list[np.ndarray]) -> np.ndarray:
+            return np.concatenate(values).astype(np.int64, copy=False) if values else np.zeros(0, dtype=np.int64)
+
         return MetadataArrays(
-            np.concatenate([p.text_tokens for p in parts]).astype(np.int64, copy=False),
-            np.concatenate([p.image_owner + o for p, o in zip(parts, offsets)]).astype(np.int64, copy=False),
-            np.concatenate([p.image_hw.reshape(-1, 2) for p in parts]).astype(np.int64, copy=False),
-            np.concatenate([p.audio_owner + o for p, o in zip(parts, offsets)]).astype(np.int64, copy=False),
-            np.concatenate([p.audio_samples for p in parts]).astype(np.int64, copy=False))
+            cat([p.sample_id for p in parts]), cat([p.text_tokens for p in parts]),
+            cat([p.image_count for p in parts]), cat([p.image_hw.reshape(-1) for p in parts]).reshape(-1, 2),
+            cat([p.audio_count for p in parts]), cat([p.audio_samples for p in parts]),
+            cat([p.audio_rate for p in parts]), cat([p.segment_count for p in parts]),
+            cat([p.segment_code for p in parts]),
+            cat([np.full(p.error_bytes.size, k, dtype=np.int64) for k, p in enumerate(parts)]),
+            cat([p.error_bytes for p in parts]))
+
+    def errors(self) -> dict[int, str]:
+        """The payload error messages, by the part (rank) that sent them."""
+        if not self.error_bytes.size:
+            return {}
+        cut = np.flatnonzero(np.diff(self.error_owner)) + 1
+        return {int(owner[0]): bytes(chunk.astype(np.uint8).tolist()).decode(errors="replace")
+                for owner, chunk in zip(np.split(self.error_owner, cut), np.split(self.error_bytes, cut))}
+
+    def metas(self) -> list[SampleMeta]:
+        """Every sample's `SampleMeta` (a Python object per sample: only where a consumer needs them)."""
+        images = [ImageMeta(h, w) for h, w in self.image_hw.tolist()]
+        audios = [AudioMeta(k, r) for k, r in zip(self.audio_samples.tolist(), self.audio_rate.tolist())]
+        names = [SEGMENT_NAMES[c] for c in self.segment_code.tolist()]
+        ib, ab, sb = (b.tolist() for b in self.bounds)
+        return [SampleMeta(sid, text, tuple(images[ib[k]:ib[k + 1]]), tuple(audios[ab[k]:ab[k + 1]]),
+                           tuple(names[sb[k]:sb[k + 1]]))
+                for k, (sid, text) in enumerate(zip(self.sample_id.tolist(), self.text_tokens.tolist()))]
+
+    def meta(self, s: int) -> SampleMeta:
+        """Sample ``s``'s `SampleMeta`."""
+        if not 0 <= s < self.num_samples:
+            raise IndexError(f"sample {s} of a batch of {self.num_samples}: use 0 <= s < {self.num_samples}")
+
+        i, a, g = (slice(int(b[s]), int(b[s + 1])) for b in self.bounds)
+        return SampleMeta(int(self.sample_id[s]), int(self.text_tokens[s]),
+                          tuple(ImageMeta(h, w) for h, w in self.image_hw[i].tolist()),
+                          tuple(AudioMeta(k, r) for k, r in zip(self.audio_samples[a].tolist(),
+                                                                self.audio_rate[a].tolist())),
+                          tuple(SEGMENT_NAMES[c] for c in self.segment_code[g].tolist()))
 
 
 @dataclass(frozen=True)
@@ -156,14 +350,24 @@ class SampleTokens:
 
 
 def _item_tokens(module: ModuleArch, meta: MetadataArrays) -> tuple[np.ndarray, np.ndarray]:
-    """`ModuleArch.num_tokens` of every item of the module's kind, vectorised: (owners, tokens)."""
+    """`ModuleArch.num_tokens` of every item of the module's kind, vectorised: (each sample's
+    item count, each item's tokens)."""
     if module.kind == "vision":
         hw = meta.image_hw
-        return meta.image_owner, (hw[:, 0] // module.patch) * (hw[:, 1] // module.patch)
+        return meta.image_count, (hw[:, 0] // module.patch) * (hw[:, 1] // module.patch)
     if module.kind == "audio":
         frames = 1 + meta.audio_samples // module.hop_length  # centred STFT frames
-        return meta.audio_owner, (frames - 1) // module.layers[0].stride + 1
-    raise WorkloadError(f"encoder {module.name!r} has kind {module.kind!r}; costing knows {sorted(ITEM_FIELDS)}")
+        return meta.audio_count, (frames - 1) // module.layers[0].stride + 1
+    raise WorkloadError(_unknown_kind(module.name, module.kind))
+
+
+def per_sample_sum(count: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Each sample's sum of its items' ``values`` (items in sample order, ``count[s]`` of them
+    for sample ``s``), exactly, in two array passes."""
+    cum = np.zeros(values.size + 1, dtype=values.dtype)
+    np.cumsum(values, out=cum[1:])
+    bounds = _bounds(count)
+    return cum[bounds[1:]] - cum[bounds[:-1]]
 
 
 def sample_tokens(arch: ModelArch, meta: MetadataArrays | Sequence[SampleMeta]) -> SampleTokens:
@@ -171,24 +375,24 @@ def sample_tokens(arch: ModelArch, meta: MetadataArrays | Sequence[SampleMeta]) 
     quantities the balancing policies cost, with no Python object per sample."""
     if not isinstance(meta, MetadataArrays):
         meta = MetadataArrays.from_metas(meta)
-    n = meta.num_samples
     kinds = {arch.module(e).kind for e in arch.encoder_names}
-    for kind, owners in (("vision", meta.image_owner), ("audio", meta.audio_owner)):
-        if kind not in kinds and owners.size:
+    for kind, items in (("vision", meta.image_hw.shape[0]), ("audio", meta.audio_samples.size)):
+        if kind not in kinds and items:
             field_name = ITEM_FIELDS[kind]
             raise WorkloadError(
                 f"the data has {field_name} but the model has no {kind} encoder: add one under "
                 f"[model] encoders, or choose a data.mix without {field_name}"
             )
-    llm = meta.text_tokens - np.bincount(meta.image_owner, minlength=n) - np.bincount(meta.audio_owner, minlength=n)
+    llm = meta.text_tokens - meta.image_count - meta.audio_count
     tokens: dict[str, np.ndarray] = {}
     attn_sq: dict[str, np.ndarray] = {}
     for name in arch.encoder_names:
         module = arch.module(name)
-        owner, t = _item_tokens(module, meta)
-        tokens[name] = np.bincount(owner, weights=t, minlength=n).astype(np.int64)
-        attn_sq[name] = np.bincount(owner, weights=t * t, minlength=n).astype(np.int64)
-        llm = llm + np.bincount(owner, weights=t // module.merge, minlength=n).astype(np.int64)
+        count, t = _item_tokens(module, meta)
+        t = t.astype(np.int64, copy=False)
+        tokens[name] = per_sample_sum(count, t)
+        attn_sq[name] = per_sample_sum(count, t * t)
+        llm = llm + per_sample_sum(count, t // module.merge)
     llm = llm.astype(np.int64)
     tokens[LLM] = np.where(llm > 0, llm, 0)
     attn_sq[LLM] = tokens[LLM] * tokens[LLM]

@@ -11,10 +11,10 @@ same functions drive ``count_tokens``, which the planner and balancer use on met
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
@@ -48,9 +48,10 @@ def _check_encoders(token_counts: TokenCounts) -> None:
         )
 
 
-def _item_tokens(
+def item_token_count(
     encoder: str, count_fn: Callable, item: ImageMeta | AudioMeta, sample_id: int
 ) -> int:
+    """``count_fn(item)``, the encoder's output tokens for one item, checked to be a positive int."""
     n = count_fn(item)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(
@@ -84,7 +85,7 @@ def count_tokens(meta: SampleMeta, token_counts: TokenCounts) -> dict[str, int]:
     llm = meta.text_tokens
     for encoder, count_fn in token_counts.items():
         items = _items_meta(meta, encoder)
-        total = sum(_item_tokens(encoder, count_fn, item, meta.sample_id) for item in items)
+        total = sum(item_token_count(encoder, count_fn, item, meta.sample_id) for item in items)
         counts[encoder] = total
         llm += total - len(items)  # each marker id is replaced by the item's tokens
     counts["llm"] = llm
@@ -167,64 +168,70 @@ def collate_ids(
         raise ValueError(
             f"placeholder_ids names unknown encoders {unknown}; use names from {list(MODALITIES)}"
         )
-    marker_to_encoder = {tokenizer.token_id(marker): enc for enc, (marker, _) in MODALITIES.items()}
-    placeholder = {
-        enc: placeholder_ids.get(enc, tokenizer.token_id(marker))
-        for enc, (marker, _) in MODALITIES.items()
-    }
-    rows: list[list[int]] = []
-    placeholder_rows: list[list[bool]] = []
-    for meta, ids_in in zip(metas, text_ids):
-        for encoder, (marker, _) in MODALITIES.items():
-            num_markers = sum(1 for i in ids_in if marker_to_encoder.get(i) == encoder)
+    marker = {enc: tokenizer.token_id(m) for enc, (m, _) in MODALITIES.items()}
+    placeholder = {enc: placeholder_ids.get(enc, marker[enc]) for enc in MODALITIES}
+    # every sample's ids back to back: the expansion and the labels are a few array passes
+    rows_in = [ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64) for ids in text_ids]
+    lengths = np.array([r.size for r in rows_in], dtype=np.int64)
+    flat = np.concatenate(rows_in).astype(np.int64, copy=False)
+    starts = np.cumsum(lengths) - lengths
+    is_marker = {enc: flat == marker[enc] for enc in MODALITIES}
+    num_markers = {enc: _row_sums(m, starts, lengths).tolist() for enc, m in is_marker.items()}
+    item_tokens: dict[str, list[int]] = {enc: [] for enc in MODALITIES}
+    for b, (meta, n) in enumerate(zip(metas, lengths.tolist())):
+        for encoder, (marker_text, _) in MODALITIES.items():
             num_items = len(_items_meta(meta, encoder))
-            if num_markers != num_items:
+            found = num_markers[encoder][b]
+            if found != num_items:
                 raise ValueError(
-                    f"sample {meta.sample_id}: {encoder} has {num_markers} {marker} markers in "
+                    f"sample {meta.sample_id}: {encoder} has {found} {marker_text} markers in "
                     f"the text but {num_items} items; the text needs one marker per item"
                 )
-        if len(ids_in) != meta.text_tokens:
+        if n != meta.text_tokens:
             raise ValueError(
-                f"sample {meta.sample_id}: the text has {len(ids_in)} token ids but meta.text_tokens says "
+                f"sample {meta.sample_id}: the text has {n} token ids but meta.text_tokens says "
                 f"{meta.text_tokens}; regenerate the sample's metadata"
             )
         _check_modalities_covered(meta, token_counts)
-
-        ids: list[int] = []
-        is_placeholder: list[bool] = []
-        next_item = {enc: 0 for enc in MODALITIES}
-        for token in ids_in:
-            encoder = marker_to_encoder.get(int(token))
-            if encoder is None:
-                ids.append(int(token))
-                is_placeholder.append(False)
-                continue
-            item = _items_meta(meta, encoder)[next_item[encoder]]
-            next_item[encoder] += 1
-            n = _item_tokens(encoder, token_counts[encoder], item, meta.sample_id)
-            ids.extend([placeholder[encoder]] * n)
-            is_placeholder.extend([True] * n)
-        rows.append(ids)
-        placeholder_rows.append(is_placeholder)
-
-    segments = [len(r) for r in rows] if pack else None
+        for encoder, tokens in item_tokens.items():
+            tokens.extend(item_token_count(encoder, token_counts[encoder], item, meta.sample_id)
+                          for item in _items_meta(meta, encoder))
+    repeats = np.ones_like(flat)
+    ids = flat.copy()
+    is_placeholder = np.zeros(flat.size, dtype=bool)
+    for encoder, mask in is_marker.items():
+        if item_tokens[encoder]:  # each marker id becomes as many placeholder ids as its item's tokens
+            repeats[mask] = item_tokens[encoder]
+            ids[mask] = placeholder[encoder]
+            is_placeholder |= mask
+    expanded = np.repeat(ids, repeats)
+    placeholder_at = np.repeat(is_placeholder, repeats)
+    row_lengths = _row_sums(repeats, starts, lengths)
+    row_ends = np.cumsum(row_lengths)
+    # Next-token targets. Placeholders are masked by position, not by id, so a placeholder id that
+    # equals a real word's id cannot leak into the loss; a sample's last position predicts nothing
+    # (not the next sample's BOS when packed).
+    targets = np.full_like(expanded, IGNORE_INDEX)
+    targets[:-1] = np.where(placeholder_at[1:], IGNORE_INDEX, expanded[1:])
+    targets[row_ends[row_lengths > 0] - 1] = IGNORE_INDEX
     if pack:  # one row: the samples back to back; each keeps its own shifted labels
-        rows, placeholder_rows = [[t for r in rows for t in r]], [[p for r in placeholder_rows for p in r]]
-        ends = set(itertools.accumulate(segments))
-    batch_size, length = len(rows), max(len(r) for r in rows)
-    input_ids = torch.full((batch_size, length), tokenizer.pad_id, dtype=torch.long)
-    labels = torch.full((batch_size, length), IGNORE_INDEX, dtype=torch.long)
-    for b, (ids, is_placeholder) in enumerate(zip(rows, placeholder_rows)):
-        row = torch.tensor(ids, dtype=torch.long)
-        input_ids[b, : len(ids)] = row
-        # Next-token targets. Placeholders are masked by position, not by id, so a placeholder
-        # id that equals a real word's id cannot leak into the loss.
-        targets = row[1:].clone()
-        targets[torch.tensor(is_placeholder[1:], dtype=torch.bool)] = IGNORE_INDEX
-        if pack:  # a sample's last position predicts nothing (not the next sample's BOS)
-            targets[torch.tensor(sorted(e - 1 for e in ends if e < len(ids)), dtype=torch.long)] = IGNORE_INDEX
-        labels[b, : len(ids) - 1] = targets
-    return input_ids, labels, segments
+        return torch.from_numpy(expanded)[None], torch.from_numpy(targets)[None], row_lengths.tolist()
+    batch_size, length = len(rows_in), int(row_lengths.max())
+    input_ids = np.full((batch_size, length), tokenizer.pad_id, dtype=np.int64)
+    labels = np.full((batch_size, length), IGNORE_INDEX, dtype=np.int64)
+    keep = np.arange(length) < row_lengths[:, None]  # each row's first row_lengths[b] positions, in order
+    input_ids[keep] = expanded
+    labels[keep] = targets
+    return torch.from_numpy(input_ids), torch.from_numpy(labels), None
+
+
+def _row_sums(values: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each row's sum of ``values[starts[b]:starts[b] + lengths[b]]`` (rows back to back)."""
+    out = np.zeros(lengths.size, dtype=np.int64)
+    filled = lengths > 0  # reduceat would read an empty row's next value
+    if filled.any():
+        out[filled] = np.add.reduceat(values.astype(np.int64, copy=False), starts[filled])
+    return out
 
 
 T = TypeVar("T")

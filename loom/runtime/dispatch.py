@@ -26,7 +26,7 @@ error travels with the gathered metadata), so no rank is left waiting in a colle
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -34,11 +34,12 @@ import torch
 import torch.distributed as dist
 
 from loom.schedule.layout import BatchLayout
-from loom.balance.payload import ELEMENT_BYTES
+from loom.balance.payload import loader_rank_of, slot_destinations
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
-from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, collate_ids, count_tokens, target_count
-from loom.data.sample import Batch, Sample, SampleMeta
+from loom.cost.workload import MetadataArrays, per_sample_sum
+from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, collate_ids, item_token_count
+from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
 from loom.data.tokenizer import Tokenizer
 from loom.plan.plan import LLM, Plan
 from loom.runtime.metadata import all_gather_metadata
@@ -63,8 +64,17 @@ class Dispatched:
     rows: RowMap
     batches: dict[int, Batch]  # this rank's microbatches, by slot
     num_targets: int  # target tokens of the whole global batch (loss normalisation)
-    metas: list[SampleMeta]  # the global batch's metadata, by position
+    metadata: MetadataArrays  # the global batch's metadata, by position
     costs: SampleCosts  # per-sample costs the policy balanced
+    _metas: list[SampleMeta] | None = field(default=None, repr=False)
+
+    @property
+    def metas(self) -> list[SampleMeta]:
+        """The global batch's `SampleMeta`s, by position (built on first use: the dispatch
+        itself works on `metadata`)."""
+        if self._metas is None:
+            self._metas = self.metadata.metas()
+        return self._metas
 
 
 def loader_shards(batch_size: int, world_size: int) -> list[list[int]]:
@@ -94,6 +104,8 @@ class Dispatcher:
         self.pack = pack  # LLM microbatches as one packed row (then balancing costs the LLM as packed)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.module, self.stage, self.replica = plan.role_of(self.rank)
+        self._phase_of = [plan.role_of(d)[0] for d in range(self.world_size)]  # each rank's module
+        self._item_token_memo: dict[str, dict[tuple[int, int], int]] = {}
 
     # ---- the iteration ------------------------------------------------------------------------
     def dispatch(self, indices: Sequence[int]) -> Dispatched:
@@ -101,20 +113,19 @@ class Dispatcher:
         shards = loader_shards(len(indices), self.world_size)
         mine = shards[self.rank]
         samples, text_ids, error = self._load(indices, mine)
-        gathered = all_gather_metadata([s.meta for s in samples], error, len(indices), self.device, self.group)
-        errors = [e for _, e in gathered if e]
+        meta = all_gather_metadata([s.meta for s in samples], error, len(indices), self.device, self.group)
+        errors = meta.errors()
         if errors:
-            raise DispatchError(errors[0])
-        metas = [m for part, _ in gathered for m in part]
-        costs = sample_costs(self.arch, metas)
+            raise DispatchError(errors[min(errors)])
+        costs = sample_costs(self.arch, meta)
         layout = make_layout(self.balance, self.plan, costs, "packed" if self.pack else "padded")
-        counts = [count_tokens(m, self.token_counts) for m in metas]
-        rows = RowMap(layout, {e: [c[e] for c in counts] for e in self.plan.encoder_names},
-                      {e: [len(getattr(m, SAMPLE_FIELDS[e])) for m in metas] for e in self.plan.encoder_names})
-
-        received = self._exchange(layout, metas, shards, dict(zip(mine, samples)), dict(zip(mine, text_ids)))
-        batches = self._microbatches(layout, metas, received)
-        return Dispatched(layout, rows, batches, sum(target_count(m) for m in metas), metas, costs)
+        tokens, items = self._encoder_rows(meta)
+        rows = RowMap(layout, tokens, items)
+        received = self._exchange(layout, meta, costs, mine, samples, text_ids)
+        batches = self._microbatches(layout, meta, received)
+        # `loom.data.collate.target_count` summed: every text token after BOS but the markers
+        num_targets = int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size - meta.num_samples
+        return Dispatched(layout, rows, batches, num_targets, meta, costs)
 
     def _load(self, indices: Sequence[int], mine: list[int]) -> tuple[list[Sample], list[list[int]], str | None]:
         samples, ids = [], []
@@ -134,23 +145,55 @@ class Dispatcher:
             ids.append(text)
         return samples, ids, None
 
+    # ---- token rows per sample ----------------------------------------------------------------
+    def _encoder_rows(self, meta: MetadataArrays) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
+        """Per encoder of the plan, each position's output rows (the sum of ``token_counts`` over
+        its items: `loom.data.collate.count_tokens`) and item count, as lists for `RowMap`."""
+        for encoder, count in (("vision", meta.image_count), ("audio", meta.audio_count)):
+            if encoder not in self.token_counts and count.any():
+                s = int(np.flatnonzero(count)[0])
+                raise DispatchError(
+                    f"sample {int(meta.sample_id[s])} has {int(count[s])} {SAMPLE_FIELDS[encoder]} but token_counts "
+                    f"has no {encoder!r} entry; add one, or filter such samples out")
+        tokens, items = {}, {}
+        for encoder in self.plan.encoder_names:
+            count = meta.image_count if encoder == "vision" else meta.audio_count
+            tokens[encoder] = per_sample_sum(count, self._item_tokens(encoder, meta)).tolist()
+            items[encoder] = count.tolist()
+        return tokens, items
+
+    def _item_tokens(self, encoder: str, meta: MetadataArrays) -> np.ndarray:
+        """``token_counts[encoder]`` of every item of the encoder's modality, called once per
+        distinct item shape (a run sees few; the memo is kept across steps)."""
+        if encoder == "vision":
+            keys, make = meta.image_hw, ImageMeta
+        else:
+            keys, make = np.stack([meta.audio_samples, meta.audio_rate], axis=1), AudioMeta
+        if not keys.shape[0]:
+            return np.zeros(0, dtype=np.int64)
+        memo = self._item_token_memo.setdefault(encoder, {})
+        if len(memo) > 1 << 16:  # a stream of ever-new shapes: keep the memo bounded
+            memo.clear()
+        shapes, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
+        owner = meta.image_owner if encoder == "vision" else meta.audio_owner
+        fn = self.token_counts[encoder]
+        counts = []
+        for key, item in zip(map(tuple, shapes.tolist()), first.tolist()):
+            if key not in memo:
+                memo[key] = item_token_count(encoder, fn, make(*key), int(meta.sample_id[owner[item]]))
+            counts.append(memo[key])
+        return np.asarray(counts, dtype=np.int64)[inverse.reshape(-1)]
+
     # ---- payload exchange ---------------------------------------------------------------------
-    def _destinations(self, phase: str, layout: BatchLayout) -> dict[int, list[int]]:
-        """position -> the ranks that need its ``phase`` payload (every stage of the replica
-        that holds it: later stages need the items' shapes or the ids for their context)."""
-        spec = self.plan.spec(phase)
-        return {s: [self.plan.rank_of(phase, st, j % spec.data_parallel) for st in range(spec.num_stages)]
-                for s, j in layout.slot_of(phase).items()}
+    def _destinations(self, phase: str, layout: BatchLayout) -> np.ndarray:
+        """``dest[s, stage]``: the ranks that need position ``s``'s ``phase`` payload (every stage
+        of the replica that holds it: later stages need the items' shapes or the ids for their
+        context), as `loom.balance.payload` prices them."""
+        index = layout.slot_index(phase)
+        return slot_destinations(self.plan, phase, len(layout.arrays[phase][1]) - 1)[index]
 
-    def _nbytes(self, phase: str, meta: SampleMeta) -> int:
-        # the element sizes the balancer prices node-wise traffic with (loom.balance.payload)
-        if phase == LLM:
-            return ELEMENT_BYTES[LLM] * meta.text_tokens  # int64 ids
-        items = getattr(meta, SAMPLE_FIELDS[phase])
-        return ELEMENT_BYTES[phase] * sum(3 * m.height * m.width if phase == "vision" else m.num_samples
-                                          for m in items)  # float32 pixels or waveform samples
-
-    def _exchange(self, layout, metas, shards, local_samples, local_ids) -> dict[int, list]:
+    def _exchange(self, layout: BatchLayout, meta: MetadataArrays, costs: SampleCosts, mine: list[int],
+                  samples: list[Sample], text_ids: list[list[int]]) -> dict[int, list | np.ndarray]:
         """One ``all_to_all_single`` for every phase at once: rank ``d`` gets the payloads of
         its own module's phase (as bytes: pixels and waveforms in float32, ids in int64) of the
         samples it runs; returns, on this rank, position -> payload (item tensors, or text ids).
@@ -158,34 +201,43 @@ class Dispatcher:
         loaded it (every rank runs exactly what it loaded), every rank knows so from the same
         layout and the collective is skipped."""
         world, me = self.world_size, self.rank
+        local = dict(zip(mine, zip(samples, text_ids)))
         dests = {phase: self._destinations(phase, layout) for phase in self.plan.module_names}
-        owner = {p: r for r, shard in enumerate(shards) for p in shard}
-        if all(d == owner[p] for dest in dests.values() for p, ranks in dest.items() for d in ranks):
-            return {p: self._unflat(self.module, metas[p], self._flat(self.module, local_samples[p], local_ids[p]))
-                    for p in shards[me] if p in dests[self.module]}
-        phase_of = [self.plan.role_of(d)[0] for d in range(world)]
+        owner = loader_rank_of(meta.num_samples, world)
+        if all((d == owner[:, None]).all() for d in dests.values()):
+            return {p: self._payload(self.module, *local[p]) for p in mine}
+        first = mine[0] if mine else 0
         send: list[torch.Tensor] = []
         in_splits = [0] * world
+        flats: dict[tuple[str, int], torch.Tensor] = {}  # a payload goes to every stage of its replica
         for d in range(world):
-            dest = dests[phase_of[d]]
-            for p in shards[me]:
-                if d in dest[p]:
-                    send.append(self._flat(phase_of[d], local_samples[p], local_ids[p]))
-                    in_splits[d] += send[-1].numel()
-        mine = dests[self.module]
-        wanted = [[p for p in shards[src] if me in mine[p]] for src in range(world)]
-        out_splits = [sum(self._nbytes(self.module, metas[p]) for p in w) for w in wanted]
+            phase = self._phase_of[d]
+            for p in np.flatnonzero((dests[phase][first:first + len(mine)] == d).any(axis=1)).tolist():
+                key = (phase, first + p)
+                if key not in flats:
+                    flats[key] = self._flat(phase, *local[first + p])
+                send.append(flats[key])
+                in_splits[d] += send[-1].numel()
+        wanted = np.flatnonzero((dests[self.module] == me).any(axis=1))  # ascending: by source rank
+        nbytes = np.asarray(costs.payload_bytes[self.module], dtype=np.int64)[wanted]
+        out_splits = np.bincount(owner[wanted], weights=nbytes, minlength=world).astype(np.int64).tolist()
         payload = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
         dist.all_to_all_single(out, payload.to(self.device), out_splits, in_splits, group=self.group)
         out = out.cpu()
-        result: dict[int, list] = {}
+        result: dict[int, list | np.ndarray] = {}
         offset = 0
-        for p in (p for w in wanted for p in w):
-            n = self._nbytes(self.module, metas[p])
-            result[p] = self._unflat(self.module, metas[p], out[offset:offset + n])
+        for p, n in zip(wanted.tolist(), nbytes.tolist()):
+            result[p] = self._unflat(self.module, meta, p, out[offset:offset + n])
             offset += n
         return result
+
+    def _payload(self, phase: str, sample: Sample, ids: list[int]) -> list | np.ndarray:
+        """A sample's ``phase`` payload as `_unflat` gives it, from the sample itself (it stayed
+        on the rank that loaded it)."""
+        if phase == LLM:
+            return np.asarray(ids, dtype=np.int64)
+        return [t.to(torch.float32) for t in getattr(sample, SAMPLE_FIELDS[phase])]
 
     def _flat(self, phase: str, sample: Sample, ids: list[int]) -> torch.Tensor:
         """A sample's ``phase`` payload as bytes (`_unflat` reads them back)."""
@@ -196,31 +248,37 @@ class Dispatcher:
             return torch.empty(0, dtype=torch.uint8)
         return torch.cat([t.reshape(-1).to(torch.float32) for t in items]).view(torch.uint8)
 
-    def _unflat(self, phase: str, meta: SampleMeta, flat: torch.Tensor) -> list:
+    def _unflat(self, phase: str, meta: MetadataArrays, p: int, flat: torch.Tensor) -> list | np.ndarray:
         # a copy: the slice of the received buffer may not be aligned for the wider dtype
         if phase == LLM:
-            return flat.clone().view(torch.long).tolist()
+            return flat.clone().view(torch.long).numpy()
         values = flat.clone().view(torch.float32)
+        if phase == "vision":
+            b = meta.bounds[0]
+            shapes = [(3, h, w) for h, w in meta.image_hw[b[p]:b[p + 1]].tolist()]
+        else:
+            b = meta.bounds[1]
+            shapes = [(k,) for k in meta.audio_samples[b[p]:b[p + 1]].tolist()]
         items, offset = [], 0
-        for m in getattr(meta, SAMPLE_FIELDS[phase]):
-            shape = (3, m.height, m.width) if phase == "vision" else (m.num_samples,)
+        for shape in shapes:
             n = int(np.prod(shape))
-            items.append(values[offset:offset + n].reshape(shape).clone())
+            items.append(values[offset:offset + n].reshape(shape))
             offset += n
         return items
 
     # ---- microbatches -------------------------------------------------------------------------
-    def _microbatches(self, layout: BatchLayout, metas: list[SampleMeta], received: dict[int, list]) -> dict[int, Batch]:
+    def _microbatches(self, layout: BatchLayout, meta: MetadataArrays,
+                      received: dict[int, list | np.ndarray]) -> dict[int, Batch]:
         dp = self.plan.spec(self.module).data_parallel
         batches = {}
         for j, slot in enumerate(layout.slots[self.module]):
             if j % dp != self.replica:
                 continue
-            slot_metas = [metas[p] for p in slot]
-            ids = [m.sample_id for m in slot_metas]
+            ids = meta.sample_id[list(slot)].tolist()
             if self.module == LLM:
-                input_ids, labels, segments = collate_ids(slot_metas, [received[p] for p in slot], self.tokenizer,
-                                                          self.token_counts, self.placeholder_ids, self.pack)
+                input_ids, labels, segments = collate_ids([meta.meta(p) for p in slot], [received[p] for p in slot],
+                                                          self.tokenizer, self.token_counts, self.placeholder_ids,
+                                                          self.pack)
                 batches[j] = Batch(input_ids, labels, {}, ids, segments)
             else:
                 key = MODALITIES[self.module][1]
@@ -228,4 +286,3 @@ class Dispatcher:
                 empty = torch.zeros((len(slot), 0), dtype=torch.long)
                 batches[j] = Batch(empty, empty.clone(), {self.module: {key: items}}, ids)
         return batches
-

@@ -44,7 +44,7 @@ import numpy as np
 
 from loom.cost.comm import Link, all_gather_time, inter_node_link, intra_node_link
 from loom.cost.hardware import Cluster
-from loom.cost.workload import MetadataArrays
+from loom.cost.workload import HEADER, PER_SAMPLE, MetadataArrays, gathered_bytes
 from loom.data.sample import SampleMeta
 
 DISPATCH = "dispatch"  # the timeline kind of the dispatch's parts
@@ -134,11 +134,23 @@ class DispatchCost:
 
 
 def metadata_bytes(metas: Sequence[SampleMeta], world_size: int = 1) -> int:
-    """Bytes of the global batch's metadata as the dispatcher all-gathers it: every rank's
-    shard as one int64 array (`loom.cost.workload.MetadataArrays.to_flat`: a 3-number header,
-    then one number per sample, three per image, two per audio clip)."""
-    flat = MetadataArrays.from_metas(list(metas)).to_flat()
-    return int(flat.nbytes + (world_size - 1) * 3 * flat.itemsize)  # one header per rank
+    """Bytes of the global batch's metadata as the dispatcher all-gathers it
+    (`loom.runtime.metadata`): every rank's loader shard (contiguous, sizes differing by at most
+    one) as one `MetadataArrays.to_flat` row, padded to `gather_capacity`; the ``(ranks,
+    capacity)`` int64 table every rank receives, plus a second round at the longest row's length
+    when a row exceeds the capacity (`gathered_bytes`)."""
+    arrays = MetadataArrays.from_metas(list(metas))
+    shard = np.array([len(part) for part in np.array_split(np.arange(arrays.num_samples), world_size)],
+                     dtype=np.int64)
+    ends = np.cumsum(shard)
+
+    def per_shard(count: np.ndarray) -> np.ndarray:
+        cum = np.concatenate(([0], np.cumsum(count)))
+        return cum[ends] - cum[ends - shard]
+
+    lengths = (HEADER + PER_SAMPLE * shard + 2 * per_shard(arrays.image_count) + 2 * per_shard(arrays.audio_count)
+               + per_shard(arrays.segment_count))
+    return gathered_bytes(arrays.num_samples, lengths)
 
 
 def decision_seconds_model(policies: Mapping[str, str] | str, num_samples: int) -> float:
