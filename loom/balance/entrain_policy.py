@@ -97,14 +97,16 @@ def replicas_by_rounds(enc: np.ndarray, llm: np.ndarray, dp: int) -> np.ndarray:
     # the replicas kept sorted by load (``perm``, their loads ``load``): a round adds its
     # samples, heaviest first, to the replicas lightest first, then re-sorts (stable: equal
     # loads keep their order, replica order at the start)
-    perm = np.arange(dp)
-    load = np.zeros(dp)
-    replica = np.empty(rounds.shape, dtype=np.int64)
-    for t, round_work in enumerate(work):
-        replica[t] = perm
+    # loads, then replica ids (as floats, exact), of every round; each round's re-sort writes
+    # the next one's state, so the loop is three NumPy calls
+    track = np.empty((rounds.shape[0] + 1, 2, dp))
+    track[0, 0] = 0.0
+    track[0, 1] = np.arange(dp)
+    for state, after, round_work in zip(track[:-1], track[1:], work):
+        load = state[0]
         load += round_work
-        again = load.argsort(kind="stable")
-        perm, load = perm.take(again), load.take(again)
+        np.take(state, load.argsort(kind="stable"), axis=1, out=after)
+    replica = track[:-1, 1].astype(np.int64)
     rep = np.empty(n, dtype=np.int64)
     rep[rounds.ravel()] = replica.ravel()
     small = np.int16 if dp < 2**15 else np.int64  # a stable sort of 16-bit keys is a radix sort
