@@ -11,7 +11,7 @@ import torch
 from loom.data import DemoConfig, DemoDataset
 from loom.data.bam import (
     CAUSAL_BIT, EMPTY, FULL, PARTIAL, BitfieldMask, Span, batch_masks, bitfield_mask, block_counts,
-    block_mask, decode, dense_mask,
+    block_mask, decode, dense_mask, nonempty_tiles,
 )
 from loom.data.collate import collate_ids
 from loom.model.zoo.attention import block_diagonal_mask
@@ -212,6 +212,11 @@ def test_bad_input_names_the_field(kwargs, words):
         bitfield_mask(**kwargs)
 
 
+def test_fields_of_different_lengths_are_refused():
+    with pytest.raises(ValueError, match="BitfieldMask fields have shapes"):
+        BitfieldMask(np.zeros(3, np.int64), np.zeros(3, np.int8), np.zeros(2, np.int32), np.zeros(3, np.int32), ())
+
+
 def test_bad_tile_size_names_the_field():
     bam = bitfield_mask([[Span("text", 5)]])
     with pytest.raises(ValueError, match="block_k = 0"):
@@ -239,6 +244,7 @@ def test_tile_counts_are_the_same_in_many_small_chunks(monkeypatch):
             bq, bk = int(rng.integers(1, 9)), int(rng.integers(1, 9))
             assert np.array_equal(block_counts(bam, bq, bk), _dense_counts(dense, bq, bk))
             assert np.array_equal(block_mask(bam, bq, bk), tiles_of(dense, bq, bk))
+            assert np.array_equal(nonempty_tiles(bam, bq, bk), (tiles_of(dense, bq, bk) != EMPTY).sum(axis=1))
 
 
 def test_sample_spans_check_markers_against_items():

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from loom.balance.lpt import lpt_balance
-from loom.data.bam import EMPTY, BitfieldMask, block_mask, decode
+from loom.data.bam import BitfieldMask, block_mask, decode, nonempty_tiles
 
 METHODS = ("lpt", "random")
 HASH_PRIME = 2**31  # the repository's modulus (a power of two, despite the name it had there)
@@ -133,8 +133,9 @@ def _check(length: int, context_parallel: int, block: int) -> int:
 
 
 def block_workloads(bam: BitfieldMask, block: int) -> np.ndarray:
-    """int64 per query block: its non-empty key blocks (§3.3.2 [D]: "# blocks to compute")."""
-    return (block_mask(bam, block) != EMPTY).sum(axis=1).astype(np.int64)
+    """int64 per query block: its non-empty key blocks (§3.3.2 [D]: "# blocks to compute"), the
+    row sums of ``block_mask(bam, block) != EMPTY``."""
+    return nonempty_tiles(bam, block)
 
 
 def lpt_blocks(workloads: np.ndarray, cp: int) -> np.ndarray:

@@ -78,6 +78,11 @@ class BitfieldMask:
     item: np.ndarray  # int32 [T]
     modalities: tuple[str, ...]
 
+    def __post_init__(self) -> None:
+        shapes = {name: np.shape(getattr(self, name)) for name in ("bits", "kind", "sample", "item")}
+        if len(set(shapes.values())) != 1 or len(shapes["bits"]) != 1:
+            raise ValueError(f"BitfieldMask fields have shapes {shapes}; give each one entry per token, [T]")
+
     @property
     def length(self) -> int:
         return int(self.bits.shape[0])
@@ -316,6 +321,16 @@ def block_counts(bam: BitfieldMask, block_q: int, block_k: int | None = None) ->
     out = np.zeros((-(-n // block_q), -(-n // block_k)), dtype=np.int64)
     for t0, k_tiles, counts in _tile_counts(bam, block_q, block_k):
         out[t0:t0 + counts.shape[0], k_tiles] = counts
+    return out
+
+
+def nonempty_tiles(bam: BitfieldMask, block_q: int, block_k: int | None = None) -> np.ndarray:
+    """int64 per query tile: how many of its key tiles are not ``EMPTY`` (a row sum of
+    `block_mask` without the grid: O(non-empty tiles) memory)."""
+    block_k = _check_tiles(block_q, block_k)
+    out = np.zeros(-(-bam.length // block_q), dtype=np.int64)
+    for t0, _, counts in _tile_counts(bam, block_q, block_k):
+        out[t0:t0 + counts.shape[0]] = (counts > 0).sum(axis=1)
     return out
 
 
