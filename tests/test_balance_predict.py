@@ -264,3 +264,33 @@ def test_unequal_degrees_are_estimated() -> None:
         assert p_given.step == pytest.approx(t_given, rel=0.25) and p_own.step == pytest.approx(t_own, rel=0.25)
         if abs(t_own - t_given) > 0.05 * t_given:
             assert (p_own.step < p_given.step) == (t_own < t_given)
+
+
+@pytest.mark.parametrize("order", ["given", "disttrain"])
+def test_orchmllm_records_the_slot_costs_and_index_the_prediction_would_compute(order: str) -> None:
+    """The policy hands the prediction its balanced loads (`known_slot_costs`) and the slot of
+    every sample (`set_slot_index`): what `slot_costs` and `slot_index` compute (sums to rounding,
+    padded products and slots exactly)."""
+    from loom.balance.orchmllm import orchmllm_layout
+
+    rng = np.random.default_rng(3)
+    for dp, m, llm_padded in [(4, 8, True), (4, 8, False), (2, 2, True), (8, 8, False)]:
+        plan = _plan(m, dp=dp)
+        n = 12 * m
+        lengths = rng.integers(1, 400, n)
+        costs = SampleCosts({"vision": rng.lognormal(0, 1, n) * (rng.random(n) < 0.8), "llm": lengths * 1.5},
+                            lengths, 1.5, 0.002)
+        layout = orchmllm_layout(plan, costs, {"vision": "orchmllm", "llm": "orchmllm"}, order, llm_padded)
+        known = slot_costs(layout, costs, llm_padded)
+        assert layout.known_slot_costs is not None
+        recorded = {p: layout.slot_index(p) for p in layout.arrays}
+        fresh = BatchLayout(None, layout.policy, arrays=dict(layout.arrays))
+        for p, v in slot_costs(fresh, costs, llm_padded).items():
+            if p == "llm" and llm_padded:
+                assert np.array_equal(known[p], v)
+            else:
+                assert np.allclose(known[p], v, rtol=1e-12, atol=0.0), p
+            assert np.array_equal(recorded[p], fresh.slot_index(p)), p
+        # another costs object is not answered from the record
+        other = SampleCosts({k: v * 2 for k, v in costs.work.items()}, lengths * 2, 1.5, 0.002)
+        assert not np.array_equal(slot_costs(layout, other, llm_padded)["vision"], known["vision"])

@@ -184,7 +184,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     for p, v in slot_of.items():
         layout.set_slot_index(p, v)  # the arrays were sorted from it: the check and the prediction read it
     # the balanced loads are the never-slower prediction's per-slot costs (`predict.slot_costs`):
-    # the same sums (position order inside a slot) and padded products
+    # the same padded products, the same sums up to rounding
     layout.known_slot_costs = (costs, llm_padded, slot_load)
     layout.unpermuted_slot = unpermuted
     layout.nodewise = record

@@ -74,8 +74,8 @@ def slot_costs(layout: BatchLayout, costs: SampleCosts, llm_padded: bool = True)
     """Per phase, each slot's forward cost: the sum of its samples' costs, or for a right-padded
     LLM (``llm_padded``) its row count times its longest row's cost. Taken as they are from
     ``layout.known_slot_costs`` when the policy that built the layout recorded them for these
-    costs (the loads it balanced: the same sums, in the same order), and read without a gather
-    from a contiguous layout."""
+    costs (the loads it balanced: the same padded products, the same sums up to rounding), and
+    read without a gather from a contiguous layout."""
     known = layout.known_slot_costs
     known = known[2] if known is not None and known[0] is costs and known[1] == llm_padded else {}
     out = {}
