@@ -485,14 +485,14 @@ class _BatchedRecurrence:
     time), so every end time, and every decision built on them, is bit-identical to running
     the lanes one by one (the tests check it).
 
-    Storage is by *placement*: row ``q`` of ``ends`` holds, per stage ``s``, B(s, q - w_s) where
+    Storage is by *placement*: row ``q`` holds, per stage ``s``, B(s, q - w_s) where
     position ``q`` fixes it (``w_s <= q``, steady phase), else F(s, q) (warm-up). With
     ``w_{s+1} = w_s - 1`` every operand a placement reads is then in row ``q - 1``: the op
     before F(s, q) on stage ``s`` (F(s, q - 1) in warm-up, B(s, q - w_s - 1) after) is
-    ``ends[q - 1, s]``, and the gradient B(s + 1, q - w_s) a steady backward waits for is
-    ``ends[q - 1, s + 1]``; so a placement is one NumPy call per stage and two for all its
-    backwards. The drain backwards follow in rows ``l .. l + p - 2`` by the same rule
-    (`finish`)."""
+    row ``q - 1``'s stage ``s``, and the gradient B(s + 1, q - w_s) a steady backward waits for
+    its stage ``s + 1``; so a placement is a max and an add per stage and two calls for all its
+    backwards, and only two rows are ever live. The drain backwards follow in rows
+    ``l .. l + p - 2`` by the same rule (`finish`)."""
 
     def __init__(self, enc: np.ndarray, llm: np.ndarray, ratio: float, depth: int, copies: int):
         # lane i plays chain i % chains; times per (chain, microbatch) flattened: forward on the
@@ -502,11 +502,13 @@ class _BatchedRecurrence:
         self.times = np.stack([enc, llm, ratio * enc, ratio * llm]).reshape(4, -1)
         self.offset = np.tile(np.arange(chains) * self.l, copies)
         lanes = self.offset.size
-        self.ends = np.empty((self.l + depth - 1, depth, lanes))
-        self._stages = [list(row) for row in self.ends[:self.l]]  # each row's per-stage views, made once
+        # rows q and q - 1 are all a placement touches: two buffers, used in turn (cache-sized)
+        self.rows = np.empty((2, depth, lanes))
+        self._stages = [list(row) for row in self.rows]  # each buffer's per-stage views, made once
         # the backward time of B(s, k) at the row that computes it, k + p - 1 - s: written when
         # microbatch k is placed, through a view whose stage axis steps one row back per stage
-        self.bwd = np.zeros((self.l + depth - 1, depth, lanes))
+        # (every entry read is written first)
+        self.bwd = np.empty((self.l + depth - 1, depth, lanes))
         row, stage = self.bwd.strides[:2]
         self._bwd_at_placement = np.lib.stride_tricks.as_strided(
             self.bwd[depth - 1], shape=(self.l, depth, lanes), strides=(row, stage - row, self.bwd.strides[2]))
@@ -514,13 +516,13 @@ class _BatchedRecurrence:
 
     def place(self, j: np.ndarray) -> None:
         """Append microbatch ``j[lane]`` at the next position of every lane."""
-        q, p, ends = self.q, self.p, self.ends
+        q, p = self.q, self.p
         self.q += 1
         f_enc, f_llm, b_enc, b_llm = self.times.take(self.offset + j, axis=1)
         skew = self._bwd_at_placement[q]
         skew[0] = b_enc
         skew[1:] = b_llm
-        row, stages, add, maximum = ends[q], self._stages[q], np.add, np.maximum
+        row, stages, add, maximum = self.rows[q % 2], self._stages[q % 2], np.add, np.maximum
         # F(s, q) = max(op before it on stage s, F(s-1, q)) + t (no op before it at q = 0)
         upstream = stages[0]
         if q == 0:
@@ -529,7 +531,7 @@ class _BatchedRecurrence:
                 add(upstream, f_llm, out=here)
                 upstream = here
         else:
-            before = self._stages[q - 1]
+            before = self._stages[(q - 1) % 2]
             add(before[0], f_enc, out=upstream)
             for s in range(1, p):
                 here = stages[s]
@@ -540,7 +542,7 @@ class _BatchedRecurrence:
         # and for B(s+1, q - w_s), fixed at position q - 1; on the last stage for F(p-1, q) alone
         s0 = max(0, p - 1 - q)
         if s0 < p - 1:
-            np.maximum(row[s0:p - 1], ends[q - 1, s0 + 1:], out=row[s0:p - 1])
+            np.maximum(row[s0:p - 1], self.rows[(q - 1) % 2, s0 + 1:], out=row[s0:p - 1])
         row[s0:] += self.bwd[q, s0:]
 
     def finish(self) -> np.ndarray:
@@ -548,13 +550,18 @@ class _BatchedRecurrence:
         ``d`` computes B(s, d - p + 1 + s) for the stages whose microbatch index is in range,
         each after B(s, k - 1) (or, for k = 0, the stage's last forward, carried down) and
         B(s + 1, k), both in row ``d - 1``. Returns every lane's iteration time."""
-        p, l, ends = self.p, self.l, self.ends
+        p, l, rows = self.p, self.l, self.rows
         for d in range(l, l + p - 1):
             lo, hi = max(0, p - 1 - d), l + p - 2 - d  # stages draining at row d
-            ends[d, :lo] = ends[d - 1, :lo]  # stages still before their first backward
-            np.maximum(ends[d - 1, lo:hi + 1], ends[d - 1, lo + 1:hi + 2], out=ends[d, lo:hi + 1])
-            ends[d, lo:hi + 1] += self.bwd[d, lo:hi + 1]
-        return ends[l + p - 2, 0].copy()
+            row, before = rows[d % 2], rows[(d - 1) % 2]
+            row[:lo] = before[:lo]  # stages still before their first backward
+            np.maximum(before[lo:hi + 1], before[lo + 1:hi + 2], out=row[lo:hi + 1])
+            row[lo:hi + 1] += self.bwd[d, lo:hi + 1]
+        return rows[(l + p - 2) % 2, 0].copy()
+
+    def last_row(self) -> np.ndarray:
+        """Row ``q`` of the last placement: B(s, q - w_s) fixed there, else F(s, q)."""
+        return self.rows[(self.q - 1) % 2]
 
 
 class _BatchedPool:
@@ -651,7 +658,8 @@ def reorder_microbatches_batched(
             place(j)
         while len(pool):
             # B(1, k) and B(0, k - 1), k = q - p + 2, were fixed by the last placement, q
-            volume = rec.ends[rec.q - 1, 1, :g] - rec.ends[rec.q - 1, 0, :g]
+            last = rec.last_row()
+            volume = last[1, :g] - last[0, :g]
             j = pool.pop_closest(volume)
             ret.append(j)
             place(j)
