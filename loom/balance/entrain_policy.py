@@ -291,12 +291,13 @@ class _SubsetSums:
         self.prefix = [padded[:, w:].copy()]
         base = (np.arange(t) * 2 * w)[:, None] + w + np.arange(w)[None, :]
         flat = padded.reshape(-1)
-        one, top_bit = np.uint64(1), np.uint64(63)
+        one = np.uint64(1)
+        # every item's word and bit shift, and the words it reads, at once: (rows, items, words)
+        src = base[:, None, :] - (self.units >> 6)[:, :, None]
+        bit = (self.units & 63).astype(np.uint64)[:, :, None]
+        carry = np.uint64(63) - bit
         for c in range(self.units.shape[1]):
-            u = self.units[:, c]
-            src = base - (u >> 6)[:, None]
-            b = (u & 63).astype(np.uint64)[:, None]
-            shifted = (flat[src] << b) | ((flat[src - 1] >> one) >> (top_bit - b))
+            shifted = (flat[src[:, c]] << bit[:, c]) | ((flat[src[:, c] - 1] >> one) >> carry[:, c])
             padded[:, w:] |= shifted
             self.prefix.append(padded[:, w:].copy())
         self.reach = padded[:, w:]
