@@ -1,7 +1,8 @@
 """Per-stage initialisation (issue 9 point 2): an 8-stage LLM on 8 gloo processes, built on the
 meta device; each rank materialises its own stage's layers and nothing else, holds exactly its
 stage's share of the parameter bytes, starts from the single-process model's values layer by
-layer, and trains to the reference loss and gradients."""
+layer, and trains to the reference loss and gradients. The same holds for a Hugging Face LLM
+behind a zoo vision encoder, whose rotary tables every LLM stage recomputes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.distributed as dist
 import loom.model.multimodal as multimodal
 from loom.data.collate import collate, split_microbatches
 from loom.data.demo import DemoConfig
-from loom.model.zoo import LlamaConfig
+from loom.model.multimodal import ModalityEncoder, MultimodalModel
+from loom.model.zoo import LlamaConfig, VisionConfig, VisionEncoder
 from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
@@ -111,3 +113,73 @@ def test_each_rank_materialises_only_its_stage(tmp_path):
         assert res["held_buffers"] == [], "the zoo Llama keeps no buffers"
     assert total == _param_bytes(model.parameters())  # the stages partition the model
     assert_matches_reference(results, model, ref_loss)
+
+
+def _hf_config() -> TrainConfig:
+    cfg = TrainConfig(plan=Plan([ModuleSpec("vision"), ModuleSpec("llm", num_stages=2)], num_microbatches=2))
+    demo = DemoConfig(num_samples=16, seed=SEED, mix={"text": 0.4, "image": 0.6})
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo)
+    return cfg
+
+
+def _hf_model(tokenizer, device: str) -> MultimodalModel:
+    """A zoo ViT feeding an unmodified HF Llama, built on meta; ``device != "meta"``
+    materialises every layer (the single-process reference)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      tie_word_embeddings=False, attn_implementation="sdpa")
+    with torch.device("meta"):
+        vision = ModalityEncoder(VisionEncoder(VisionConfig(hidden_size=16, num_layers=1, num_heads=2)), projector="mlp")
+        model = MultimodalModel({"vision": vision}, transformers.LlamaForCausalLM(config),
+                                {"vision": tokenizer.token_id("<image>")})
+    model.init_seed = SEED
+    if device != "meta":
+        for name in model.module_names:
+            model.materialise(name, device)
+    return model
+
+
+def _hf_worker(rank: int, world_size: int, out: str) -> None:
+    cfg = _hf_config()
+    tokenizer, dataset = build_data(cfg)
+    model = _hf_model(tokenizer, "meta")
+    engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
+    held = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    buffers = {n: b.clone() for n, b in model.named_buffers() if not b.is_meta}
+    indices = list(range(GLOBAL_BATCH))
+    targets = sum(num_targets(dataset.meta(i)) for i in indices)
+    parts = split_microbatches(indices, cfg.plan.num_microbatches)
+    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, token_counters(model))
+               for j in engine.microbatches_to_load()}
+    result = engine.step(batches, targets, 0, layout=engine.identity_layout(GLOBAL_BATCH))
+    loss = torch.tensor([result.loss], dtype=torch.float64)
+    dist.all_reduce(loss)
+    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(), held=held,
+              buffers=buffers, stage_layers=[l.name for l in engine.stage.layers])
+
+
+def test_hugging_face_llm_stages_materialise_their_layers_and_rotary_tables(tmp_path):
+    pytest.importorskip("transformers")
+    run_local(_hf_worker, 3, str(tmp_path))
+    cfg = _hf_config()
+    tokenizer, dataset = build_data(cfg)
+    model = _hf_model(tokenizer, "cpu")
+    indices = list(range(GLOBAL_BATCH))
+    targets = sum(num_targets(dataset.meta(i)) for i in indices)
+    loss = model.loss(collate([dataset[i] for i in indices], tokenizer, token_counters(model)), targets)
+    loss.backward()
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
+    rotary = sorted(n for n in buffers if "rotary_emb" in n)
+    assert rotary, "the HF Llama keeps its rotary tables as buffers"
+    for rank, res in enumerate(results):
+        stage = set(res["stage_layers"])
+        assert {n for n in res["held"]} == {n for n in params if any(n.startswith(f"{l}.") for l in stage)}
+        for name, value in res["held"].items():
+            torch.testing.assert_close(value, params[name].detach(), rtol=0, atol=0, msg=f"rank {rank} {name}")
+        # every LLM stage builds the context (rotary tables) itself; the vision rank holds none
+        assert sorted(n for n in res["buffers"] if "rotary_emb" in n) == (rotary if rank > 0 else [])
+        for name, value in res["buffers"].items():
+            torch.testing.assert_close(value, buffers[name], rtol=0, atol=0, msg=f"rank {rank} {name}")
+    assert_matches_reference(results, model, float(loss.detach()))
