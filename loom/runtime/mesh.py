@@ -7,7 +7,9 @@ A module's mesh covers that module's contiguous block of ranks with dimensions `
 context_parallel, tensor_parallel)``, which is exactly the layout of `Plan.rank_of`, so a rank's
 mesh coordinate is `Plan.coordinate_of`. Dimensions of size 1 are kept, so code for one
 technique asks ``mesh["tp"]`` or ``mesh["dp"]`` whatever the degrees. Ranks outside a module
-hold its mesh too, with ``get_coordinate() is None``.
+hold its mesh too, with ``get_coordinate() is None``; slice it (``mesh["dp", "cp", "tp"]``, the
+rank's pipeline unit) or flatten it (``mesh["dp", "cp"]._flatten()``, FSDP's dp x cp) only on
+its own ranks: torch 2.13 refuses to slice a mesh whose ``pp`` is above 1 elsewhere.
 
 Creating a mesh creates its process groups, which is collective over the whole world: every
 rank builds every module's mesh, in plan order. Process groups of the edges between modules
