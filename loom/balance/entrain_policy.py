@@ -105,7 +105,7 @@ def replicas_by_rounds(enc: np.ndarray, llm: np.ndarray, dp: int) -> np.ndarray:
     for state, after, round_work in zip(track[:-1], track[1:], work):
         load = state[0]
         load += round_work
-        np.take(state, load.argsort(kind="stable"), axis=1, out=after)
+        state.take(load.argsort(kind="stable"), axis=1, out=after)
     replica = track[:-1, 1].astype(np.int64)
     rep = np.empty(n, dtype=np.int64)
     rep[rounds.ravel()] = replica.ravel()
@@ -283,24 +283,28 @@ class _SubsetSums:
         self.weights = weights
         t = weights.shape[0]
         self.words = int(self.units.sum(axis=1).max(initial=0)) // 64 + 1
-        # words are kept behind a block of zero words, so shifting a row by a words reads zeros
-        # below its start with no bounds check; one flat gather per item for all rows
-        w = self.words
-        padded = np.zeros((t, 2 * w), dtype=np.uint64)
-        padded[:, w] = 1
-        self.prefix = [padded[:, w:].copy()]
-        base = (np.arange(t) * 2 * w)[:, None] + w + np.arange(w)[None, :]
-        flat = padded.reshape(-1)
-        one = np.uint64(1)
-        # every item's word and bit shift, and the words it reads, at once: (rows, items, words)
-        src = base[:, None, :] - (self.units >> 6)[:, :, None]
-        bit = (self.units & 63).astype(np.uint64)[:, :, None]
-        carry = np.uint64(63) - bit
-        for c in range(self.units.shape[1]):
-            shifted = (flat[src[:, c]] << bit[:, c]) | ((flat[src[:, c] - 1] >> one) >> carry[:, c])
-            padded[:, w:] |= shifted
-            self.prefix.append(padded[:, w:].copy())
-        self.reach = padded[:, w:]
+        # table c (the reachable sums of the first c items, the prefixes `subset` reads back) is
+        # rows x words, the tables back to back in one flat array ending in a zero word: shifting
+        # a row by u units reads words i - u // 64 and the one below, or the zero word below the
+        # row's start; every step is a contiguous 1-D op on one table's words (small arrays)
+        w, items = self.words, self.units.shape[1]
+        size = t * w
+        store = np.zeros((items + 1) * size + 1, dtype=np.uint64)
+        store[np.arange(t) * w] = 1  # table 0: the empty subset
+        zero = store.size - 1
+        word_in_row = np.tile(np.arange(w), t)
+        row_start = np.repeat(np.arange(t) * w, w)
+        one, top_bit = np.uint64(1), np.uint64(63)
+        for c in range(items):
+            u = self.units[:, c]
+            word = word_in_row - np.repeat(u >> 6, w)
+            at = row_start + word + c * size
+            bit = np.repeat((u & 63).astype(np.uint64), w)
+            low = store.take(np.where(word >= 1, at - 1, zero))
+            shifted = (store.take(np.where(word >= 0, at, zero)) << bit) | ((low >> one) >> (top_bit - bit))
+            np.bitwise_or(store[c * size:(c + 1) * size], shifted, out=store[(c + 1) * size:(c + 2) * size])
+        self.prefix = store[:-1].reshape(items + 1, t, w)
+        self.reach = self.prefix[-1]
         # per row and word, the last nonzero word at or before it and the first at or after it
         # (-1, words: none), so a query finds the nearest reachable sums with no scan
         index = np.arange(w)
