@@ -77,7 +77,8 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     dist.all_reduce(loss)
     save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(),
               made=made, made_by_build=made_by_build, held=held, held_bytes=held_bytes, held_buffers=held_buffers,
-              stage_layers=[l.name for l in engine.stage.layers])
+              stage_layers=[l.name for l in engine.stage.layers],
+              mesh=tuple(engine.meshes["llm"].get_coordinate()))
 
 
 def _reference():
@@ -111,6 +112,7 @@ def test_each_rank_materialises_only_its_stage(tmp_path):
         for name, value in res["held"].items():  # per-layer init equals the single process's
             torch.testing.assert_close(value, expected[name].detach(), rtol=0, atol=0, msg=f"rank {rank} {name}")
         assert res["held_buffers"] == [], "the zoo Llama keeps no buffers"
+        assert res["mesh"] == plan.coordinate_of(rank).index == (rank, 0, 0, 0)  # the engine's module mesh
     assert total == _param_bytes(model.parameters())  # the stages partition the model
     assert_matches_reference(results, model, ref_loss)
 
