@@ -54,7 +54,7 @@ def small_arch() -> ModelArch:
     })
 
 
-def small_plan(recompute: bool = False, **llm) -> Plan:
+def small_plan(recompute: str = "none", **llm) -> Plan:
     return Plan([ModuleSpec("vision", recompute=recompute), ModuleSpec("audio", recompute=recompute),
                  ModuleSpec("llm", recompute=recompute, **llm)], num_microbatches=4)
 
@@ -240,7 +240,7 @@ def test_frozen_aware_costs_in_every_combination(frozen):
     arch = small_arch().with_freeze(frozen)
     expected = expected_needs(arch)
     needs = backward_needs(arch)
-    cost = AnalyticCostModel(arch, small_plan(recompute=True), Cluster("A100-80GB", 8))
+    cost = AnalyticCostModel(arch, small_plan(recompute="full"), Cluster("A100-80GB", 8))
     for name in arch.module_names:
         assert [(n.weight, n.input) for n in needs[name]] == expected[name]
         for c, (weight, needs_input), layer in zip(cost.layer_costs(name, 0, WORK[name]), expected[name],
@@ -272,7 +272,7 @@ def test_paper_example_frozen_encoder_and_llm_with_trainable_projector():
 
 def test_stage_time_sums_its_layers_and_phases_split_backward():
     arch = small_arch().with_freeze(["vision.encoder"])
-    plan = small_plan(recompute=True, num_stages=2)
+    plan = small_plan(recompute="full", num_stages=2)
     cost = AnalyticCostModel(arch, plan, Cluster("H100", 8))
     w = WORK["llm"]
     for s in range(2):
@@ -384,18 +384,25 @@ def test_memory_equals_the_hand_computed_values():
     assert m.optimizer == 12 * 43392 / 2 / 2  # fp32 master + Adam m, v; TP 2, ZeRO-1 over DP 2
     assert cost.static_memory("llm", 0) == 43392 + 43392 + 130176
     # activations per token of the block, in elements: 4h replicated + (2q + 2kv + 4 ffn) / TP
-    # = 256 + (128 + 64 + 512) / 2 = 608, times 2 bytes; the embedding keeps nothing
+    # = 256 + (128 + 64 + 512) / 2 = 608, times 2 bytes, plus the attention core's fp32
+    # log-sum-exp per head, 4 * 4 heads / TP 2 bytes; the embedding keeps nothing
     w = Workload.of_lengths([10])
-    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 608
+    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2)
     # stage 1 = block 36992 + norm 64 + head 6400; the head keeps its input (2h bytes) and the
     # fp32 log-softmax of its vocab shard (4 * 100 / 2 bytes), the norm its input (2h bytes)
     assert cost.static_breakdown("llm", 1).params == 2 * (36992 + 64 + 6400) / 2
-    assert cost.activation_memory("llm", 1, w) == 10 * (2 * 608 + 2 * 64 + (2 * 64 + 4 * 100 / 2))
-    # recompute keeps each block's input only, and one block's full set while recomputing
-    plan.modules[0].recompute = True
+    assert cost.activation_memory("llm", 1, w) == 10 * (2 * 608 + 4 * 4 / 2 + 2 * 64 + (2 * 64 + 4 * 100 / 2))
+    assert cost.transient_memory("llm", 0, w) == 0
+    # selective recompute drops the attention core's log-sum-exp, live again for one block
+    plan.modules[0].recompute = "selective"
+    cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
+    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 608
+    assert cost.transient_memory("llm", 0, w) == 10 * 4 * 4 / 2
+    # full recompute keeps each block's input only, and one block's full set while recomputing
+    plan.modules[0].recompute = "full"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
     assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64
-    assert cost.transient_memory("llm", 0, w) == 10 * 2 * 608
+    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2)
     # ZeRO-3 shards the parameters too, ZeRO-2 the gradients
     plan.modules[0].zero_stage = 3
     m = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
@@ -431,7 +438,7 @@ def test_a_plan_that_does_not_fit_names_the_rank_and_the_excess():
             rf"80.00 GiB: over by {excess:.2f} GiB")):
         check_memory(cost, in_flight)
     # with 8-way TP, 4 stages and ZeRO over 2 replicas it fits
-    plan = Plan([ModuleSpec("llm", num_stages=4, tensor_parallel=8, data_parallel=2, zero_stage=1, recompute=True)],
+    plan = Plan([ModuleSpec("llm", num_stages=4, tensor_parallel=8, data_parallel=2, zero_stage=1, recompute="full")],
                 num_microbatches=8)
     cost = AnalyticCostModel(arch, plan, Cluster("H100", 64))
     result = check_memory(cost, worst_in_flight(plan, [{"llm": Workload.of_lengths([4096])}] * 8))
@@ -453,7 +460,7 @@ def test_model_flops_follow_the_documented_formula():
     frozen = arch.with_freeze(["llm"])
     assert model_flops(frozen, {"llm": w}) == pytest.approx(2 * w.tokens * gemm + attention / 3)
     # recomputation changes the time, never the model FLOPs
-    recomputing = AnalyticCostModel(arch, Plan([ModuleSpec("llm", recompute=True)]), Cluster("H100", 8))
+    recomputing = AnalyticCostModel(arch, Plan([ModuleSpec("llm", recompute="full")]), Cluster("H100", 8))
     assert recomputing.model_flops({"llm": w}) == cost.model_flops({"llm": w})
     assert cost.peak_flops_per_rank() == get_gpu("H100").peak_bf16_flops
     with pytest.raises(ValueError, match="unknown modules"):

@@ -149,14 +149,14 @@ EXPECTED = {
 
 
 @pytest.mark.parametrize("flags", list(EXPECTED))
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "full"])
 def test_frozen_aware_costs_in_every_combination(flags, recompute):
     costs = frozen_aware_layer_costs(FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, _trainable(*flags), ORDER,
                                      recompute=recompute)
     vision, llm, vision_recompute, llm_recompute = EXPECTED[flags]
     assert list(costs) == ORDER
-    assert costs["vision"] == (vision_recompute if recompute else vision)
-    assert costs["llm"] == (llm_recompute if recompute else llm)
+    assert costs["vision"] == (vision_recompute if recompute == "full" else vision)
+    assert costs["llm"] == (llm_recompute if recompute == "full" else llm)
     assert costs["audio"] == [4, 5]
 
 
@@ -170,10 +170,10 @@ def test_any_trainable_encoder_makes_the_llm_backpropagate():
 def test_recompute_per_module_and_the_breakdown():
     trainable = _trainable(True, True, False)
     costs = frozen_aware_layer_costs(FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, trainable, ORDER,
-                                     recompute={"llm": True})
+                                     recompute={"llm": "full"})
     assert costs == {"vision": [111, 222, 333], "audio": [4, 5], "llm": [72, 84, 96]}
     parts = frozen_aware_layer_breakdown(FORWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, trainable, ORDER,
-                                         recompute={"llm": True})
+                                         recompute={"llm": "full"})
     assert parts["llm"][0] == LayerCost(forward=6, backward_weight=0, backward_input=60, recompute=6,
                                         trainable=False, backpropagates=True)
     assert parts["audio"][1] == LayerCost(5, 0, 0, 0, trainable=False, backpropagates=False)

@@ -22,8 +22,10 @@ and bytes of `loom.cost.flops`, on one rank of a stage with TP degree ``t`` and 
 - frozen-aware backward (`loom.cost.frozen`, cornstarch.md §3.2.2): backward-weight only for
   trainable layers, backward-input only where something trainable lies at or before the
   layer, across modules;
-- recomputation (``ModuleSpec.recompute``: checkpointing of every block) adds a block's forward
-  to its backward, only where the block runs some backward (cornstarch.md §3.2.1).
+- recomputation (``ModuleSpec.recompute``), only where the block runs some backward
+  (cornstarch.md §3.2.1): ``"full"`` adds a block's whole forward (with its TP/CP
+  communication) to its backward; ``"selective"`` only its attention core's forward FLOPs
+  (Korthikanti et al. 2023 §4.2), no communication.
 
 All collectives use the alpha-beta ring model of `loom.cost.comm`, over NVLink when the group
 shares a node and over the network otherwise. Memory follows `loom.cost.memory`.
@@ -264,7 +266,12 @@ class AnalyticCostModel(CostModel):
             backward_input = self._compute(layer, work, "backward_input", tp, cp) + backward_input_comm
         if need.weight:
             backward_weight = self._compute(layer, work, "backward_weight", tp, cp)
-        recompute = forward_core if (spec.recompute and layer.kind == "block" and need.any) else 0.0
+        recompute = 0.0
+        if layer.kind == "block" and need.any:
+            if spec.recompute == "full":
+                recompute = forward_core
+            elif spec.recompute == "selective":  # the attention core only: no GEMMs, no communication
+                recompute = attention_flops(layer, work).forward / (tp * cp) / (self.spec.peak_bf16_flops * self.efficiency)
         backward_gather = gather if need.any else 0.0
         # the parameters are gathered once for the layer's whole backward, at its first part
         if need.input:
@@ -272,7 +279,7 @@ class AnalyticCostModel(CostModel):
         else:
             backward_weight += backward_gather
         backward_comm = ((backward_input_comm if need.input else 0.0) + backward_gather
-                         + (forward_comm if recompute else 0.0))
+                         + (forward_comm if recompute and spec.recompute == "full" else 0.0))
         return LayerCost(
             name=layer.name,
             kind=layer.kind,
@@ -391,14 +398,15 @@ class AnalyticCostModel(CostModel):
         )
 
     def transient_memory(self, module: str, stage: int, work: Workload) -> float:
-        """Under recompute, one block's full activations are live again while it is
-        recomputed and back-propagated (counted once per rank, not per microbatch)."""
+        """Under recompute, one block's recomputed activations (all of them under ``full``, its
+        attention core's under ``selective``) are live again while it is recomputed and
+        back-propagated (counted once per rank, not per microbatch)."""
         spec = self.plan.spec(module)
-        if not spec.recompute:
+        if spec.recompute == "none":
             return 0.0
         tokens = work.tokens / spec.context_parallel
         return max(
-            (block_working_bytes_per_token(l, spec.tensor_parallel, self.dtype_bytes) * tokens
+            (block_working_bytes_per_token(l, spec.tensor_parallel, self.dtype_bytes, spec.recompute) * tokens
              for l, need in self.stage_layers(module, stage) if need.any),
             default=0.0,
         )

@@ -27,10 +27,23 @@ attention and gated MLPs. In elements per token:
   intermediates, ``2 ffn`` (GELU MLP: the activation's input and output) or ``4 ffn`` (SwiGLU:
   gate, up, silu(gate), their product);
 
-so ``b (4 h + (2 q + 2 kv + m) / t)``: ``32 h`` bytes for GPT-3 (``q = kv = h``, ``ffn = 4h``)
-against Korthikanti's ``34 h`` with dropout masks. With activation recomputation a block keeps
-only its input, ``b h``, and one block's full set is live again while it is recomputed (the
-*transient* working set, counted once). Other layers keep their inputs (`activation_bytes_per_token`).
+- the attention core's own intermediates: FlashAttention keeps the fp32 log-sum-exp of every
+  query row, ``4 a / t`` bytes for ``a`` heads (its inputs Q, K, V and its output are counted
+  above: the projections around the core keep them anyway);
+
+so ``b (4 h + (2 q + 2 kv + m) / t) + 4 a / t``: about ``32 h`` bytes for GPT-3 (``q = kv = h``,
+``ffn = 4h``) against Korthikanti's ``34 h`` with dropout masks. Activation recomputation
+(``ModuleSpec.recompute``) changes what a block keeps:
+
+- ``"full"``: only its input, ``b h``; one block's full set is live again while it is
+  recomputed (the *transient* working set, counted once);
+- ``"selective"`` (Korthikanti §4.2, the attention core only): everything but the core's
+  intermediates, ``4 a / t`` less; one block's core intermediates are the transient set. Under
+  FlashAttention that is a small saving: the ``5 a s`` scores Korthikanti recomputes are never
+  stored, so selective mostly costs time (the core's forward again, `loom.cost.analytic`);
+- ``"none"``: all of the above.
+
+Other layers keep their inputs (`activation_bytes_per_token`).
 """
 
 from __future__ import annotations
@@ -95,16 +108,23 @@ def _stored_params(layers: Sequence[LayerArch]) -> list[int]:
     return [l.params if (l.kind == "head" and has_embedding) else l.stored_params for l in layers]
 
 
-def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute: bool, dtype_bytes: int) -> float:
+def attention_core_bytes_per_token(layer: LayerArch, tensor_parallel: int) -> float:
+    """What a block's attention core keeps per token beyond its inputs and output: the fp32
+    log-sum-exp of each head's row (FlashAttention), heads split by TP (module docstring)."""
+    return 4.0 * layer.heads / tensor_parallel if layer.kind == "block" else 0.0
+
+
+def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute: str, dtype_bytes: int) -> float:
     """Bytes one input token of ``layer`` keeps until the backward (module docstring), on a
-    rank of a ``tensor_parallel``-way group."""
+    rank of a ``tensor_parallel``-way group, under ``recompute`` ("none", "selective", "full")."""
     b, h, t = dtype_bytes, layer.hidden, tensor_parallel
     if layer.kind == "block":
-        if recompute:
+        if recompute == "full":
             return b * h
         mlp = (4 if layer.gated_mlp else 2) * layer.ffn
         kv = max(layer.kv_dim / t, layer.kv_dim / layer.kv_heads)  # fewer KV heads than ranks: replicated
-        return b * (4 * h + (2 * layer.q_dim) / t + 2 * kv + mlp / t)
+        kept = b * (4 * h + (2 * layer.q_dim) / t + 2 * kv + mlp / t)
+        return kept if recompute == "selective" else kept + attention_core_bytes_per_token(layer, t)
     if layer.kind == "frontend":
         if layer.frontend == "patch":
             return b * layer.in_channels * layer.temporal_patch * layer.patch**2  # the patches
@@ -124,9 +144,15 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
     return 0.0  # embedding: keeps only the token ids
 
 
-def block_working_bytes_per_token(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) -> float:
-    """A block's full activations per token: what is live again while it is recomputed."""
-    return activation_bytes_per_token(layer, tensor_parallel, False, dtype_bytes) if layer.kind == "block" else 0.0
+def block_working_bytes_per_token(layer: LayerArch, tensor_parallel: int, dtype_bytes: int,
+                                  recompute: str = "full") -> float:
+    """What is live again per token while a block is recomputed: its full activations under
+    ``full``, its attention core's intermediates under ``selective``, nothing under ``none``."""
+    if layer.kind != "block" or recompute == "none":
+        return 0.0
+    if recompute == "selective":
+        return attention_core_bytes_per_token(layer, tensor_parallel)
+    return activation_bytes_per_token(layer, tensor_parallel, "none", dtype_bytes)
 
 
 # ---- the plan-level check -----------------------------------------------------------------------

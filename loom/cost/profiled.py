@@ -11,7 +11,7 @@ from loom.cost.model import CostModel, MicrobatchWork, StageKind, Workload
 from loom.cost.profile_fit import FEATURES, evaluate
 from loom.cost.profile_file import Profile, ProfileError
 from loom.model.multimodal import MultimodalModel
-from loom.plan.plan import LLM, Plan
+from loom.plan.plan import LLM, Plan, PlanError
 
 TrainableSpec = Mapping[str, bool | Sequence[bool]]  # module -> one flag, or one per layer
 
@@ -158,9 +158,18 @@ class ProfiledCostModel(CostModel):
                 t += layers[i].time("backward_weight", work)
         if self._is_last_llm(module, stage) and self.profile.loss:
             t += evaluate(self.profile.loss["backward_input"], work)
-        if self.plan.spec(module).recompute:
+        if self._recompute(module) == "full":
             t += sum(layers[i].time("forward", work) for i in self._layers(module, stage))
         return max(t, 0.0)
+
+    def _recompute(self, module: str) -> str:
+        """The module's recompute mode; a profile times whole layers, not their attention core,
+        so it cannot price ``selective``."""
+        mode = self.plan.spec(module).recompute
+        if mode == "selective":
+            raise PlanError(f'plan.modules[{module!r}].recompute = "selective": a profile times whole layers, not '
+                            f'their attention core; price it with the analytic cost model or use "none" or "full"')
+        return mode
 
     # ---- the contract ----------------------------------------------------------------------
     def stage_time(self, module: str, stage: int, kind: StageKind, work: Workload) -> float:
@@ -227,7 +236,7 @@ class ProfiledCostModel(CostModel):
             return 0.0
         layers = self.profile.layers[module]
         idx = self._layers(module, stage)
-        if self.plan.spec(module).recompute:  # only each layer's input is kept
+        if self._recompute(module) == "full":  # only each layer's input is kept
             widths = [layers[i - 1].out_width if i > 0 else 0 for i in idx]
             total = sum(float(work.tokens) * w * self.profile.dtype_bytes for w in widths)
         else:

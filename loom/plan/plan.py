@@ -30,6 +30,8 @@ LLM = "llm"
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # a module mesh's dimension names, outermost first
 SCHEDULES = ("gpipe", "1f1b")
 PLACEMENTS = ("disaggregated",)
+# activation checkpointing per module: nothing, the attention core of every block, or every block
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 class PlanError(ValueError):
@@ -52,7 +54,10 @@ class ModuleSpec:
     tensor_parallel: int = 1
     context_parallel: int = 1
     zero_stage: int = 0  # optimizer-state (1), gradient (2) and parameter (3) sharding over DP
-    recompute: bool = False  # activation checkpointing of every block
+    recompute: str = "none"  # activation checkpointing: one of RECOMPUTE_MODES
+
+    def __post_init__(self) -> None:
+        check_recompute(self.name, self.recompute)
 
     @property
     def num_units(self) -> int:
@@ -80,6 +85,17 @@ class MeshCoordinate(NamedTuple):
     def index(self) -> tuple[int, int, int, int]:
         """The rank's index in its module's mesh, ordered as `MESH_DIMS`."""
         return self.stage, self.replica, self.context, self.tensor
+
+
+def check_recompute(module: str, value: Any) -> None:
+    """``ModuleSpec.recompute`` must be a mode name; the booleans of older configs are refused
+    (not mapped), so a plan always says which checkpointing it runs."""
+    if isinstance(value, str) and value in RECOMPUTE_MODES:
+        return
+    hint = f' (the old boolean: {str(value).lower()} is now "{"full" if value else "none"}")' if isinstance(value, bool) else ""
+    shown = str(value).lower() if isinstance(value, bool) else repr(value)
+    raise PlanError(f"plan.modules[{module!r}].recompute = {shown}: use one of \"none\", \"selective\" "
+                    f"(attention core only) or \"full\" (every block){hint}")
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
@@ -320,7 +336,7 @@ class Plan:
             lines += ["[[plan.modules]]", f'name = "{m.name}"', f"data_parallel = {m.data_parallel}",
                       f"num_stages = {m.num_stages}", f"tensor_parallel = {m.tensor_parallel}",
                       f"context_parallel = {m.context_parallel}", f"zero_stage = {m.zero_stage}",
-                      f"recompute = {'true' if m.recompute else 'false'}"]
+                      f'recompute = "{m.recompute}"']
             if m.stage_boundaries is not None:
                 lines.append(f"stage_boundaries = {list(m.stage_boundaries)}")
             lines.append("")

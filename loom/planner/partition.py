@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from loom.cost.frozen import needs_from_flags
-from loom.plan.plan import LLM, Plan, PlanError
+from loom.plan.plan import LLM, RECOMPUTE_MODES, Plan, PlanError
 
 # Two split candidates whose bottlenecks differ by less than this fraction of the module's total
 # cost are treated as tied: prefix sums make equal-valued splits differ in the last bits, and
@@ -47,7 +47,8 @@ class LayerCost:
 
     ``backward_weight`` is counted only for a trainable layer, ``backward_input`` only when the
     layer has trainable parameters at or before it (``p(L_l)``, eq. 3.3), ``recompute`` (one more
-    forward) only under activation recomputation and only when some backward runs (§3.2.1).
+    forward, or under ``selective`` its attention core's) only under activation recomputation and
+    only when some backward runs (§3.2.1).
     """
 
     forward: float
@@ -84,8 +85,9 @@ def frozen_aware_layer_breakdown(
     backward_weight: Mapping[str, Sequence[float]],
     trainable: Mapping[str, Sequence[bool]],
     module_order: Sequence[str],
-    recompute: Mapping[str, bool] | bool = False,
+    recompute: Mapping[str, str] | str = "none",
     reads_data: Mapping[str, Sequence[bool]] | None = None,
+    attention_forward: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, list[LayerCost]]:
     """Per module, per layer: the (F, B_w, B_d, R) that `frozen_aware_layer_costs` sums.
 
@@ -100,8 +102,10 @@ def frozen_aware_layer_breakdown(
     - the LLM's chain starts from the OR over the encoders' final ``p`` (the cross-modality
       rule: a trainable encoder makes every LLM layer back-propagate, since the LLM sits after
       it);
-    - ``recompute`` (one flag for all modules, or one per module; a missing module means off)
-      adds one forward to every layer that has any backward;
+    - ``recompute`` (one `ModuleSpec.recompute` mode for all modules, or one per module; a
+      missing module means ``"none"``): ``"full"`` adds one forward to every layer that has any
+      backward, ``"selective"`` the layer's attention-core forward from ``attention_forward``
+      (per module, per layer; 0 for layers without attention);
     - ``reads_data`` (optional, per layer) marks layers that read raw data (front-ends, the
       token embedding): they take ``B_d`` only when something strictly before them is
       trainable, the refinement of `loom.cost.frozen` that matches autograd.
@@ -121,15 +125,22 @@ def frozen_aware_layer_breakdown(
         extra = [n for n in table if n not in names]
         if extra:
             raise ValueError(f"{what} has modules {extra} that module_order = {names} does not list")
-    if isinstance(recompute, bool):
+    if isinstance(recompute, str):
         recompute_of = {n: recompute for n in names}
     else:
         extra = [n for n in recompute if n not in names]
         if extra:
             raise ValueError(f"recompute has modules {extra} that module_order = {names} does not list")
-        recompute_of = {n: bool(recompute.get(n, False)) for n in names}
+        recompute_of = {n: recompute.get(n, "none") for n in names}
+    for n, mode in recompute_of.items():
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute[{n!r}] = {mode!r}: use one of {list(RECOMPUTE_MODES)}")
+        if mode == "selective" and (attention_forward is None or n not in attention_forward):
+            raise ValueError(f'recompute[{n!r}] = "selective" needs attention_forward[{n!r}], the attention '
+                             f"core's forward time per layer")
 
     checked: dict[str, tuple[list[float], list[float], list[float], list[bool]]] = {}
+    again_of: dict[str, list[float]] = {}  # per layer, the forward recomputed in backward
     for name in names:
         fwd = _check_layer_list("forward", name, forward[name], None)
         n = len(fwd)
@@ -139,16 +150,22 @@ def frozen_aware_layer_breakdown(
         if len(train) != n:
             raise ValueError(f"trainable[{name!r}] has {len(train)} entries; forward[{name!r}] has {n}")
         checked[name] = (fwd, b_in, b_w, train)
+        if recompute_of[name] == "selective":
+            again_of[name] = _check_layer_list("attention_forward", name, attention_forward[name], n)
+        elif recompute_of[name] == "full":
+            again_of[name] = fwd
+        else:
+            again_of[name] = [0.0] * n
     # the one frozen-aware rule (eqs. 3.2-3.3, the cross-modality start of the LLM's chain)
     needs = needs_from_flags({name: checked[name][3] for name in names}, reads_data)
     out: dict[str, list[LayerCost]] = {}
     for name in names:
         fwd, b_in, b_w, train = checked[name]
         layers = []
-        for f, bd, bw, t, need in zip(fwd, b_in, b_w, train, needs[name]):
+        for f, r, bd, bw, t, need in zip(fwd, again_of[name], b_in, b_w, train, needs[name]):
             weight = bw if need.weight else 0.0
             data = bd if need.input else 0.0
-            again = f if (recompute_of[name] and weight + data > 0) else 0.0
+            again = r if weight + data > 0 else 0.0
             layers.append(LayerCost(f, weight, data, again, t, need.input))
         out[name] = layers
     return out
@@ -160,14 +177,15 @@ def frozen_aware_layer_costs(
     backward_weight: Mapping[str, Sequence[float]],
     trainable: Mapping[str, Sequence[bool]],
     module_order: Sequence[str],
-    recompute: Mapping[str, bool] | bool = False,
+    recompute: Mapping[str, str] | str = "none",
     reads_data: Mapping[str, Sequence[bool]] | None = None,
+    attention_forward: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, list[float]]:
     """Per module, the per-layer ``T_l = F_l + B_w + B_d + R`` to balance (cornstarch.md §3.2.2,
     eqs. 3.1-3.3 and the pseudocode ``layer_costs``). See `frozen_aware_layer_breakdown` for
     the rules and for the parts of each ``T_l``."""
     breakdown = frozen_aware_layer_breakdown(forward, backward_input, backward_weight, trainable,
-                                             module_order, recompute, reads_data)
+                                             module_order, recompute, reads_data, attention_forward)
     return {name: [layer.total for layer in layers] for name, layers in breakdown.items()}
 
 

@@ -18,6 +18,7 @@ from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
+from loom.runtime.recompute import apply_recompute
 from loom.runtime.mesh import build_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stage, trainable_stages
@@ -48,15 +49,16 @@ class ParallelEngine:
         device: torch.device,
         optimizer_factory: OptimizerFactory | None = None,
         release_others: bool = True,
+        max_grad_norm: float = 0.0,  # global-norm gradient clipping, 0 = off (PipelineExecutor)
     ) -> "ParallelEngine":
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:
-            if m.ranks_per_unit > 1 or m.zero_stage or m.recompute:
+            if m.ranks_per_unit > 1 or m.zero_stage:
                 raise PlanError(
-                    f"plan.modules[{m.name!r}]: tensor_parallel, context_parallel, zero_stage and recompute "
+                    f"plan.modules[{m.name!r}]: tensor_parallel, context_parallel and zero_stage "
                     f"are modelled by the cost model and simulator but not yet executed by the runtime; "
-                    f"set them to 1, 1, 0 and false to train"
+                    f"set them to 1, 1 and 0 to train"
                 )
         trainable = trainable_stages(model, plan)
         schedule = build_schedule(plan, trainable)
@@ -64,10 +66,11 @@ class ParallelEngine:
         # every rank builds every module's mesh, in plan order (group creation is collective)
         meshes = build_meshes(plan, device.type)
         stage = build_stage(model, plan, rank, release_others=release_others, device=device)
+        apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
         groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank)}
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
-        executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer)
+        executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer, max_grad_norm)
         return cls(plan, schedule, stage, executor, optimizer, trainable, meshes=meshes)
 
     def microbatches_to_load(self) -> list[int]:

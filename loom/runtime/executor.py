@@ -16,7 +16,14 @@ Semantics that make a parallel run equal the single-process reference:
   target tokens, so the sum over microbatches and replicas is the reference mean loss;
 - data-parallel gradient synchronisation is therefore a SUM all-reduce (no averaging);
 - frozen parameters never get a ``.grad`` (backward runs only where the schedule says a stage
-  needs one, and only through tensors that require grad).
+  needs one, and only through tensors that require grad);
+- gradient clipping (``max_grad_norm`` > 0) scales by the *global* L2 norm: each stage's first
+  replica adds its gradients' squared norm (replicas hold equal gradients after the sync), one
+  SUM all-reduce over the world gives the total, so every rank scales by the same
+  ``min(1, max_norm / (norm + 1e-6))`` that ``torch.nn.utils.clip_grad_norm_`` applies to the
+  single-process model. Ranks with an ``OPTIMIZER_STEP`` join it there, after their gradient
+  sync; ranks without one (frozen stages) join after their last action, so every rank calls
+  the collective once per iteration and none waits on a peer that waits on it.
 """
 
 from __future__ import annotations
@@ -53,10 +60,12 @@ class StepResult:
     ``timeline``: one `TimelineEvent` per action that ran, built on first access (the training
     loop keeps only the last step's)."""
 
-    __slots__ = ("loss", "_rank", "_step", "_plan", "_times", "_timeline")
+    __slots__ = ("loss", "grad_norm", "_rank", "_step", "_plan", "_times", "_timeline")
 
-    def __init__(self, loss: float, rank: int, step: int, plan: "ActionPlan", times: list[float]):
+    def __init__(self, loss: float, rank: int, step: int, plan: "ActionPlan", times: list[float],
+                 grad_norm: float | None = None):
         self.loss = loss
+        self.grad_norm = grad_norm  # the global gradient norm before clipping (None: clipping off)
         self._rank, self._step, self._plan, self._times = rank, step, plan, times
         self._timeline: list[TimelineEvent] | None = None
 
@@ -97,18 +106,20 @@ class ActionPlan:
     last_send: dict[int, int]  # microbatch -> index of its last SEND_ACT
     split: dict[int, list[tuple[int, ...]]]  # microbatch -> split-backward parts (encoder first stages)
     routed: bool  # some action names samples: the iteration needs a RowMap
+    steps: bool = False  # the list has an OPTIMIZER_STEP (where clipping joins the norm's all-reduce)
 
 
 class _Iteration:
     """The state of the iteration being run (handlers read and update it)."""
 
-    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total")
+    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total", "grad_norm")
 
     def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
                  loss_total: torch.Tensor):
         self.plan, self.microbatches, self.num_targets, self.rows = plan, microbatches, num_targets, rows
         self.states: dict[int, MicrobatchState] = {}
         self.loss_total = loss_total
+        self.grad_norm: float | None = None
 
     def state(self, j: int) -> MicrobatchState:
         st = self.states.get(j)
@@ -130,8 +141,10 @@ class PipelineExecutor:
         dp_groups: dict[StageId, dist.ProcessGroup | None],
         trainable: dict[StageId, bool],
         optimizer: torch.optim.Optimizer | None = None,
+        max_grad_norm: float = 0.0,
     ):
         self.model, self.plan, self.stage = model, plan, stage
+        self.max_grad_norm = max_grad_norm or 0.0  # 0 (or None): no clipping
         self.rank, self.device, self.optimizer = rank, device, optimizer
         self.me: StageId = (stage.module, stage.stage)
         self.dp_group = dp_groups.get(self.me)
@@ -192,8 +205,10 @@ class PipelineExecutor:
                 torch.cuda.synchronize(self.device)
             times.append(start)
             times.append(clock())
+        if self.max_grad_norm > 0 and not plan.steps:  # no optimizer step here: join the norm now
+            it.grad_norm = self._clip_gradients()
         self.comm.wait_sends()
-        return StepResult(float(it.loss_total), self.rank, step, plan, times)
+        return StepResult(float(it.loss_total), self.rank, step, plan, times, it.grad_norm)
 
     def close(self) -> None:
         """Wait for every send still in flight, so the process group can be destroyed safely
@@ -238,7 +253,8 @@ class PipelineExecutor:
         if not (self.stage.is_first and self.stage.module != LLM):
             split = {}
         plan = ActionPlan(actions, [self._handlers[a.kind] for a in actions], tags, [a.short() for a in actions],
-                          backward_parts, last_send, split, any(a.samples is not None for a in actions))
+                          backward_parts, last_send, split, any(a.samples is not None for a in actions),
+                          any(a.kind is ActionKind.OPTIMIZER_STEP for a in actions))
         if len(self._plans) >= 64:
             self._plans.clear()
         self._plans[id(schedule)] = (schedule, plan)
@@ -367,6 +383,8 @@ class PipelineExecutor:
         self._sync_gradients()
 
     def _optimizer_step(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        if self.max_grad_norm > 0:
+            it.grad_norm = self._clip_gradients()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -432,6 +450,23 @@ class PipelineExecutor:
     def _tag(self, src: StageId, dst: StageId, src_mb: int, dst_mb: int, num_mb: int, grad: bool) -> int:
         """One tag per (edge, sender microbatch, receiver microbatch, direction)."""
         return ((src_mb * num_mb + dst_mb) * len(self.edge_ids) + self.edge_ids[(src, dst)]) * 2 + int(grad)
+
+    def _clip_gradients(self) -> float:
+        """Scale this rank's gradients by the global norm's clip coefficient (module docstring);
+        returns the norm before clipping. A collective over the world: every rank calls it once
+        per iteration."""
+        params = [p for p in self.stage.trainable_parameters() if p.grad is not None]
+        # per-parameter norms first, as clip_grad_norm_ does, so the sum matches its rounding
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        if params and self.stage.replica == 0:  # other replicas hold the same gradients: count once
+            norms = torch.stack([torch.linalg.vector_norm(p.grad.detach(), 2.0).float() for p in params])
+            local = (norms * norms).sum()
+        dist.all_reduce(local)
+        norm = local.sqrt()
+        if params:
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_([p.grad.detach() for p in params], coef.to(params[0].grad.dtype))
+        return float(norm)
 
     def _sync_gradients(self) -> None:
         """SUM all-reduce of the stage's trainable gradients across its data-parallel replicas,

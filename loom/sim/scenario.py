@@ -35,7 +35,7 @@ from loom.cost.workload import WorkloadError, sample_work
 from loom.data.sample import SampleMeta
 from loom.data.synthetic import MIXES, SyntheticMetadata
 from loom.plan.overrides import ConfigError, apply_override, typed_value
-from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
+from loom.plan.plan import LLM, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
 from loom.schedule.generators import build_schedule
 from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
 from loom.cost.workload import MetadataArrays
@@ -63,7 +63,7 @@ class ParallelDegrees:
     microbatches_per_pipeline: int = 64
     schedule: str = "1f1b"
     zero_stage: int = 1
-    recompute: bool = True
+    recompute: str = "full"  # ModuleSpec.recompute of every module: "none", "selective" or "full"
 
 
 @dataclass
@@ -293,7 +293,8 @@ def _schema() -> dict[str, Any]:
 
 # whole numbers that may be 0 (the others are sizes and counts, at least 1)
 _ZERO_OK = {"data.seed", "parallel.zero_stage"}
-_CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3)}
+_CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3),
+            "parallel.recompute": RECOMPUTE_MODES}
 
 
 def check_scenario_tables(data: dict[str, Any]) -> None:
@@ -318,6 +319,9 @@ def check_scenario_tables(data: dict[str, Any]) -> None:
                                     f"rename them")
             for key, v in value.items():
                 where = f"{section}.{key}"
+                if where == "parallel.recompute" and isinstance(v, bool):  # the old boolean
+                    raise ScenarioError(f'parallel.recompute = {str(v).lower()}: use one of "none", "selective" or '
+                                        f'"full" (the old boolean: {str(v).lower()} is now "{"full" if v else "none"}")')
                 v = typed_value(spec[key], v, where)
                 low = 0 if where in _ZERO_OK else 1
                 if isinstance(v, int) and not isinstance(v, bool) and v < low:

@@ -63,6 +63,9 @@ class OptimConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1  # cosine decay to lr * min_lr_ratio at the last step
+    # gradient clipping by the global L2 norm over every module, stage and replica (as
+    # torch.nn.utils.clip_grad_norm_ on the whole model); 0 turns it off, the default
+    max_grad_norm: float = 0.0
 
 
 def default_plan() -> Plan:
@@ -112,6 +115,9 @@ class TrainConfig:
                  "use 0 for no warmup")
         _require(math.isfinite(optim.min_lr_ratio) and 0 <= optim.min_lr_ratio <= 1, "optim.min_lr_ratio",
                  optim.min_lr_ratio, "is a fraction of the peak learning rate", "use a value from 0 to 1")
+        _require(math.isfinite(optim.max_grad_norm) and optim.max_grad_norm >= 0, "optim.max_grad_norm",
+                 optim.max_grad_norm, "is a gradient-norm threshold", "use 0 for no clipping or a positive "
+                 "norm such as 1.0")
         if self.data.global_batch_size < self.plan.num_microbatches:
             raise ConfigError(
                 f"data.global_batch_size = {self.data.global_batch_size} is smaller than "
@@ -163,11 +169,11 @@ class TrainConfig:
         for m in self.plan.modules:
             for name, value, default in (("tensor_parallel", m.tensor_parallel, 1),
                                          ("context_parallel", m.context_parallel, 1),
-                                         ("zero_stage", m.zero_stage, 0), ("recompute", m.recompute, False)):
+                                         ("zero_stage", m.zero_stage, 0)):
                 if value != default:
                     raise ConfigError(
-                        f"plan.modules[{m.name!r}].{name} = {_shown(value)}: tensor_parallel, context_parallel, "
-                        f"zero_stage and recompute are modelled by the cost model and simulator but not yet "
+                        f"plan.modules[{m.name!r}].{name} = {_shown(value)}: tensor_parallel, context_parallel "
+                        f"and zero_stage are modelled by the cost model and simulator but not yet "
                         f"executed by the runtime; set it to {_shown(default)} to train (loom simulate prices it)"
                     )
         return self

@@ -81,6 +81,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
                 "target_tokens": got.num_targets,
                 "lr": cfg.optim.lr * lr_lambda(cfg)(step),
             }
+            if done.result.grad_norm is not None:  # optim.max_grad_norm > 0: the pre-clip global norm
+                row["grad_norm"] = round(done.result.grad_norm, 6)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             balance_log.write(json.dumps({

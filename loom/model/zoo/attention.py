@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def block_diagonal_mask(lengths: list[int], device: torch.device | str) -> torch.Tensor:
@@ -46,3 +47,16 @@ def segment_attention(
         o = F.scaled_dot_product_attention(gather(q), gather(k), gather(v), is_causal=causal)
         out.index_copy_(1, idx, o.transpose(0, 1).reshape(q.shape[0], len(firsts) * n, q.shape[2]))
     return out
+
+
+class AttentionCore(nn.Module):
+    """The scaled-dot-product core of attention (``softmax(q k^T / sqrt(d)) v``, no parameters)
+    as a module of its own, so that it can be wrapped from outside: selective activation
+    checkpointing recomputes only this part (`loom.runtime.recompute`). ``lengths`` None: one
+    dense sequence per batch row; otherwise `segment_attention` over a packed sequence."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int] | None,
+                causal: bool) -> torch.Tensor:
+        if lengths is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return segment_attention(q, k, v, lengths, causal=causal)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.model.layers import Layer, decoder_layers, run_layers
-from loom.model.zoo.attention import segment_attention
+from loom.model.zoo.attention import AttentionCore
 
 
 @dataclass
@@ -107,6 +107,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.core = AttentionCore()  # no parameters; a seam for selective recompute
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None
@@ -121,9 +122,9 @@ class Attention(nn.Module):
         k = k.repeat_interleave(repeats, dim=1)
         v = v.repeat_interleave(repeats, dim=1)
         if segments is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = self.core(q, k, v, None, True)
         else:  # packed samples in one row: causal within each sample only
-            out = segment_attention(q[0], k[0], v[0], segments, causal=True).unsqueeze(0)
+            out = self.core(q[0], k[0], v[0], segments, True).unsqueeze(0)
         return self.o_proj(out.transpose(1, 2).reshape(b, length, -1))
 
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.model.layers import Layer, run_layers
-from loom.model.zoo.attention import segment_attention
+from loom.model.zoo.attention import AttentionCore
 
 if TYPE_CHECKING:  # loom.model sits above loom.data (docs/architecture.md): metadata types only
     from loom.data.sample import ImageMeta
@@ -87,12 +87,13 @@ class EncoderBlock(nn.Module):
         mlp_hidden = int(hidden_size * mlp_ratio)
         self.fc1 = nn.Linear(hidden_size, mlp_hidden)
         self.fc2 = nn.Linear(mlp_hidden, hidden_size)
+        self.core = AttentionCore()  # no parameters; a seam for selective recompute
 
     def attention(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
         # [N, 3*hidden] -> 3 x [heads, N, head_dim]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
-        out = segment_attention(q, k, v, lengths)
+        out = self.core(q, k, v, lengths, False)
         return self.proj(out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -1,0 +1,219 @@
+"""Activation checkpointing per module (issue 9 point 6): ``ModuleSpec.recompute`` = "none" |
+"selective" | "full", the old boolean refused, the runtime's wrapping (`loom.runtime.recompute`)
+equal to the plain model in loss and every gradient (one process, and a pipelined gloo run), and
+the cost model and simulator pricing selective between none and full."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loom.data.collate import collate, split_microbatches
+from loom.model.layers import run_layers
+from loom.model.zoo.attention import AttentionCore
+from loom.plan.plan import ModuleSpec, Plan, PlanError
+from loom.planner.baselines import megatron_plan
+from loom.runtime.engine import ParallelEngine
+from loom.runtime.local import run_local
+from loom.runtime.recompute import apply_recompute
+from loom.sim.scenario import ScenarioError, load_scenario
+from loom.train.build import build_data, build_model, token_counters
+from reference import assert_matches_reference, save_rank
+from test_parallel_reference import SEED, _config, _global_batch
+
+SCENARIO = "configs/sim/llama3-70b-vith-1024xh100.toml"
+
+
+def _model_and_batch(case: str = "multimodal_1f1b"):
+    cfg = _config(case)
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED)
+    indices, targets = _global_batch(cfg, dataset)
+    batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
+    return cfg, model, batch, targets
+
+
+def _recompute_all(model, cfg, mode: str) -> int:
+    return sum(apply_recompute(model.module_layers(m), mode, m) for m in cfg.plan.module_names)
+
+
+# ---- the field ------------------------------------------------------------------------------------
+
+
+def test_recompute_takes_a_mode_and_refuses_the_old_boolean():
+    assert ModuleSpec("llm").recompute == "none"
+    for mode in ("none", "selective", "full"):
+        assert Plan.from_dict({"modules": [{"name": "llm", "recompute": mode}]}).modules[0].recompute == mode
+    with pytest.raises(PlanError, match=r"plan.modules\['llm'\].recompute = true: .*true is now \"full\""):
+        Plan.from_dict({"modules": [{"name": "llm", "recompute": True}]})
+    with pytest.raises(PlanError, match=r"recompute = false: .*false is now \"none\""):
+        ModuleSpec("vision", recompute=False)
+    with pytest.raises(PlanError, match=r"recompute = 'attention'"):
+        ModuleSpec("vision", recompute="attention")
+    # the plan's TOML writes the mode back
+    plan = Plan([ModuleSpec("llm", recompute="selective")])
+    assert 'recompute = "selective"' in plan.to_toml()
+    with pytest.raises(ScenarioError, match=r"parallel.recompute = true: .*true is now \"full\""):
+        load_scenario(SCENARIO, ["parallel.recompute=true"])
+    with pytest.raises(ScenarioError, match=r"parallel.recompute = 'some'"):
+        load_scenario(SCENARIO, ['parallel.recompute="some"'])
+
+
+# ---- the runtime, one process ---------------------------------------------------------------------
+
+
+def test_modes_wrap_blocks_or_attention_cores_and_keep_values(monkeypatch):
+    calls = {"core": 0}
+    plain_forward = AttentionCore.forward
+
+    def counting(self, *args, **kwargs):
+        calls["core"] += 1
+        return plain_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(AttentionCore, "forward", counting)
+    results = {}
+    for mode in ("none", "selective", "full"):
+        cfg, model, batch, targets = _model_and_batch()
+        wrapped = _recompute_all(model, cfg, mode)
+        blocks = sum(1 for m in cfg.plan.module_names for l in model.module_layers(m) if l.kind == "block")
+        assert wrapped == (0 if mode == "none" else blocks)  # one core per block
+        assert _recompute_all(model, cfg, mode) == 0  # applying twice wraps once
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        calls["core"] = 0
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model.loss(batch, targets)
+        forward_cores = calls["core"]
+        loss.backward()
+        # the cores run again in the backward under selective and full only
+        assert calls["core"] - forward_cores == (0 if mode == "none" else forward_cores), mode
+        results[mode] = (float(loss.detach()), sum(saved),
+                         {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    loss0, saved0, grads0 = results["none"]
+    for mode in ("selective", "full"):
+        loss, _, grads = results[mode]
+        assert loss == loss0
+        assert grads.keys() == grads0.keys()
+        for n in grads0:
+            torch.testing.assert_close(grads[n], grads0[n], rtol=1e-5, atol=1e-7, msg=lambda m: f"{mode} {n}: {m}")
+    # bytes kept for the backward: selective drops the attention cores' intermediates, full
+    # keeps only the checkpointed blocks' inputs
+    assert saved0 > results["selective"][1] > results["full"][1]
+
+
+def test_split_backward_over_checkpointed_blocks():
+    """The executor's split backward on a later encoder stage (entrain.md §3.6): several
+    ``backward`` calls over one graph with ``retain_graph``, each with some rows of the output
+    gradient; with checkpointed blocks the parts give what they give without checkpointing."""
+    grads = {}
+    parts = 2
+    for mode in ("none", "full", "selective"):
+        cfg, model, batch, _ = _model_and_batch()
+        _recompute_all(model, cfg, mode)
+        layers = model.module_layers("vision")
+        out = run_layers(layers, None, model.module_context("vision", batch))
+        g = torch.linspace(-1, 1, out.numel()).view_as(out)
+        rows = torch.arange(out.shape[0]) % parts
+        for p in range(parts):
+            torch.autograd.backward(out, g * (rows == p).unsqueeze(-1), retain_graph=p < parts - 1)
+        grads[mode] = {n: q.grad.clone() for n, q in model.named_parameters() if q.grad is not None}
+    for mode in ("full", "selective"):
+        assert grads[mode].keys() == grads["none"].keys()
+        for n, g in grads["none"].items():
+            torch.testing.assert_close(grads[mode][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{mode} {n}: {m}")
+
+
+def test_selective_needs_an_attention_core():
+    cfg, model, _, _ = _model_and_batch()
+    layers = model.module_layers("llm")
+    for l in layers:  # a block without the zoo's core (as the Hugging Face adapter's)
+        for name, child in list(l.module.named_modules()):
+            if isinstance(child, AttentionCore):
+                parent = l.module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else l.module
+                setattr(parent, name.rsplit(".", 1)[-1], torch.nn.Identity())
+    with pytest.raises(PlanError, match=r"plan.modules\['llm'\].recompute = \"selective\": block .* use recompute = \"full\""):
+        apply_recompute(layers, "selective", "llm")
+    assert apply_recompute(layers, "full", "llm") == cfg.model.llm.num_layers
+
+
+# ---- the runtime, pipelined on gloo ---------------------------------------------------------------
+
+MODES = {  # two plans in one launch: every module runs both modes somewhere
+    "a": {"vision": "full", "audio": "selective", "llm": "selective"},
+    "b": {"vision": "selective", "audio": "full", "llm": "full"},
+}
+
+
+def _recompute_config(variant: str):
+    cfg = _config("multimodal_1f1b")
+    cfg.plan = dataclasses.replace(cfg.plan, modules=[dataclasses.replace(m, recompute=MODES[variant][m.name])
+                                                      for m in cfg.plan.modules])
+    return cfg
+
+
+def _recompute_worker(rank: int, world_size: int, out: str) -> None:
+    for variant in MODES:
+        cfg = _recompute_config(variant)
+        tokenizer, dataset = build_data(cfg)
+        model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
+        engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
+        indices, targets = _global_batch(cfg, dataset)
+        parts = split_microbatches(indices, cfg.plan.num_microbatches)
+        counters = token_counters(model)
+        batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters)
+                   for j in engine.microbatches_to_load()}
+        result = engine.step(batches, targets, 0, layout=engine.identity_layout(len(indices)))
+        loss = torch.tensor([result.loss], dtype=torch.float64)
+        dist.all_reduce(loss)
+        wrapped = sum(1 for l in engine.stage.layers for m in l.module.modules() if getattr(m, "_loom_recompute", False))
+        save_rank(Path(out) / f"{variant}{rank}.pt", float(loss), engine.stage.named_parameters(), wrapped=wrapped,
+                  blocks=sum(l.kind == "block" for l in engine.stage.layers))
+        engine.close()
+
+
+@pytest.mark.multiprocess
+def test_pipelined_recompute_matches_the_plain_single_process(tmp_path: Path) -> None:
+    world = 4
+    run_local(_recompute_worker, world, str(tmp_path))
+    cfg = _recompute_config("a")
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED)  # no checkpointing: the reference
+    indices, targets = _global_batch(cfg, dataset)
+    batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
+    loss = model.loss(batch, targets)
+    loss.backward()
+    for variant in MODES:
+        results = [torch.load(tmp_path / f"{variant}{r}.pt", weights_only=True) for r in range(world)]
+        # every block of every stage was checkpointed (full) or had its core checkpointed (selective)
+        assert all(res["wrapped"] == res["blocks"] for res in results), variant
+        assert sum(res["blocks"] for res in results) > 0
+        assert_matches_reference(results, model, float(loss.detach()))
+
+
+# ---- cost model and simulator ---------------------------------------------------------------------
+
+
+def test_selective_lies_between_none_and_full_in_time_and_memory():
+    times, memory, backward = {}, {}, {}
+    for mode in ("none", "selective", "full"):
+        scenario = load_scenario(SCENARIO, [f'parallel.recompute="{mode}"', "parallel.microbatches_per_pipeline=8"])
+        plan = megatron_plan(scenario)
+        assert all(m.recompute == mode for m in plan.modules)
+        result = scenario.run(plan)
+        times[mode], memory[mode] = result.iteration_time, max(result.peak_memory.values())
+        work = scenario.microbatch_work(scenario.metas(), plan.num_microbatches)[0]
+        from loom.cost.analytic import AnalyticCostModel
+
+        cost = AnalyticCostModel(scenario.arch, plan, scenario.cluster)
+        backward[mode] = cost.stage_time("llm", 1, "backward", work["llm"])
+    assert backward["none"] < backward["selective"] < backward["full"]
+    assert times["none"] < times["selective"] < times["full"]
+    assert memory["none"] > memory["selective"] > memory["full"]
