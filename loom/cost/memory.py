@@ -266,6 +266,6 @@ def check_memory(
         ]
         raise OutOfMemoryError(
             "the plan does not fit in memory:\n  " + "\n  ".join(lines)
-            + "\n  raise tensor or pipeline parallelism, the ZeRO stage, or set recompute = "full""
+            + "\n  raise tensor or pipeline parallelism, the ZeRO stage, or set recompute = \"full\""
         )
     return result
