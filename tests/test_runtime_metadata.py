@@ -79,6 +79,10 @@ def test_from_gathered_equals_concat_of_rank_parses() -> None:
         _assert_same(MetadataArrays.from_gathered(rows), whole)
         assert MetadataArrays.from_gathered(table).metas() == [m for p in parts for m in p.metas()]
         assert MetadataArrays.from_gathered(table).errors() == ({2: "rank 2 failed"} if ranks > 2 else {})
+    # ranks with no samples at all (a batch smaller than the world), one with an error
+    empty = [MetadataArrays.from_metas([], "no samples" if r == 1 else None).to_flat() for r in range(3)]
+    got = MetadataArrays.from_gathered(np.stack([padded_row(r, 20) for r in empty]))
+    assert got.metas() == [] and got.errors() == {1: "no samples"}
     # equal shards take the strided path; the same batch in unequal shards the masked one
     metas = _random_metas(rng, 24, 0)
     cuts = {"equal": [(0, 6), (6, 12), (12, 18), (18, 24)], "unequal": [(0, 7), (7, 12), (12, 24), (24, 24)]}

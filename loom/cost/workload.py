@@ -267,8 +267,9 @@ class MetadataArrays:
             fields = table[:, HEADER:HEADER + PER_SAMPLE * int(n[0])].reshape(ranks, PER_SAMPLE, int(n[0]))
             sample_id, text, image_count, audio_count, segment_count = (
                 fields[:, k, :].reshape(-1) for k in range(PER_SAMPLE))
-            counts = fields[:, 2:, :]
-            per_row, negative = counts.sum(axis=2), counts.min(initial=0) < 0
+            counts = (image_count, audio_count, segment_count)
+            per_row = np.stack([c.reshape(ranks, int(n[0])).sum(axis=1) for c in counts], axis=1)
+            negative = min(c.min(initial=0) for c in counts) < 0
         else:
             sample_id, text, image_count, audio_count, segment_count = (
                 _block(table, HEADER + k * n, HEADER + (k + 1) * n) for k in range(PER_SAMPLE))

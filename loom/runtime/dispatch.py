@@ -77,6 +77,22 @@ class Dispatched:
         return self._metas
 
 
+class _ShapeMemo:
+    """``token_counts[encoder]`` asked once per item shape (callers check what it returns with
+    `item_token_count`, naming the sample)."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.memo = fn, {}
+
+    def __call__(self, item: ImageMeta | AudioMeta):
+        n = self.memo.get(item)  # the metadata dataclasses are frozen: hashable by value
+        if n is None:
+            if len(self.memo) > 1 << 16:  # a stream of ever-new shapes: keep the memo bounded
+                self.memo.clear()
+            n = self.memo[item] = self.fn(item)
+        return n
+
+
 def loader_shards(batch_size: int, world_size: int) -> list[list[int]]:
     """Positions each rank loads: contiguous, sizes differing by at most one."""
     return [list(map(int, part)) for part in np.array_split(np.arange(batch_size), world_size)]
@@ -105,7 +121,8 @@ class Dispatcher:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.module, self.stage, self.replica = plan.role_of(self.rank)
         self._phase_of = [plan.role_of(d)[0] for d in range(self.world_size)]  # each rank's module
-        self._item_token_memo: dict[str, dict[tuple[int, int], int]] = {}
+        # every step costs the same few item shapes: `token_counts` is asked once per shape
+        self._counts = {encoder: _ShapeMemo(fn) for encoder, fn in token_counts.items()}
 
     # ---- the iteration ------------------------------------------------------------------------
     def dispatch(self, indices: Sequence[int]) -> Dispatched:
@@ -171,17 +188,11 @@ class Dispatcher:
             keys, make = np.stack([meta.audio_samples, meta.audio_rate], axis=1), AudioMeta
         if not keys.shape[0]:
             return np.zeros(0, dtype=np.int64)
-        memo = self._item_token_memo.setdefault(encoder, {})
-        if len(memo) > 1 << 16:  # a stream of ever-new shapes: keep the memo bounded
-            memo.clear()
         shapes, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
         owner = meta.image_owner if encoder == "vision" else meta.audio_owner
-        fn = self.token_counts[encoder]
-        counts = []
-        for key, item in zip(map(tuple, shapes.tolist()), first.tolist()):
-            if key not in memo:
-                memo[key] = item_token_count(encoder, fn, make(*key), int(meta.sample_id[owner[item]]))
-            counts.append(memo[key])
+        count = self._counts[encoder]
+        counts = [item_token_count(encoder, count, make(*key), int(meta.sample_id[owner[item]]))
+                  for key, item in zip(shapes.tolist(), first.tolist())]
         return np.asarray(counts, dtype=np.int64)[inverse.reshape(-1)]
 
     # ---- payload exchange ---------------------------------------------------------------------
@@ -277,7 +288,7 @@ class Dispatcher:
             ids = meta.sample_id[list(slot)].tolist()
             if self.module == LLM:
                 input_ids, labels, segments = collate_ids([meta.meta(p) for p in slot], [received[p] for p in slot],
-                                                          self.tokenizer, self.token_counts, self.placeholder_ids,
+                                                          self.tokenizer, self._counts, self.placeholder_ids,
                                                           self.pack)
                 batches[j] = Batch(input_ids, labels, {}, ids, segments)
             else:
