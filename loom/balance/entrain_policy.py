@@ -94,11 +94,10 @@ def replicas_by_rounds(enc: np.ndarray, llm: np.ndarray, dp: int) -> np.ndarray:
     within = np.argsort(-llm[order], axis=1, kind="stable")
     rounds = np.take_along_axis(order, within, axis=1)
     work = llm[rounds]
-    # the replicas kept sorted by load (``perm``, their loads ``load``): a round adds its
-    # samples, heaviest first, to the replicas lightest first, then re-sorts (stable: equal
-    # loads keep their order, replica order at the start)
-    # loads, then replica ids (as floats, exact), of every round; each round's re-sort writes
-    # the next one's state, so the loop is three NumPy calls
+    # the replicas kept sorted by load, as each round's state (loads, then replica ids as exact
+    # floats): a round adds its samples, heaviest first, to the replicas lightest first, then
+    # re-sorts (stable: equal loads keep their order, replica order at the start) straight into
+    # the next round's state, three NumPy calls a round
     track = np.empty((rounds.shape[0] + 1, 2, dp))
     track[0, 0] = 0.0
     track[0, 1] = np.arange(dp)
@@ -130,7 +129,7 @@ def stratified(enc: np.ndarray, llm: np.ndarray, k: int, fine_fraction: float = 
     rows, per = enc.shape
     r = np.arange(rows)[:, None]
     # the fine set: the fine_fraction of members with the least LLM work, at least k of them
-    # (stable sorts: ties go to the lower member)
+    # (ties go to the lower member)
     n_fine = min(per, max(k, math.ceil(fine_fraction * per)))
     if n_fine < per:
         # below the n_fine-th smallest LLM work, then the first members at it (no full sort)
