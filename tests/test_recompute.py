@@ -217,3 +217,40 @@ def test_selective_lies_between_none_and_full_in_time_and_memory():
     assert backward["none"] < backward["selective"] < backward["full"]
     assert times["none"] < times["selective"] < times["full"]
     assert memory["none"] > memory["selective"] > memory["full"]
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_hugging_face_llama_selective_and_full(attn_implementation):
+    """Hugging Face Llama blocks through the adapter: selective wraps each attention module's
+    attention function (its own config names a checkpointed twin), full the whole block; the
+    gradients equal the plain model's and the bytes kept fall from none to selective to full."""
+    pytest.importorskip("transformers")
+    from test_hf_adapter import input_ids, make_llama, run_in_stages
+
+    from loom.model.adapter import adapter_for
+
+    results = {}
+    for mode in ("none", "selective", "full"):
+        model = make_llama(attn_implementation)
+        adapter = adapter_for(model)
+        layers = adapter.layers()
+        blocks = sum(l.kind == "block" for l in layers)
+        assert apply_recompute(layers, mode, "llm") == (0 if mode == "none" else blocks)
+        assert apply_recompute(layers, mode, "llm") == 0  # applying twice wraps once
+        assert model.config._attn_implementation == attn_implementation  # the model's masks keep theirs
+        saved = []
+
+        def pack(t):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run_in_stages(adapter, {"input_ids": input_ids()}, [0, 3, len(layers)])
+        out.float().pow(2).mean().backward()
+        results[mode] = (float(out.detach().sum()), sum(saved),
+                         {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    for mode in ("selective", "full"):
+        assert results[mode][0] == results["none"][0]
+        for n, g in results["none"][2].items():
+            torch.testing.assert_close(results[mode][2][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{mode} {n}: {m}")
+    assert results["none"][1] > results["selective"][1] > results["full"][1]
