@@ -20,6 +20,7 @@ from loom.planner.baselines import megatron_plan
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
 from loom.runtime.recompute import apply_recompute
+from loom.schedule.ir import ActionKind
 from loom.sim.scenario import ScenarioError, load_scenario
 from loom.train.build import build_data, build_model, token_counters
 from reference import assert_matches_reference, save_rank
@@ -254,3 +255,42 @@ def test_hugging_face_llama_selective_and_full(attn_implementation):
         for n, g in results["none"][2].items():
             torch.testing.assert_close(results[mode][2][n], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{mode} {n}: {m}")
     assert results["none"][1] > results["selective"][1] > results["full"][1]
+
+
+def _split_backward_worker(rank: int, world_size: int, out: str) -> None:
+    """Entrain's balanced step (routed edges, split backward into a 2-stage vision encoder) with
+    every vision block checkpointed and the LLM's attention cores checkpointed."""
+    from test_balance_runtime import SEED as BALANCE_SEED, _config as balance_config
+
+    from loom.cost.arch_from_model import arch_from_model
+    from loom.runtime.dispatch import Dispatcher
+
+    cfg, balance = balance_config("deeppacked-entrain")
+    cfg.plan = dataclasses.replace(cfg.plan, modules=[
+        dataclasses.replace(m, recompute="full" if m.name == "vision" else "selective") for m in cfg.plan.modules])
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=BALANCE_SEED)
+    engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
+    dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, token_counters(model), arch_from_model(model), balance,
+                            torch.device("cpu"), pack=cfg.data.pack_sequences)
+    got = dispatcher.dispatch(list(range(cfg.data.global_batch_size)))
+    schedule = engine.schedule_for(got.layout)
+    split = sum(1 for a in schedule.actions[rank] if a.samples is not None and a.kind is ActionKind.BACKWARD)
+    result = engine.step(got.batches, got.num_targets, 0, layout=got.layout, rows=got.rows)
+    loss = torch.tensor([result.loss], dtype=torch.float64)
+    dist.all_reduce(loss)
+    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(), split=split,
+              role=cfg.plan.role_of(rank))
+    engine.close()
+
+
+@pytest.mark.multiprocess
+def test_split_backward_with_checkpointed_blocks_matches_single_process(tmp_path: Path) -> None:
+    from test_balance_runtime import _reference as balance_reference
+
+    run_local(_split_backward_worker, 4, str(tmp_path))
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(4)]
+    # the vision stages really ran split backwards (parts of a microbatch, entrain.md §3.6)
+    assert any(r["split"] for r in results if r["role"][0] == "vision")
+    model, ref_loss, _ = balance_reference("deeppacked-entrain")
+    assert_matches_reference(results, model, ref_loss)
