@@ -95,8 +95,8 @@ def check_fits(scenario, name: str, label: str | None, result) -> None:
         raise ScenarioError(
             f"{what} does not fit: rank {result.first_rank[worst]} ({m} stage {st}, replica {d}) needs "
             f"{peak / 2**30:.1f} GiB but a {scenario.cluster.spec.name} has {capacity / 2**30:.1f} GiB, over by "
-            f"{(peak - capacity) / 2**30:.1f} GiB: add stages, raise tensor_parallel or zero_stage, or turn on "
-            f"recompute (or pass --allow-oom)")
+            f"{(peak - capacity) / 2**30:.1f} GiB: add stages, raise tensor_parallel or zero_stage, or set "
+            f"parallel.recompute = \"full\" (or pass --allow-oom)")
 
 
 def _change(value: float, reference: float) -> float | None:
