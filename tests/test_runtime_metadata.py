@@ -24,6 +24,7 @@ from loom.cost.workload import (SEGMENT_NAMES, MetadataArrays, WorkloadError, ga
 from loom.data.sample import AudioMeta, ImageMeta, SampleMeta
 from loom.runtime.local import run_local
 from loom.runtime.metadata import all_gather_metadata
+from loom.sim.dispatch import metadata_bytes
 
 
 def _metas(rank: int, count: int, items: int) -> list[SampleMeta]:
@@ -119,14 +120,27 @@ def test_gathered_bytes_price_the_padded_table() -> None:
 
 
 def _gather_worker(rank: int, world_size: int, out: str) -> None:
+    import loom.runtime.metadata as runtime_metadata
+
+    received = []  # bytes of every table this rank receives, to compare with the simulator's price
+    collective = runtime_metadata._all_gather
+
+    def counted(row, world, device, group):
+        table = collective(row, world, device, group)
+        received.append(table.nbytes)
+        return table
+
+    runtime_metadata._all_gather = counted
     # rank 1's samples carry many images each: its row overflows the first round's capacity
     metas = _metas(rank, 3, 40 if rank == 1 else 1)
     error = "payload of sample 101 disagrees — ✗" if rank == 1 else None
     got = all_gather_metadata(metas, error, batch_size=3 * world_size, device=torch.device("cpu"))
+    big_bytes = sum(received)
     small = all_gather_metadata(_metas(rank, 3, 1), None, batch_size=3 * world_size, device=torch.device("cpu"))
     # written as the codec's own rows in JSON (no pickle); read back through `from_flat`
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(
-        {"big": got.to_flat().tolist(), "big_errors": got.errors(), "small": small.to_flat().tolist()}))
+        {"big": got.to_flat().tolist(), "big_errors": got.errors(), "small": small.to_flat().tolist(),
+         "big_bytes": big_bytes, "small_bytes": sum(received) - big_bytes}))
 
 
 @pytest.mark.multiprocess
@@ -140,3 +154,7 @@ def test_all_gather_metadata_on_every_rank(tmp_path: Path) -> None:
         assert MetadataArrays.from_flat(np.array(res["big"])).metas() == big, f"rank {r}"
         assert res["big_errors"] == {"1": "payload of sample 101 disagrees — ✗"}, f"rank {r}"
         assert MetadataArrays.from_flat(np.array(res["small"])).metas() == _metas(0, 3, 1) + _metas(1, 3, 1)
+        # the simulator prices exactly the tables the runtime gathered (the error's bytes aside)
+        assert res["small_bytes"] == metadata_bytes(_metas(0, 3, 1) + _metas(1, 3, 1), world_size=2)
+        assert res["big_bytes"] == metadata_bytes(big, world_size=2) + 8 * 2 * len(
+            "payload of sample 101 disagrees — ✗".encode())
