@@ -126,7 +126,8 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     `GlobalBatchSampler` and the `Dispatcher` under ``[balance]``. ``data`` replaces the demo
     tokenizer and dataset of `build_data` (a benchmark's own samples)."""
     tokenizer, dataset = build_data(cfg) if data is None else data
-    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+    # on meta: `ParallelEngine.create` materialises this rank's stage only (no rank holds the model)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")
     counters, arch = token_counters(model), arch_from_model(model)
     engine = ParallelEngine.create(model, cfg.plan, device, make_optimizer(cfg.optim),
                                    max_grad_norm=cfg.optim.max_grad_norm)
