@@ -14,10 +14,12 @@ Figures (medians over repeats, fresh seeded inputs, one process on this machine)
   pays per step through the public API, from the gathered metadata table (one padded
   `MetadataArrays.to_flat` row per rank of the plan, as `loom.runtime.metadata` gathers it) to
   the checked layout: the runtime's parse (`MetadataArrays.from_gathered`), costs
-  (`sample_costs`) and `make_layout`, on skewed LLaVA-like metadata (the ``caption`` mix, high-resolution tail) for
-  Llama-3-8B + ViT-H/14. orchmllm: DP 2560, 60 samples per rank, vision and LLM phases (target
+  (`sample_costs`) and `make_layout`, on skewed LLaVA-like metadata (the ``caption`` mix,
+  high-resolution tail) for Llama-3-8B + ViT-H/14. orchmllm: DP 2560, 60 samples per rank, vision and LLM phases (target
   20 ms); disttrain: 64 groups x 64 microbatches of 4, pipeline depth 8 (20 ms); entrain: 64
-  replicas x 32 microbatches of 16 (30 ms).
+  replicas x 32 microbatches of 16 (30 ms). Every rank of the plan, encoder and LLM alike, loads
+  a contiguous share of the batch, so the table has one row per rank (orchmllm: 5120 rows of 30
+  samples).
 Per-algorithm samples' workloads are token counts drawn log-normally, as real MLLM data is
 skewed. Figures are
 wall-clock, so they depend on what else runs on the machine: the 1-min load average at start and
@@ -68,7 +70,8 @@ def decide_inputs(policy: str, arch, pool: list) -> tuple[Plan, np.ndarray]:
                 num_microbatches=dp * per)
     plan = plan.resolve({name: arch.module(name).num_layers for name in arch.module_names})
     metas = [pool[i % len(pool)] for i in range(n)]
-    rows = [MetadataArrays.from_metas([metas[p] for p in shard]).to_flat() for shard in loader_shards(n, plan.world_size)]
+    rows = [MetadataArrays.from_metas([metas[p] for p in shard]).to_flat()
+            for shard in loader_shards(n, plan.world_size)]
     # the first round's capacity, or the second round's width when a row outgrows it
     width = max(gather_capacity(n, plan.world_size), max(r.size for r in rows))
     return plan, np.stack([padded_row(r, width) for r in rows])

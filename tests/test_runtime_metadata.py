@@ -38,7 +38,8 @@ def _metas(rank: int, count: int, items: int) -> list[SampleMeta]:
 def _random_metas(rng: random.Random, count: int, first_id: int) -> list[SampleMeta]:
     out = []
     for i in range(count):
-        images = tuple(ImageMeta(rng.randint(1, 900), rng.randint(1, 900)) for _ in range(rng.choice([0, 0, 1, 1, 2, 7])))
+        images = tuple(ImageMeta(rng.randint(1, 900), rng.randint(1, 900))
+                       for _ in range(rng.choice([0, 0, 1, 1, 2, 7])))
         audios = tuple(AudioMeta(rng.randint(1, 10**6), rng.choice([8000, 16000, 44100]))
                        for _ in range(rng.choice([0, 0, 0, 1, 3])))
         segments = tuple(rng.choice(SEGMENT_NAMES) for _ in range(rng.randint(0, 9)))
