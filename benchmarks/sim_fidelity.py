@@ -20,9 +20,7 @@ What runs, in this order:
      backwards);
    - ``dp2``: vision | audio | an LLM of data-parallel degree 2 (routed encoder->LLM edges,
      a gradient all-reduce), under ``none`` and ``orchmllm``.
-   The samples of the steps to run are decoded before timing (a data loader's prefetch: the
-   decoding is the loader's work, not the step's); payload checks, tokenisation and everything
-   after are timed. Rounds alternate the cases (one step of each per round) so every case
+   As in ``loom train``, the dispatcher reads (decodes) its shard's samples inside the step. Rounds alternate the cases (one step of each per round) so every case
    samples the machine over the same minutes; a step runs from a barrier to the end of
    `RankRun.step` on the last rank (``max end - min start``, one clock), the dispatch included.
 3. **The simulation of the same IR**, for every timed step's batch: the schedule
@@ -159,28 +157,10 @@ def run_profiler(out: Path, co_runners: int, repeats: int) -> float:
 
 
 # ---- 2. the real steps ------------------------------------------------------------------------
-class Decoded:
-    """The dataset with the samples of the steps to be run decoded in advance: the dispatcher
-    reads them as from a data loader's prefetch (decoding is the loader's work, not the step's)."""
-
-    def __init__(self, dataset: Any, indices: list[int]):
-        self.size = len(dataset)
-        self.samples = {i: dataset[i] for i in indices}
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, index: int):
-        return self.samples[index]
-
-
-def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], rounds: int, commands, replies) -> None:
+def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], commands, replies) -> None:
     runs = []
     for cd in case_dicts:
-        cfg = train_config(Case(**cd))
-        tokenizer, dataset = build_data(cfg)
-        wanted = sorted({i for r in range(rounds) for i in batch_indices(cfg, r)})
-        runs.append(build_rank(cfg, torch.device("cpu"), data=(tokenizer, Decoded(dataset, wanted))))
+        runs.append(build_rank(train_config(Case(**cd)), torch.device("cpu")))
     replies.put(("ready", rank))
     while (r := commands[rank].get()) is not None:
         records = []
@@ -199,7 +179,7 @@ def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], round
 def measure(selected: list[Case], steps: int, warmup: int) -> list[dict]:
     """Per case: step times and, per timed step, every rank's measured events (the dispatch as
     one ``dispatch`` event per rank)."""
-    group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected], warmup + steps)
+    group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected])
     per_case = [{"times": [], "steps": []} for _ in selected]
     try:
         group.wait_ready()
@@ -274,7 +254,8 @@ def predict(case: Case, step: int, profile_path: Path, links: Links, decide_s: f
     per_sample = [sample_work(arch, [m], batching) for m in metas]
     dispatch = price_dispatch(WORLD_SIZE, links, metadata_bytes=metadata_bytes(metas, WORLD_SIZE),
                               decision_seconds=decide_s,
-                              payload=layout_payload_bytes(plan, layout, sample_payload_bytes(arch, MetadataArrays.from_metas(metas))))
+                              payload=layout_payload_bytes(plan, layout, sample_payload_bytes(arch, MetadataArrays.from_metas(metas))),
+                              host_seconds=profile.dispatch_host_seconds(len(metas), WORLD_SIZE) or 0.0)
     result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch, sharing=sharing)
     return result, result.dispatch_parts
 
@@ -465,16 +446,17 @@ def main(argv=None) -> dict:
     config = {
         "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "timed_rounds": args.steps,
         "warmup_rounds": args.warmup, "config": "configs/demo.toml with each case's overrides",
-        "path": "Dispatcher.dispatch + ParallelEngine.step(layout, rows), as loom/train/main.py; samples decoded "
-                "before timing",
+        "path": "build_rank + RankRun.step, as loom/train/main.py (Dispatcher.dispatch, ParallelEngine.step with "
+                "the layout, LR scheduler)",
         "timing": "per step: max end - min start over the ranks, from a barrier, dispatch included; median over "
                   "the timed rounds; cases alternate within each round",
         "profile": ("stored profile " + str(args.profile)) if args.profile else
                    f"separate `loom profile` run before any step ({profile_s:.0f} s, --threads 1, --co-runners "
                    f"{args.co_runners}, --repeats {args.profile_repeats}), loaded with load_profile_for",
-        "dispatch_model": "loom.sim.dispatch: ring all-gather of the metadata array and one all-to-all per phase "
-                          "over the profiled message link (latency fit), decision time measured before the steps with "
-                          f"{args.co_runners} co-runners",
+        "dispatch_model": "loom.sim.dispatch: the dispatcher's host work from the profile's fit (loom.profile."
+                          "dispatch, CPU time of the slowest rank), ring all-gather of the metadata table and one "
+                          "all-to-all per phase over the profiled message link (latency fit), decision time measured "
+                          f"before the steps with {args.co_runners} co-runners",
         "core_sharing": None if args.no_sharing else {"cores": host_cores(), "ranks_per_host": WORLD_SIZE,
                                                       "model": "loom.sim.sharing (processor sharing, fixed point)"},
         "spreads": "median_abs_rel_error: over cases; action_median_abs_rel_error: over kinds; "

@@ -218,6 +218,23 @@ def test_loom_profile_command_writes_a_loadable_profile(tmp_path: Path):
     assert "model.layers.0" in run.stdout and str(out) in run.stdout
     prof = Profile.load(out)
     assert list(prof.layers) == ["vision", "audio", "llm"] and prof.comm is None
+    # the dispatcher's host work, timed on the demo plan's 4 local ranks, survives the file
+    assert "dispatch host work" in run.stdout and int(prof.dispatch["world_size"]) == 4
+    assert prof.dispatch_host_seconds(16, 4) > 0 and prof.dispatch_host_seconds(16, 8) is None
+
+
+def test_dispatch_fit_is_the_slowest_rank_line():
+    """Two ranks, batches of 8 and 16 twice each: the slowest rank's medians are 3 ms + 0.5 ms per
+    sample; the fit recovers them, and a negative intercept is clipped at 0."""
+    from loom.profile.dispatch import fit_dispatch
+
+    fast = [[8, 0.002], [8, 0.002], [16, 0.004], [16, 0.004]]
+    slow = [[8, 0.007], [8, 0.007], [16, 0.011], [16, 0.011]]
+    fit = fit_dispatch([fast, slow], world_size=2)
+    assert fit["fixed_s"] == pytest.approx(0.003) and fit["per_sample_s"] == pytest.approx(0.0005)
+    assert fit["median_s"] == pytest.approx([0.007, 0.011]) and fit["world_size"] == 2
+    steep = fit_dispatch([[[8, 0.001], [16, 0.005]]], world_size=1)
+    assert steep["fixed_s"] == 0.0 and steep["per_sample_s"] == pytest.approx(0.0005)
 
 
 @pytest.mark.parametrize("argument, value", [

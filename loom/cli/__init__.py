@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (1: as a local rank)")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--no-comm", action="store_true", help="skip the 2-process communication measurements")
+    p.add_argument("--no-dispatch", action="store_true",
+                   help="skip timing the dispatcher's host work on the plan's world of local processes")
     p.add_argument("--co-runners", type=int, default=0,
                    help="processes kept computing while timing (the other ranks sharing this machine)")
     p.set_defaults(fn=cmd_profile)

@@ -61,6 +61,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"with {args.threads} thread(s), token counts {list(token_counts)}, {args.repeats} repeats", flush=True)
     profile = profile_model(model, token_counts=token_counts, repeats=args.repeats, device=args.device,
                             threads=args.threads, measure_comm=not args.no_comm, co_runners=args.co_runners)
+    if not args.no_dispatch:
+        from loom.profile.dispatch import measure_dispatch
+        from loom.train.rank import profiling_dispatcher
+
+        world = cfg.plan.resolve(model.layer_counts()).world_size
+        print(f"loom: timing the dispatcher's host work on {world} local processes", flush=True)
+        profile.dispatch = measure_dispatch(profiling_dispatcher, (cfg,), world)
+        d = profile.dispatch
+        print(f"dispatch host work: {d['fixed_s'] * 1e3:.2f} ms + {d['per_sample_s'] * 1e6:.1f} us/sample "
+              f"(slowest of {world} ranks, CPU time)")
     profile.save(out)
     print(profile.table())
     print(f"profiled in {profile.settings['seconds']:.1f} s; wrote {out} (model signature {profile.signature_hash})")

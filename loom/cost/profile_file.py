@@ -5,7 +5,8 @@ cost contract uses (`loom.cost.model`: ``forward``, ``backward_input``, ``backwa
 fit is `loom.cost.profile_fit`), the activation bytes each layer saves for backward, the
 per-microbatch context build and, for the LLM, the loss; an AdamW step as a function of
 parameter and tensor counts; the matmul FLOP/s of the device; the autograd engine's fixed
-per-call cost; and the measured message and all-reduce costs (`Communication`).
+per-call cost; the measured message and all-reduce costs (`Communication`); and the
+dispatcher's host work per step (``dispatch``, `loom.profile.dispatch`).
 
 A profile is tied to the model it measured: it stores the model's *signature* (per module, the
 layer names and parameter shapes) and its hash, and a model whose signature differs is refused
@@ -73,11 +74,22 @@ class Profile:
     optimizer: dict[str, float] = field(default_factory=dict)  # fixed_s, per_param_s, per_tensor_s
     matmul_flops_per_s: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
+    # the dispatcher's host work per step (`loom.profile.dispatch`): fixed_s, per_sample_s and the
+    # world size it was measured at; empty when not measured
+    dispatch: dict[str, Any] = field(default_factory=dict)
     path: str | None = None  # where it was loaded from (not saved)
 
     # ---- lookups ---------------------------------------------------------------------------
     def layer_counts(self) -> dict[str, int]:
         return {m: len(ls) for m, ls in self.layers.items()}
+
+    def dispatch_host_seconds(self, batch_size: int, world_size: int) -> float | None:
+        """The dispatcher's host work per step for a global batch of ``batch_size`` samples
+        (CPU seconds of the slowest rank), or None when the profile has no dispatch fit or was
+        measured at another world size (a rank's share of the work depends on it)."""
+        if not self.dispatch or int(self.dispatch.get("world_size", 0)) != world_size:
+            return None
+        return float(self.dispatch["fixed_s"]) + float(self.dispatch["per_sample_s"]) * batch_size
 
     def module_time(self, module: str, phase: str, work: Workload, start: int = 0, end: int | None = None) -> float:
         return sum(l.time(phase, work) for l in self.layers[module][start:end])
@@ -116,6 +128,7 @@ class Profile:
             "optimizer": self.optimizer,
             "matmul_flops_per_s": self.matmul_flops_per_s,
             "settings": self.settings,
+            "dispatch": self.dispatch,
         }
         return copy.deepcopy(d)
 
@@ -151,6 +164,7 @@ class Profile:
                 optimizer={k: float(v) for k, v in d.get("optimizer", {}).items()},
                 matmul_flops_per_s=float(d.get("matmul_flops_per_s", 0.0)),
                 settings=dict(d.get("settings", {})),
+                dispatch=dict(d.get("dispatch") or {}),
             )
         except (KeyError, TypeError, IndexError) as e:
             raise ProfileError(f"{where} is malformed ({type(e).__name__}: {e}); re-run `loom profile`") from e

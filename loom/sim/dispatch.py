@@ -20,6 +20,12 @@ Every rank of ``loom train`` runs, per step:
    the same exchange without the permutation (``payload_unpermuted``) is priced beside it, for
    comparison only: the step pays the permuted one.
 
+Beside these, the dispatcher's own **host work** (reading and checking its shard's samples,
+tokenising, the metadata codec, packing and unpacking the exchange, collating its microbatches)
+costs CPU on every rank (``host_seconds``); a profile measures it (`loom.profile.dispatch`,
+``Profile.dispatch_host_seconds``) at the world size it ran, and it is 0 where none is given
+(a cluster scenario without a measured figure).
+
 The all-to-all model (`all_to_all_seconds`): a rank's sends to ranks of its own node take the
 intra-node link, its sends to other nodes the inter-node link; the two links are separate
 hardware (NVLink / the NIC) and work concurrently, while the messages on one link share it, so
@@ -36,7 +42,7 @@ The dispatch appears in the simulator's result (``SimResult.dispatch``, `Dispatc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,18 +122,21 @@ class DispatchCost:
     payload_bytes: dict[str, float] = field(default_factory=dict)
     internode_bytes: dict[str, float] = field(default_factory=dict)
     unpermuted: dict[str, dict[str, float]] | None = None  # {"payload_s": ..., "max_internode_send_bytes": ...}
+    host: float = 0.0  # the dispatcher's own CPU work: reading, tokenising, codec, packing, collation
 
     @property
     def total(self) -> float:
-        return self.gather + self.decide + sum(self.payload.values())
+        return self.host + self.gather + self.decide + sum(self.payload.values())
 
     def parts(self) -> list[tuple[str, float]]:
-        """``(label, seconds)`` in the order the dispatcher runs them (the timeline's events)."""
-        return ([("gather metadata", self.gather), ("decide layout", self.decide)]
-                + [(f"all-to-all {phase}", t) for phase, t in self.payload.items()])
+        """``(label, seconds)`` in the order the dispatcher runs them (the timeline's events;
+        its host work, spread over the step, comes first)."""
+        return ([("host work", self.host)] if self.host else []) + [
+            ("gather metadata", self.gather), ("decide layout", self.decide)] + [
+            (f"all-to-all {phase}", t) for phase, t in self.payload.items()]
 
     def summary(self) -> dict[str, Any]:
-        return {"total_s": self.total, "gather_s": self.gather, "decide_s": self.decide,
+        return {"total_s": self.total, "host_s": self.host, "gather_s": self.gather, "decide_s": self.decide,
                 "payload_s": dict(self.payload), "metadata_bytes": self.metadata_bytes,
                 "payload_bytes": dict(self.payload_bytes), "max_internode_send_bytes": dict(self.internode_bytes),
                 "without_nodewise": self.unpermuted}
@@ -194,18 +203,22 @@ def max_internode_send(matrix: np.ndarray | Sequence[Sequence[float]], ranks_per
 
 def price_dispatch(world_size: int, links: Links, *, metadata_bytes: float, decision_seconds: float,
                    payload: Mapping[str, np.ndarray | Sequence[Sequence[float]]],
-                   payload_unpermuted: Mapping[str, np.ndarray | Sequence[Sequence[float]]] | None = None
-                   ) -> DispatchCost:
+                   payload_unpermuted: Mapping[str, np.ndarray | Sequence[Sequence[float]]] | None = None,
+                   host_seconds: float = 0.0) -> DispatchCost:
     """The dispatch of one step on ``world_size`` ranks: the all-gather of ``metadata_bytes``,
     ``decision_seconds`` (measured, or `decision_seconds_model`), and ``payload[phase]`` (a
     ``world_size x world_size`` byte matrix per phase, in exchange order); ``payload_unpermuted``
-    the same exchange before node-wise rearrangement, priced for comparison."""
+    the same exchange before node-wise rearrangement, priced for comparison. ``host_seconds``:
+    the dispatcher's own CPU work on the slowest rank (a profile's fit,
+    `loom.cost.profile_file.Profile.dispatch_host_seconds`; 0 when not measured)."""
     if world_size < 1:
         raise DispatchModelError(f"world_size = {world_size}: use a positive rank count")
     if metadata_bytes < 0 or decision_seconds < 0 or not np.isfinite(decision_seconds):
         raise DispatchModelError(
             f"metadata_bytes = {metadata_bytes}, decision_seconds = {decision_seconds}: both must be finite and >= 0"
         )
+    if host_seconds < 0 or not np.isfinite(host_seconds):
+        raise DispatchModelError(f"host_seconds = {host_seconds}: must be finite and >= 0 (0 when not measured)")
     seconds, moved, internode = {}, {}, {}
     for phase, matrix in payload.items():
         m = _square(matrix, f"payload[{phase!r}]")
@@ -221,7 +234,8 @@ def price_dispatch(world_size: int, links: Links, *, metadata_bytes: float, deci
                       "max_internode_send_bytes": {p: max_internode_send(m, links.ranks_per_node)
                                                    for p, m in payload_unpermuted.items()}}
     gather = all_gather_time(metadata_bytes, world_size, links.world_link(world_size))
-    return DispatchCost(gather, float(decision_seconds), seconds, float(metadata_bytes), moved, internode, unpermuted)
+    return DispatchCost(gather, float(decision_seconds), seconds, float(metadata_bytes), moved, internode, unpermuted,
+                        float(host_seconds))
 
 
 def _square(matrix: np.ndarray | Sequence[Sequence[float]], name: str) -> np.ndarray:

@@ -35,7 +35,7 @@ from loom.cost.workload import WorkloadError, sample_work
 from loom.data.sample import SampleMeta
 from loom.data.synthetic import MIXES, SyntheticMetadata
 from loom.plan.overrides import ConfigError, apply_override, typed_value
-from loom.plan.plan import LLM, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
+from loom.plan.plan import RECOMPUTE_MODES, Plan, PlanError
 from loom.schedule.generators import build_schedule
 from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
 from loom.cost.workload import MetadataArrays

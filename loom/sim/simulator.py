@@ -93,8 +93,9 @@ def simulate(
     works = work_table(work, schedule.num_microbatches)
     part_work = PartWork(sample_work, work is not None)
     if dispatch is not None and sharing is not None:
-        # the decision runs on every rank at once: it meets its host's full contention
-        dispatch = replace(dispatch, decide=dispatch.decide * sharing.concurrent_stretch(plan.world_size))
+        # the decision and the host work run on every rank at once: they meet the host's full contention
+        stretch = sharing.concurrent_stretch(plan.world_size)
+        dispatch = replace(dispatch, decide=dispatch.decide * stretch, host=dispatch.host * stretch)
     head = dispatch.total if dispatch is not None else 0.0
     play = _play(schedule, plan, cost, works, part_work, link_contention, step, head, sharing)
     if dispatch is not None:

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from loom.balance.config import BalanceConfig
 from loom.cost.arch_from_model import arch_from_model
 from loom.data.sampler import GlobalBatchSampler
 from loom.data.tokenizer import Tokenizer
@@ -137,3 +138,14 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch, cfg.balance, device,
                             pack=cfg.data.pack_sequences)
     return RankRun(cfg, device, tokenizer, dataset, engine, dispatcher, sampler, scheduler, counters)
+
+
+def profiling_dispatcher(cfg: TrainConfig) -> Dispatcher:
+    """The run's `Dispatcher` on this rank (the process group already initialised), on the
+    CPU and without a balancing policy: what `loom profile` times to fit the dispatcher's host
+    work (`loom.profile.dispatch`; the decision is priced on its own)."""
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")
+    plan = cfg.plan.resolve(model.layer_counts(), dist.get_world_size())
+    return Dispatcher(plan, dataset, tokenizer, token_counters(model), arch_from_model(model), BalanceConfig(),
+                      torch.device("cpu"), pack=cfg.data.pack_sequences)
