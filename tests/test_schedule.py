@@ -464,3 +464,31 @@ def test_batch_layout_arrays_are_read_only_and_keyed():
     mine = np.array([0, 1, 2, 3])
     BatchLayout(None, arrays={p: (mine, np.array([0, 2, 4])) for p in phases})
     mine[0] = 0
+
+
+def test_check_skips_only_orders_vouched_as_an_argsort():
+    import numpy as np
+
+    from loom.balance.orchmllm import slot_arrays
+    from loom.schedule.layout import BatchLayout, LayoutError
+
+    phases = ["vision", "llm"]
+    rng = np.random.default_rng(0)
+    index = np.concatenate((np.arange(8), rng.integers(0, 8, size=200)))  # every slot non-empty
+    arrays = {p: slot_arrays(index, 8) for p in phases}
+    a = BatchLayout(None, arrays=arrays)
+    for p in phases:
+        a.set_slot_index(p, index)
+    # what the skip relies on: slot_arrays' order is a permutation of the positions, slot-sorted
+    order, bounds = a.arrays["llm"]
+    assert np.array_equal(np.sort(order), np.arange(index.size))
+    assert np.array_equal(a.slot_index("llm")[order], np.repeat(np.arange(8), np.diff(bounds)))
+    a.check(index.size, phases)
+    with pytest.raises(LayoutError, match="drops samples"):
+        a.check(index.size + 1, phases)  # the size is still checked
+    # a duplicated sample: caught, also after slot_index scattered (not vouched) an index
+    dup = np.array([0, 1, 1, 3])
+    b = BatchLayout(None, arrays={p: (dup, np.array([0, 2, 4])) for p in phases})
+    b.slot_index("llm")
+    with pytest.raises(LayoutError, match="duplicated"):
+        b.check(4, phases)

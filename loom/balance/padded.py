@@ -136,7 +136,7 @@ def _run_sizes(w: np.ndarray, bound: float, n: int) -> list[int]:
 
 
 def _bucket_runs(w: "np.ndarray | list[float]", ends: list[int], bound: float, limit: int,
-                 segments: tuple[list[int], list[int], list[int]] | None = None) -> int:
+                 segments: list[tuple[int, int, int]] | None = None) -> int:
     """How many greedy maximal runs from the top the descending order needs under ``bound``
     (stops counting once above ``limit``), the order given as *buckets* of equal length: bucket
     ``i`` holds positions ``ends[i - 1]..ends[i] - 1`` and each of its rows costs ``w[i]``.
@@ -149,7 +149,7 @@ def _bucket_runs(w: "np.ndarray | list[float]", ends: list[int], bound: float, l
     the next buckets. O(distinct lengths) scalar steps per probe, whatever the sample count
     (~1,000 at 153,600 LLaVA-like samples, against ~2,560 run steps before); every bucket's
     ``k`` comes from one array operation (`_run_sizes`).
-    ``segments`` (if given: three lists) receives each step's first start, ``k`` and run count."""
+    ``segments`` (if given: a list) receives each step's ``(first start, k, run count)``."""
     n = ends[-1] if ends else 0
     ks = _run_sizes(np.asarray(w, dtype=np.float64), bound, n)
     runs = pos = 0
@@ -158,9 +158,7 @@ def _bucket_runs(w: "np.ndarray | list[float]", ends: list[int], bound: float, l
             continue
         m = (end - pos + k - 1) // k
         if segments is not None:
-            segments[0].append(pos)
-            segments[1].append(k)
-            segments[2].append(m)
+            segments.append((pos, k, m))
         runs += m
         if runs > limit:
             return runs
@@ -209,12 +207,15 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
     ends = np.cumsum(counts).tolist()
     lo = max(float(w[0]), float(np.dot(counts, w)) / d)
     # the step-up probes count every run (no early stop): their ratio to d sets the next step
-    bound = lo
-    runs = _bucket_runs(w, ends, lo, n)
+    # every probe records its runs; those of the last feasible one (the bound found) are kept,
+    # so the final runs need no probe of their own
+    segments: list[tuple[int, int, int]] = []
+    runs = _bucket_runs(w, ends, lo, n, segments)
     if runs > d:
         while True:  # step up by the run count's ratio until feasible; lo stays infeasible
             hi = lo * max(runs / d, 1.0) * (1.0 + 0.5 * tolerance)
-            runs = _bucket_runs(w, ends, hi, n)
+            segments = []
+            runs = _bucket_runs(w, ends, hi, n, segments)
             if runs <= d:
                 break
             lo = hi
@@ -223,14 +224,12 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
             # the model's estimate is usually within the tolerance: try to certify it at once
             mid = hi * (1.0 - tolerance) if first and hi * (1.0 - tolerance) > lo else 0.5 * (lo + hi)
             first = False
-            if _bucket_runs(w, ends, mid, d) <= d:
-                hi = mid
+            probe: list[tuple[int, int, int]] = []
+            if _bucket_runs(w, ends, mid, d, probe) <= d:
+                hi, segments = mid, probe
             else:
                 lo = mid
-        bound = hi
-    segments: tuple[list[int], list[int], list[int]] = ([], [], [])  # the runs at the bound found
-    _bucket_runs(w, ends, bound, n, segments)
-    first_start, k, per = (np.array(v, dtype=np.int64) for v in segments)
+    first_start, k, per = np.array(segments, dtype=np.int64).reshape(-1, 3).T
     first_of_seg = np.cumsum(per) - per
     starts = np.repeat(first_start - k * first_of_seg, per) + np.repeat(k, per) * np.arange(per.sum())
     sizes = np.diff(np.append(starts, n))

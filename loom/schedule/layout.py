@@ -114,11 +114,14 @@ class BatchLayout:
     def set_slot_index(self, phase: str, index: np.ndarray) -> None:
         """Record ``index``, the slot of every sample in ``phase``, when the builder of the layout
         made the arrays from it (`loom.balance.orchmllm.slot_arrays`), so `slot_index` need not
-        scatter it again. The builder vouches that it agrees with the arrays."""
+        scatter it again. The builder vouches that it agrees with the arrays and that ``order``
+        is a stable argsort of ``index`` (so a permutation of ``range(len(index))``): `check`
+        then skips its range and duplicate passes for this phase."""
         order, bounds = self._arrays[phase]
         if np.shape(index) != order.shape:
             raise LayoutError(f"phase {phase!r}: a slot index of shape {np.shape(index)} for {order.size} samples")
         self.__dict__.setdefault("_slot_index", {})[phase] = (order, bounds, _read_only(index))
+        self.__dict__.setdefault("_permutation", set()).add(phase)
 
     @property
     def slots(self) -> dict[str, Slots]:
@@ -228,6 +231,8 @@ class BatchLayout:
             sizes = np.diff(bounds)
             if sizes.size and sizes.min() <= 0:
                 raise LayoutError(f"phase {phase!r} slot {int(np.argmin(sizes))} is empty: every microbatch needs a sample")
+            if order.size == batch_size and bounds[-1] == order.size and self._is_permutation(phase, order, bounds):
+                continue  # an argsort of its slot index (`set_slot_index`): in range, no duplicates
             # two reductions first; the offending positions only on failure
             out_of_range = order.size and (order.min() < 0 or order.max() >= batch_size)
             bad = np.flatnonzero((order < 0) | (order >= batch_size)) if out_of_range else order[:0]
@@ -243,6 +248,12 @@ class BatchLayout:
                 missing = np.flatnonzero(counts == 0)
                 raise LayoutError(f"phase {phase!r} drops samples {missing[:10].tolist()} (of {batch_size})")
         return self
+
+    def _is_permutation(self, phase: str, order: np.ndarray, bounds: np.ndarray) -> bool:
+        """Whether the builder vouched (`set_slot_index`) that ``order`` is an argsort."""
+        held = self.__dict__.get("_slot_index", {}).get(phase)
+        return (phase in self.__dict__.get("_permutation", ()) and held is not None
+                and held[0] is order and held[1] is bounds)
 
     def check_routes(self, plan: Plan) -> None:
         """Every encoder-to-LLM route stays within a round or goes one round forward.
