@@ -347,3 +347,21 @@ def test_padded_fast_within_tolerance_of_exact(seed):
     lengths = np.array([5, 5, 5, 1], dtype=np.int64)  # small: brute force
     fast = padded_balance_fast(lengths, 2, 1.0, 0.0)
     assert fast.max_load == brute_force_balance(4, 2, lambda r: padded_loads(lengths, r, 2)).max_load
+
+
+@pytest.mark.parametrize("bad, match", [([1.0, float("nan")], "NaN or infinity"), ([float("inf"), 1.0], "NaN or infinity"),
+                                        ([1.0, -float("inf")], "NaN or infinity"), ([2.0, -1.0], r"costs\[1\] = -1.0"),
+                                        ([[1.0, 2.0]], "1-D")])
+def test_quantised_lpt_names_bad_costs(bad, match):
+    # the fast validation (max and min) hands every bad input to the full check's message
+    with pytest.raises(ValueError, match=match):
+        quantised_lpt(bad, 2)
+
+
+@pytest.mark.parametrize("n, bound", [(0, 5), (1, 1), (1000, 3), (153_600, 2560), (70_000, 70_000), (5, 2**40)])
+def test_stable_argsort_equals_numpy_stable(n, bound):
+    from loom.balance.sorting import stable_argsort
+
+    key = np.random.default_rng(n).integers(0, bound, size=n)  # the last cases take the fallback
+    got = stable_argsort(key, bound)
+    assert got.dtype == np.int64 and np.array_equal(got, np.argsort(key, kind="stable"))

@@ -9,6 +9,7 @@ float costs scaled to integers, with the bound its tests check.
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 from typing import Sequence
 
@@ -296,8 +297,12 @@ def quantised_lpt(costs: Sequence[float] | np.ndarray, num_ranks: int, levels: i
     levels, ``k u / 2`` is below 0.05 % of the largest sample's cost. Loads are the true float
     sums. Zero costs stay zero (text-only samples in an encoder phase)."""
     num_ranks = _check_num_ranks(num_ranks)
-    c = _check_workloads(costs, "costs")
-    top = float(c.max()) if c.size else 0.0
+    c = np.asarray(costs, dtype=np.float64)
+    # two reductions validate the usual input (NaN and infinities show in the max or min);
+    # `_check_workloads`, with its message, only when they fail
+    top = float(c.max()) if c.ndim == 1 and c.size else 0.0
+    if c.ndim != 1 or (c.size and not (math.isfinite(top) and c.min() >= 0)):
+        c = _check_workloads(costs, "costs")
     # uint16 keys when they fit (the default levels): the integer core reads them without a wider copy
     dtype = np.uint16 if levels < 2**16 else np.int64
     if top <= 0.0:

@@ -4,7 +4,7 @@ Inside each *round* (one microbatch of every replica, `round_size`) the round's 
 rebalanced over the round's slots: LPT on per-sample cost for packed phases (the encoders,
 whose attention is block-diagonal per item, so the quadratic-aware additive cost is exact,
 §3.6), fed to the integer LPT core as quantised costs (`quantised_lpt`); the padded algorithm
-(`padded_balance_fast`, §3.5) for a right-padded LLM. Encoder outputs then go straight to the
+(`padded_runs`, §3.5) for a right-padded LLM. Encoder outputs then go straight to the
 LLM slot of their sample (rearrangement composition, §2.1). Everything is arrays: a round of
 2560 slots x 60 samples is a few vectorised passes, no Python object per sample.
 """
@@ -18,9 +18,10 @@ import numpy as np
 from loom.balance.costs import SampleCosts
 from loom.balance.disttrain import reorder_microbatches
 from loom.balance.lpt import quantised_lpt
-from loom.balance.padded import padded_balance_fast
+from loom.balance.padded import padded_runs
 from loom.balance.payload import loader_rank_of, slot_destinations
 from loom.balance.rearrange import rearrange_round, round_time_limit
+from loom.balance.sorting import stable_argsort
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, round_size
 
@@ -59,7 +60,9 @@ def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: in
     """Bins of positions ``lo..hi-1`` (one round), the bins' loads under the phase's own cost
     (padded for a padded LLM, summed otherwise) and their sample counts."""
     if phase == LLM and llm_padded:
-        a = padded_balance_fast(costs.llm_lengths[lo:hi], num_bins, costs.llm_alpha, costs.llm_beta)
+        a, sizes = padded_runs(costs.llm_lengths[lo:hi], num_bins, costs.llm_alpha, costs.llm_beta)
+        if sizes.size == num_bins:  # a run per bin: the counts are the run sizes, no bin is empty
+            return a.rank_of_sample, a.loads, sizes
         bins, counts = nonempty_bins(a.rank_of_sample, costs.work[LLM][lo:hi], num_bins)
         if bins is a.rank_of_sample:  # no bin was empty: the search's loads are the padded ones
             return bins, a.loads, counts
@@ -193,11 +196,13 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
 
 def slot_arrays(slot_of: np.ndarray, num_slots: int, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`BatchLayout`'s ``(order, bounds)`` of one phase from each sample's slot (positions
-    ascending inside a slot), as `BatchLayout.from_slot_index`, but sorting the slot ids as
-    uint16 when they fit: NumPy's stable sort of 16-bit keys is a radix sort, ~4x faster than
-    the int64 merge sort at 153,600 samples. ``counts``: each slot's sample count, when known."""
-    key = slot_of.astype(np.uint16) if num_slots <= 1 << 16 else slot_of
-    order = np.argsort(key, kind="stable")
+    ascending inside a slot), as `BatchLayout.from_slot_index`, but sorting packed 32-bit
+    ``slot << b | position`` keys when they fit (`stable_argsort`; else a stable radix sort
+    of uint16 slot ids). ``counts``: each slot's sample count, when known."""
+    if num_slots <= 1 << 16:
+        order = stable_argsort(slot_of, num_slots)
+    else:
+        order = np.argsort(slot_of, kind="stable")
     if counts is None:
         counts = np.bincount(slot_of, minlength=num_slots)
     return order, np.concatenate(([0], np.cumsum(counts)))

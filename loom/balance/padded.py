@@ -168,7 +168,14 @@ def _bucket_runs(w: "np.ndarray | list[float]", ends: list[int], bound: float, l
 
 def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0, beta: float = 0.0,
                         tolerance: float = 1e-3) -> Assignment:
-    """`padded_balance` for the runtime's hot path: the same objective and contiguous-run
+    """`padded_balance` for the runtime's hot path: `padded_runs`' assignment."""
+    return padded_runs(lengths, num_ranks, alpha, beta, tolerance)[0]
+
+
+def padded_runs(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0, beta: float = 0.0,
+                tolerance: float = 1e-3) -> tuple[Assignment, np.ndarray]:
+    """`padded_balance` for the runtime's hot path, with each run's row count (rank ``i`` holds
+    run ``i``; ranks past the runs hold no row), so callers need not count them again: the same objective and contiguous-run
     structure, searched over real bounds to relative ``tolerance``, so its max load is at most
     ``(1 + tolerance)`` times the optimum (tested against the exact `padded_balance`).
 
@@ -190,7 +197,7 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
         raise ValueError(f"lengths must be a 1-D array of per-sample token counts, got shape {l.shape}")
     n = l.size
     if n == 0:
-        return Assignment(np.empty(0, dtype=np.int64), np.zeros(d))
+        return Assignment(np.empty(0, dtype=np.int64), np.zeros(d)), np.zeros(0, dtype=np.int64)
     if l.dtype.kind in "iu" and l.min() >= 0 and l.max() < 2**16:
         top_len = int(l.max())
         hist = np.bincount(l)
@@ -240,11 +247,13 @@ def padded_balance_fast(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0,
         split = np.lexsort((np.arange(starts.size), -np.where(sizes >= 2, sizes * head_w, -1.0)))[:spare]
         starts = np.sort(np.concatenate((starts, starts[split] + (sizes[split] + 1) // 2)))
         sizes = np.diff(np.append(starts, n))
-    rank_of = np.empty(n, dtype=np.int64)
-    rank_of[order] = np.repeat(np.arange(starts.size, dtype=np.int64), sizes)
+    # the random scatter into int16 when the runs fit (it stays in cache), then widened
+    small = np.int16 if starts.size <= 2**15 else np.int64
+    rank_small = np.empty(n, dtype=small)
+    rank_small[order] = np.repeat(np.arange(starts.size, dtype=small), sizes)
     loads = np.zeros(d)
     loads[:starts.size] = sizes * _weight(l[order[starts]], alpha, beta)  # count x its longest row's cost
-    return Assignment(rank_of, loads)
+    return Assignment(rank_small.astype(np.int64), loads), sizes
 
 
 def _weight(lengths: np.ndarray, alpha: float, beta: float) -> np.ndarray:
