@@ -8,6 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from loom.data.collate import collate, split_microbatches, target_count
+from loom.train.build import token_counters
 
 
 def save_rank(path: Path, loss: float, named_parameters: dict[str, torch.nn.Parameter], **extra: Any) -> None:
@@ -37,3 +41,32 @@ def assert_matches_reference(results: list[dict[str, Any]], model: torch.nn.Modu
             assert not ref[name].requires_grad, f"rank {r}: trainable {name} got no gradient"
     expected = {n for n, p in ref.items() if p.grad is not None}
     assert seen == expected, f"parameters whose gradient no rank checked: {sorted(expected - seen)}"
+
+
+def global_batch(dataset, batch_size: int) -> tuple[list[int], int]:
+    """The first ``batch_size`` samples of ``dataset`` and their target tokens (the loss's
+    normalisation)."""
+    indices = list(range(batch_size))
+    return indices, sum(target_count(dataset.meta(i)) for i in indices)
+
+
+def identity_step(engine, model, dataset, tokenizer, batch_size: int, step: int = 0):
+    """One ``engine.step`` of this rank's microbatches of `global_batch` under the unbalanced
+    layout (what the `Dispatcher` gives under policy "none"); returns the step result and the
+    loss summed over the ranks (the global batch's loss)."""
+    indices, targets = global_batch(dataset, batch_size)
+    parts = split_microbatches(indices, engine.plan.num_microbatches)
+    counters = token_counters(model)
+    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters) for j in engine.microbatches_to_load()}
+    result = engine.step(batches, targets, step, layout=engine.identity_layout(batch_size))
+    loss = torch.tensor([result.loss], dtype=torch.float64)
+    dist.all_reduce(loss)
+    return result, float(loss)
+
+
+def reference_backward(model, dataset, tokenizer, batch_size: int) -> float:
+    """The single-process model's loss on `global_batch`, after its backward (gradients set)."""
+    indices, targets = global_batch(dataset, batch_size)
+    loss = model.loss(collate([dataset[i] for i in indices], tokenizer, token_counters(model)), targets)
+    loss.backward()
+    return float(loss.detach())

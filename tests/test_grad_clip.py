@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from loom.data.collate import collate, split_microbatches
 from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
-from loom.train.build import build_data, build_model, token_counters
+from loom.train.build import build_data, build_model
 from loom.train.config import ConfigError, OptimConfig, TrainConfig
-from test_parallel_reference import SEED, _config, _global_batch
+from reference import identity_step, reference_backward
+from test_parallel_reference import GLOBAL_BATCH, SEED, _config
 
 MAX_NORM = 0.05  # below the batch's gradient norm (checked), so clipping scales
 LR = 0.5  # plain SGD: the step is the clipped gradient itself (Adam would hide the scale)
@@ -43,14 +42,8 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
     engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), _sgd, max_grad_norm=MAX_NORM)
-    indices, targets = _global_batch(cfg, dataset)
-    parts = split_microbatches(indices, cfg.plan.num_microbatches)
-    counters = token_counters(model)
-    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters) for j in engine.microbatches_to_load()}
-    result = engine.step(batches, targets, 0, layout=engine.identity_layout(len(indices)))
-    loss = torch.tensor([result.loss], dtype=torch.float64)
-    dist.all_reduce(loss)
-    torch.save({"loss": float(loss), "grad_norm": result.grad_norm, "steps": engine.optimizer is not None,
+    result, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
+    torch.save({"loss": loss, "grad_norm": result.grad_norm, "steps": engine.optimizer is not None,
                 "params": {n: p.detach().clone() for n, p in engine.stage.named_parameters().items()}},
                Path(out) / f"rank{rank}.pt")
     engine.close()
@@ -63,10 +56,7 @@ def test_clipping_in_a_pipelined_data_parallel_plan_matches_clip_grad_norm(tmp_p
     cfg = _clip_config()
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=SEED)
-    indices, targets = _global_batch(cfg, dataset)
-    batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
-    loss = model.loss(batch, targets)
-    loss.backward()
+    loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
     trainable = [p for p in model.parameters() if p.requires_grad]
     norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM))
     assert norm > 2 * MAX_NORM  # clipping is active: the step is scaled
@@ -76,7 +66,7 @@ def test_clipping_in_a_pipelined_data_parallel_plan_matches_clip_grad_norm(tmp_p
     assert not all(res["steps"] for res in results)  # some rank (the frozen stage) has no optimizer step
     seen = set()
     for r, res in enumerate(results):
-        assert res["loss"] == pytest.approx(float(loss.detach()), rel=1e-5)
+        assert res["loss"] == pytest.approx(loss, rel=1e-5)
         assert res["grad_norm"] == pytest.approx(norm, rel=1e-5), f"rank {r} grad_norm"
         for name, value in res["params"].items():
             torch.testing.assert_close(value, ref[name].detach(), rtol=1e-5, atol=1e-7,

@@ -10,18 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from loom.data.collate import collate, split_microbatches
 from loom.data.demo import DemoConfig
 from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
-from loom.train.build import build_data, build_model, num_targets, token_counters
+from loom.train.build import build_data, build_model
 from loom.train.config import ModelConfig, TrainConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 
 from loom.runtime.local import run_local as run_distributed
-from reference import assert_matches_reference, save_rank
+from reference import assert_matches_reference, identity_step, reference_backward, save_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -69,42 +67,26 @@ def _config(case: str) -> TrainConfig:
     return cfg
 
 
-def _global_batch(cfg: TrainConfig, dataset):
-    indices = list(range(GLOBAL_BATCH))
-    return indices, sum(num_targets(dataset.meta(i)) for i in indices)
-
-
 def _worker(rank: int, world_size: int, case: str, out: str) -> None:
     cfg = _config(case)
     tokenizer, dataset = build_data(cfg)
     # built on meta: the rank materialises its own stage only, from per-layer seeds
     model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
     engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
-    indices, targets = _global_batch(cfg, dataset)
-    parts = split_microbatches(indices, cfg.plan.num_microbatches)
-    counters = token_counters(model)
-    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters)
-               for j in engine.microbatches_to_load()}
-    # the unbalanced layout, as the Dispatcher gives it under policy "none"; two steps without an
-    # optimizer: the second sends what the first taught both sides of a channel without headers
+    # two steps without an optimizer: the second sends what the first taught both sides of a
+    # channel without headers
     for step in range(2):
         for p in engine.stage.named_parameters().values():
             p.grad = None
-        result = engine.step(batches, targets, step, layout=engine.identity_layout(GLOBAL_BATCH))
-    loss = torch.tensor([result.loss], dtype=torch.float64)
-    dist.all_reduce(loss)
-    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters())
+        _, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH, step)
+    save_rank(Path(out) / f"rank{rank}.pt", loss, engine.stage.named_parameters())
 
 
 def _reference(case: str):
     cfg = _config(case)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=SEED)
-    indices, targets = _global_batch(cfg, dataset)
-    batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
-    loss = model.loss(batch, targets)
-    loss.backward()
-    return model, float(loss.detach())
+    return model, reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
 
 
 CASES = {

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loom.data.collate import collate, split_microbatches
+from loom.data.collate import collate
 from loom.model.layers import run_layers
 from loom.model.zoo.attention import AttentionCore
 from loom.plan.plan import ModuleSpec, Plan, PlanError
@@ -24,7 +24,8 @@ from loom.schedule.ir import ActionKind
 from loom.sim.scenario import ScenarioError, load_scenario
 from loom.train.build import build_data, build_model, token_counters
 from reference import assert_matches_reference, save_rank
-from test_parallel_reference import SEED, _config, _global_batch
+from reference import global_batch, identity_step, reference_backward
+from test_parallel_reference import GLOBAL_BATCH, SEED, _config
 
 SCENARIO = "configs/sim/llama3-70b-vith-1024xh100.toml"
 
@@ -33,7 +34,7 @@ def _model_and_batch(case: str = "multimodal_1f1b"):
     cfg = _config(case)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=SEED)
-    indices, targets = _global_batch(cfg, dataset)
+    indices, targets = global_batch(dataset, GLOBAL_BATCH)
     batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
     return cfg, model, batch, targets
 
@@ -166,14 +167,7 @@ def _recompute_worker(rank: int, world_size: int, out: str) -> None:
         tokenizer, dataset = build_data(cfg)
         model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
         engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
-        indices, targets = _global_batch(cfg, dataset)
-        parts = split_microbatches(indices, cfg.plan.num_microbatches)
-        counters = token_counters(model)
-        batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters)
-                   for j in engine.microbatches_to_load()}
-        result = engine.step(batches, targets, 0, layout=engine.identity_layout(len(indices)))
-        loss = torch.tensor([result.loss], dtype=torch.float64)
-        dist.all_reduce(loss)
+        result, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
         wrapped = sum(1 for l in engine.stage.layers for m in l.module.modules() if getattr(m, "_loom_recompute", False))
         save_rank(Path(out) / f"{variant}{rank}.pt", float(loss), engine.stage.named_parameters(), wrapped=wrapped,
                   blocks=sum(l.kind == "block" for l in engine.stage.layers))
@@ -187,16 +181,13 @@ def test_pipelined_recompute_matches_the_plain_single_process(tmp_path: Path) ->
     cfg = _recompute_config("a")
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=SEED)  # no checkpointing: the reference
-    indices, targets = _global_batch(cfg, dataset)
-    batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
-    loss = model.loss(batch, targets)
-    loss.backward()
+    loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
     for variant in MODES:
         results = [torch.load(tmp_path / f"{variant}{r}.pt", weights_only=True) for r in range(world)]
         # every block of every stage was checkpointed (full) or had its core checkpointed (selective)
         assert all(res["wrapped"] == res["blocks"] for res in results), variant
         assert sum(res["blocks"] for res in results) > 0
-        assert_matches_reference(results, model, float(loss.detach()))
+        assert_matches_reference(results, model, loss)
 
 
 # ---- cost model and simulator ---------------------------------------------------------------------

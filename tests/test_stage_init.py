@@ -11,19 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import loom.model.multimodal as multimodal
-from loom.data.collate import collate, split_microbatches
 from loom.data.demo import DemoConfig
 from loom.model.multimodal import ModalityEncoder, MultimodalModel
 from loom.model.zoo import LlamaConfig, VisionConfig, VisionEncoder
 from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
-from loom.train.build import build_data, build_model, num_targets, token_counters
+from loom.train.build import build_data, build_model
 from loom.train.config import ModelConfig, TrainConfig
-from reference import assert_matches_reference, save_rank
+from reference import assert_matches_reference, identity_step, reference_backward, save_rank
 
 pytestmark = pytest.mark.multiprocess
 
@@ -67,15 +65,8 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     held_bytes = _param_bytes(p for p in model.parameters() if not p.is_meta)
     held_buffers = sorted(n for n, b in model.named_buffers() if not b.is_meta)
 
-    indices = list(range(GLOBAL_BATCH))
-    targets = sum(num_targets(dataset.meta(i)) for i in indices)
-    parts = split_microbatches(indices, cfg.plan.num_microbatches)
-    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, token_counters(model))
-               for j in engine.microbatches_to_load()}
-    result = engine.step(batches, targets, 0, layout=engine.identity_layout(GLOBAL_BATCH))
-    loss = torch.tensor([result.loss], dtype=torch.float64)
-    dist.all_reduce(loss)
-    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(),
+    _, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
+    save_rank(Path(out) / f"rank{rank}.pt", loss, engine.stage.named_parameters(),
               made=made, made_by_build=made_by_build, held=held, held_bytes=held_bytes, held_buffers=held_buffers,
               stage_layers=[l.name for l in engine.stage.layers],
               mesh=tuple(engine.meshes["llm"].get_coordinate()))
@@ -85,11 +76,7 @@ def _reference():
     cfg = _config()
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=SEED)
-    indices = list(range(GLOBAL_BATCH))
-    targets = sum(num_targets(dataset.meta(i)) for i in indices)
-    loss = model.loss(collate([dataset[i] for i in indices], tokenizer, token_counters(model)), targets)
-    loss.backward()
-    return cfg, model, float(loss.detach())
+    return cfg, model, reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
 
 
 def test_each_rank_materialises_only_its_stage(tmp_path):
@@ -149,15 +136,8 @@ def _hf_worker(rank: int, world_size: int, out: str) -> None:
     engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
     held = {n: p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     buffers = {n: b.clone() for n, b in model.named_buffers() if not b.is_meta}
-    indices = list(range(GLOBAL_BATCH))
-    targets = sum(num_targets(dataset.meta(i)) for i in indices)
-    parts = split_microbatches(indices, cfg.plan.num_microbatches)
-    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, token_counters(model))
-               for j in engine.microbatches_to_load()}
-    result = engine.step(batches, targets, 0, layout=engine.identity_layout(GLOBAL_BATCH))
-    loss = torch.tensor([result.loss], dtype=torch.float64)
-    dist.all_reduce(loss)
-    save_rank(Path(out) / f"rank{rank}.pt", float(loss), engine.stage.named_parameters(), held=held,
+    _, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
+    save_rank(Path(out) / f"rank{rank}.pt", loss, engine.stage.named_parameters(), held=held,
               buffers=buffers, stage_layers=[l.name for l in engine.stage.layers])
 
 
@@ -167,10 +147,7 @@ def test_hugging_face_llm_stages_materialise_their_layers_and_rotary_tables(tmp_
     cfg = _hf_config()
     tokenizer, dataset = build_data(cfg)
     model = _hf_model(tokenizer, "cpu")
-    indices = list(range(GLOBAL_BATCH))
-    targets = sum(num_targets(dataset.meta(i)) for i in indices)
-    loss = model.loss(collate([dataset[i] for i in indices], tokenizer, token_counters(model)), targets)
-    loss.backward()
+    loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     rotary = sorted(n for n in buffers if "rotary_emb" in n)
@@ -184,4 +161,4 @@ def test_hugging_face_llm_stages_materialise_their_layers_and_rotary_tables(tmp_
         assert sorted(n for n in res["buffers"] if "rotary_emb" in n) == (rotary if rank > 0 else [])
         for name, value in res["buffers"].items():
             torch.testing.assert_close(value, buffers[name], rtol=0, atol=0, msg=f"rank {rank} {name}")
-    assert_matches_reference(results, model, float(loss.detach()))
+    assert_matches_reference(results, model, loss)
