@@ -220,7 +220,7 @@ class Plan:
             raise PlanError("plan.modules is empty: list at least the 'llm' module")
         names = self.module_names
         if len(set(names)) != len(names):
-            raise PlanError(f"plan.modules names a module twice: {names}")
+            raise PlanError(f"plan.modules names a module twice: {names}; give each module one entry")
         if names[-1] != LLM:
             raise PlanError(f"plan.modules must end with the {LLM!r} module (encoders first, in graph order); got {names}")
         for n in names:
@@ -230,7 +230,8 @@ class Plan:
                 )
         missing = [n for n in layer_counts if n not in names]
         if missing:
-            raise PlanError(f"plan.modules lacks {missing}: every module of the model needs a spec")
+            raise PlanError(f"plan.modules lacks {missing}: every module of the model needs a spec; add a "
+                            f"[plan.modules.<name>] table for each")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan.schedule = {self.schedule!r}: choose one of {list(SCHEDULES)}")
         if self.placement not in PLACEMENTS:
@@ -251,7 +252,8 @@ class Plan:
             n_layers = layer_counts[m.name]
             if m.num_stages > n_layers:
                 raise PlanError(
-                    f"{where}.num_stages = {m.num_stages} exceeds the module's {n_layers} layers"
+                    f"{where}.num_stages = {m.num_stages} exceeds the module's {n_layers} layers; use at most "
+                    f"{n_layers} stages"
                 )
             if m.data_parallel > self.num_microbatches:
                 raise PlanError(
