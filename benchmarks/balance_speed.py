@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import figure, format_table, median, summarize, write_result
+from benchmarks.common import format_table, median, summarize, write_result
 from loom.balance.costs import sample_costs
 from loom.balance.disttrain import reorder_microbatches
 from loom.balance.entrain_policy import effective_count, pairwise_deferral, stratified

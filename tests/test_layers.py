@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import grimp
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from loom.model.layers import Layer
 from loom.model.materialise import SeededInit, check_untied, is_meta, layer_seed, materialise, reset_parameters
-from loom.model.multimodal import ModalityEncoder, MultimodalModel
+from loom.model.multimodal import MultimodalModel
 from loom.model.zoo import AudioConfig, LlamaConfig, LlamaForCausalLM, VisionConfig
 from loom.model.zoo.audio import mel_filterbank
 from loom.train.build import build_data, build_model

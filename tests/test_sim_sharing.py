@@ -85,3 +85,36 @@ def test_bad_sharing_is_refused_naming_the_field(field, value):
     kwargs = {"cores": 2, "ranks_per_host": 4} | {field: value}
     with pytest.raises(SharingError, match=field):
         CoreSharing(**kwargs)
+
+
+def test_ranks_host_work_finishes_under_processor_sharing():
+    """Jobs started at once on one host: 4 ranks of 1, 2, 3, 4 s on 2 cores run at 1/2 each until
+    the 1 s job is done at 2 s, then 3 at 2/3 (the 2 s job ends at 3.5), then 2 at full speed:
+    the 4 s job ends at 5.5. With a core each, the longest job alone; on two hosts, the later."""
+    sharing = CoreSharing(cores=2, ranks_per_host=4)
+    assert sharing.concurrent_finish([4.0, 1.0, 3.0, 2.0]) == pytest.approx(5.5)
+    assert CoreSharing(cores=4, ranks_per_host=4).concurrent_finish([4.0, 1.0, 3.0, 2.0]) == pytest.approx(4.0)
+    assert CoreSharing(cores=1, ranks_per_host=2).concurrent_finish([1.0, 1.0, 3.0, 0.5]) == pytest.approx(3.5)
+
+
+def test_dispatch_host_work_per_rank_is_priced_by_sharing():
+    """The step pays the slowest rank's host work alone; with core sharing, every rank's work
+    shares the cores (the processor-sharing finish), while the decision is stretched by the
+    host's full contention."""
+    from loom.cost.comm import Link
+    from loom.sim.dispatch import DispatchModelError, Links, price_dispatch
+
+    plan = Plan([ModuleSpec("llm", data_parallel=4)], num_microbatches=4).resolve({"llm": 4})
+    cost = UniformCostModel(plan, forward=1.0, backward=2.0)
+    links = Links.uniform(Link("test", 1e12, 0.0))
+    dispatch = price_dispatch(4, links, metadata_bytes=0, decision_seconds=0.5, payload={},
+                              host_seconds=[4.0, 1.0, 3.0, 2.0])
+    assert dispatch.host == 4.0 and dispatch.total == pytest.approx(4.5)
+    alone = simulate(build_schedule(plan), plan, cost, dispatch=dispatch)
+    assert alone.dispatch == pytest.approx(4.5)
+    shared = simulate(build_schedule(plan), plan, cost, dispatch=dispatch,
+                      sharing=CoreSharing(cores=2, ranks_per_host=4))
+    assert shared.dispatch_parts.host == pytest.approx(5.5) and shared.dispatch_parts.decide == pytest.approx(1.0)
+    assert shared.dispatch == pytest.approx(6.5)
+    with pytest.raises(DispatchModelError, match="host_seconds has 3 values for 4 ranks"):
+        price_dispatch(4, links, metadata_bytes=0, decision_seconds=0.0, payload={}, host_seconds=[1.0, 1.0, 1.0])

@@ -40,7 +40,7 @@ from loom.balance.disttrain_policy import disttrain_layout
 from loom.balance.entrain_policy import entrain_layout
 from loom.balance.orchmllm import orchmllm_layout
 from loom.balance.predict import predict_steps
-from loom.plan.plan import LLM, Plan
+from loom.plan.plan import Plan
 from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean
 
 __all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",

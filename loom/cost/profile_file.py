@@ -74,8 +74,8 @@ class Profile:
     optimizer: dict[str, float] = field(default_factory=dict)  # fixed_s, per_param_s, per_tensor_s
     matmul_flops_per_s: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
-    # the dispatcher's host work per step (`loom.profile.dispatch`): fixed_s, per_sample_s and the
-    # world size it was measured at; empty when not measured
+    # the dispatcher's host work per step (`loom.profile.dispatch`): per rank fixed_s and
+    # per_sample_s, and the world size it was measured at; empty when not measured
     dispatch: dict[str, Any] = field(default_factory=dict)
     path: str | None = None  # where it was loaded from (not saved)
 
@@ -83,13 +83,13 @@ class Profile:
     def layer_counts(self) -> dict[str, int]:
         return {m: len(ls) for m, ls in self.layers.items()}
 
-    def dispatch_host_seconds(self, batch_size: int, world_size: int) -> float | None:
-        """The dispatcher's host work per step for a global batch of ``batch_size`` samples
-        (CPU seconds of the slowest rank), or None when the profile has no dispatch fit or was
-        measured at another world size (a rank's share of the work depends on it)."""
+    def dispatch_host_seconds(self, batch_size: int, world_size: int) -> list[float] | None:
+        """Each rank's dispatcher host work per step (CPU seconds, rank order) for a global batch
+        of ``batch_size`` samples, or None when the profile has no dispatch fit or was measured
+        at another world size (a rank's share of the work depends on it)."""
         if not self.dispatch or int(self.dispatch.get("world_size", 0)) != world_size:
             return None
-        return float(self.dispatch["fixed_s"]) + float(self.dispatch["per_sample_s"]) * batch_size
+        return [float(a) + float(c) * batch_size for a, c in zip(self.dispatch["fixed_s"], self.dispatch["per_sample_s"])]
 
     def module_time(self, module: str, phase: str, work: Workload, start: int = 0, end: int | None = None) -> float:
         return sum(l.time(phase, work) for l in self.layers[module][start:end])

@@ -6,9 +6,10 @@ The run's own `Dispatcher` runs on its plan's world of local gloo processes, wit
 policy (the decision is priced on its own, `loom.sim.dispatch`), over global batches of several
 sizes. Each dispatch is timed in CPU time (``time.process_time``, every thread of the rank), so
 the figure does not depend on how many ranks share the machine's cores; the simulator adds that
-contention (`loom.sim.sharing`). A step's dispatch ends in collectives every rank joins, so the
-slowest rank paces it: the fit is of the slowest rank's time, ``fixed_s + per_sample_s * batch``
-(least squares over the sizes' medians), valid at the profiled world size.
+contention (`loom.sim.sharing`). Each rank's time is fitted as ``fixed_s + per_sample_s * batch``
+(least squares over the sizes' medians), valid at the profiled world size: a step's dispatch ends
+in collectives every rank joins, so the slowest rank paces it, while on shared cores every
+rank's work competes (the simulator needs them all).
 """
 
 from __future__ import annotations
@@ -50,21 +51,30 @@ def _dispatch_worker(rank: int, world_size: int, make: Callable[..., Any], args:
         Path(out).write_text(json.dumps(gathered))
 
 
-def fit_dispatch(per_rank: Sequence[Sequence[Sequence[float]]], world_size: int) -> dict[str, float]:
-    """``fixed_s`` and ``per_sample_s`` of the slowest rank's dispatch CPU time from every
-    rank's ``[batch, seconds]`` rows (the same batches, in the same order, on every rank)."""
-    sizes = np.array([b for b, _ in per_rank[0]], dtype=np.float64)
-    slowest = np.max(np.array([[s for _, s in rows] for rows in per_rank], dtype=np.float64), axis=0)
-    xs = sorted(set(sizes.tolist()))
-    medians = [statistics.median(slowest[sizes == x].tolist()) for x in xs]
+def _line(xs: list[float], medians: list[float]) -> tuple[float, float]:
+    """``(fixed, per_sample)``, both clipped at 0, of the least-squares line through the medians."""
     if len(xs) == 1:
-        per_sample, fixed = medians[0] / xs[0], 0.0
-    else:
-        per_sample, fixed = np.polyfit(xs, medians, 1)
-    per_sample = max(float(per_sample), 0.0)
-    fixed = max(float(fixed), 0.0)
+        return 0.0, max(medians[0] / xs[0], 0.0)
+    per_sample, fixed = np.polyfit(xs, medians, 1)
+    return max(float(fixed), 0.0), max(float(per_sample), 0.0)
+
+
+def fit_dispatch(per_rank: Sequence[Sequence[Sequence[float]]], world_size: int) -> dict[str, Any]:
+    """Per rank, ``fixed_s`` and ``per_sample_s`` of its dispatch CPU time (lists in rank
+    order), from every rank's ``[batch, seconds]`` rows (the same batches, in the same order,
+    on every rank); ``median_s[rank][size]`` are the medians fitted."""
+    sizes = np.array([b for b, _ in per_rank[0]], dtype=np.float64)
+    xs = sorted(set(sizes.tolist()))
+    fixed, per_sample, medians = [], [], []
+    for rows in per_rank:
+        seconds = np.array([s for _, s in rows], dtype=np.float64)
+        med = [statistics.median(seconds[sizes == x].tolist()) for x in xs]
+        a, c = _line(xs, med)
+        fixed.append(a)
+        per_sample.append(c)
+        medians.append(med)
     return {"fixed_s": fixed, "per_sample_s": per_sample, "world_size": float(world_size),
-            "batch_sizes": [float(x) for x in xs], "median_s": [float(m) for m in medians]}
+            "batch_sizes": [float(x) for x in xs], "median_s": medians}
 
 
 def measure_dispatch(make: Callable[..., Any], args: tuple, world_size: int,

@@ -22,8 +22,9 @@ Every rank of ``loom train`` runs, per step:
 
 Beside these, the dispatcher's own **host work** (reading and checking its shard's samples,
 tokenising, the metadata codec, packing and unpacking the exchange, collating its microbatches)
-costs CPU on every rank (``host_seconds``); a profile measures it (`loom.profile.dispatch`,
-``Profile.dispatch_host_seconds``) at the world size it ran, and it is 0 where none is given
+costs CPU on every rank (``host_seconds``, per rank; the slowest paces the step's
+collectives); a profile measures it (`loom.profile.dispatch`, ``Profile.dispatch_host_seconds``)
+at the world size it ran, and it is 0 where none is given
 (a cluster scenario without a measured figure).
 
 The all-to-all model (`all_to_all_seconds`): a rank's sends to ranks of its own node take the
@@ -122,7 +123,8 @@ class DispatchCost:
     payload_bytes: dict[str, float] = field(default_factory=dict)
     internode_bytes: dict[str, float] = field(default_factory=dict)
     unpermuted: dict[str, dict[str, float]] | None = None  # {"payload_s": ..., "max_internode_send_bytes": ...}
-    host: float = 0.0  # the dispatcher's own CPU work: reading, tokenising, codec, packing, collation
+    host: float = 0.0  # the dispatcher's own CPU work (reading, tokenising, codec, packing, collation): the slowest rank's
+    host_per_rank: tuple[float, ...] = ()  # each rank's, where known (core sharing prices them together)
 
     @property
     def total(self) -> float:
@@ -204,21 +206,26 @@ def max_internode_send(matrix: np.ndarray | Sequence[Sequence[float]], ranks_per
 def price_dispatch(world_size: int, links: Links, *, metadata_bytes: float, decision_seconds: float,
                    payload: Mapping[str, np.ndarray | Sequence[Sequence[float]]],
                    payload_unpermuted: Mapping[str, np.ndarray | Sequence[Sequence[float]]] | None = None,
-                   host_seconds: float = 0.0) -> DispatchCost:
+                   host_seconds: float | Sequence[float] = 0.0) -> DispatchCost:
     """The dispatch of one step on ``world_size`` ranks: the all-gather of ``metadata_bytes``,
     ``decision_seconds`` (measured, or `decision_seconds_model`), and ``payload[phase]`` (a
     ``world_size x world_size`` byte matrix per phase, in exchange order); ``payload_unpermuted``
     the same exchange before node-wise rearrangement, priced for comparison. ``host_seconds``:
-    the dispatcher's own CPU work on the slowest rank (a profile's fit,
-    `loom.cost.profile_file.Profile.dispatch_host_seconds`; 0 when not measured)."""
+    the dispatcher's own CPU work, one figure or one per rank (a profile's fit,
+    `loom.cost.profile_file.Profile.dispatch_host_seconds`; 0 when not measured); the step
+    pays the slowest rank's."""
     if world_size < 1:
         raise DispatchModelError(f"world_size = {world_size}: use a positive rank count")
     if metadata_bytes < 0 or decision_seconds < 0 or not np.isfinite(decision_seconds):
         raise DispatchModelError(
             f"metadata_bytes = {metadata_bytes}, decision_seconds = {decision_seconds}: both must be finite and >= 0"
         )
-    if host_seconds < 0 or not np.isfinite(host_seconds):
+    per_rank = tuple(float(h) for h in np.atleast_1d(np.asarray(host_seconds, dtype=np.float64)))
+    if not per_rank or min(per_rank) < 0 or not np.isfinite(per_rank).all():
         raise DispatchModelError(f"host_seconds = {host_seconds}: must be finite and >= 0 (0 when not measured)")
+    if len(per_rank) not in (1, world_size):
+        raise DispatchModelError(f"host_seconds has {len(per_rank)} values for {world_size} ranks: give one, or one "
+                                 f"per rank")
     seconds, moved, internode = {}, {}, {}
     for phase, matrix in payload.items():
         m = _square(matrix, f"payload[{phase!r}]")
@@ -235,7 +242,7 @@ def price_dispatch(world_size: int, links: Links, *, metadata_bytes: float, deci
                                                    for p, m in payload_unpermuted.items()}}
     gather = all_gather_time(metadata_bytes, world_size, links.world_link(world_size))
     return DispatchCost(gather, float(decision_seconds), seconds, float(metadata_bytes), moved, internode, unpermuted,
-                        float(host_seconds))
+                        max(per_rank), per_rank if len(per_rank) == world_size > 1 else ())
 
 
 def _square(matrix: np.ndarray | Sequence[Sequence[float]], name: str) -> np.ndarray:

@@ -47,9 +47,25 @@ class CoreSharing:
         return rank // self.ranks_per_host
 
     def concurrent_stretch(self, ranks_on_host: int) -> float:
-        """The stretch of an action that every rank of a host runs at once (the dispatch's
-        decision and collation on every rank)."""
+        """The stretch of an equal action that every rank of a host runs at once (the
+        dispatch's decision, the same on every rank)."""
         return max(1.0, min(ranks_on_host, self.ranks_per_host) / self.cores)
+
+    def concurrent_finish(self, work: "list[float] | tuple[float, ...]") -> float:
+        """When the last of jobs that every rank starts at once ends (``work[r]``: rank ``r``'s
+        solo seconds, the dispatcher's host work), each host's ranks sharing its cores: under
+        processor sharing the jobs run at ``min(1, cores / active)`` until each is done, so
+        the shortest finish first and free their share for the rest."""
+        end = 0.0
+        for host in range(-(-len(work) // self.ranks_per_host)):
+            left = sorted(work[host * self.ranks_per_host:(host + 1) * self.ranks_per_host])
+            t, done = 0.0, 0.0  # every active job has received `done` seconds of service by time `t`
+            for i, w in enumerate(left):
+                rate = min(1.0, self.cores / (len(left) - i))
+                t += (w - done) / rate
+                done = w
+            end = max(end, t)
+        return end
 
 
 # the fixed point is met when every compute action received its solo time within this fraction

@@ -93,9 +93,13 @@ def simulate(
     works = work_table(work, schedule.num_microbatches)
     part_work = PartWork(sample_work, work is not None)
     if dispatch is not None and sharing is not None:
-        # the decision and the host work run on every rank at once: they meet the host's full contention
+        # the decision and the host work run on every rank at once: the decision, the same on
+        # every rank, meets the host's full contention; the ranks' host work shares the cores
+        # until each rank's is done
         stretch = sharing.concurrent_stretch(plan.world_size)
-        dispatch = replace(dispatch, decide=dispatch.decide * stretch, host=dispatch.host * stretch)
+        host = (sharing.concurrent_finish(dispatch.host_per_rank) if dispatch.host_per_rank
+                else dispatch.host * stretch)
+        dispatch = replace(dispatch, decide=dispatch.decide * stretch, host=host)
     head = dispatch.total if dispatch is not None else 0.0
     play = _play(schedule, plan, cost, works, part_work, link_contention, step, head, sharing)
     if dispatch is not None:
