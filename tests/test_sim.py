@@ -398,7 +398,7 @@ def test_price_dispatch_parts_and_refusals():
     one_node = price_dispatch(4, _links(ranks_per_node=4), metadata_bytes=4096, decision_seconds=0.0, payload=payload)
     assert one_node.total < d.total
     assert decision_seconds_model("none", 10_000) == 0.0
-    assert decision_seconds_model({"vision": "orchmllm", "llm": "none"}, 2560 * 60) == pytest.approx(0.04038)
+    assert decision_seconds_model({"vision": "orchmllm", "llm": "none"}, 2560 * 60) == pytest.approx(0.02119)
     with pytest.raises(DispatchModelError, match="payload\\['llm'\\] is 3 x 3"):
         price_dispatch(4, links, metadata_bytes=0, decision_seconds=0, payload={"llm": np.zeros((3, 3))})
     with pytest.raises(DispatchModelError, match="square"):

@@ -58,16 +58,16 @@ DISPATCH = "dispatch"  # the timeline kind of the dispatch's parts
 
 # Default decision time per sample of the global batch, per policy, when no measured figure is
 # given: the measured `decide_ms_<policy>` of `benchmarks/results/balance_speed.json` (commit
-# 362c537, one thread of this project's 2-core CPU machine: orchmllm 40.38 ms for 2560 ranks x 60
-# samples; disttrain 29.72 ms for 64 groups x 64 microbatches x 4 samples; entrain 42.82 ms for 64
+# 45d59de, one thread of this project's 2-core CPU machine: orchmllm 21.19 ms for 2560 x 60
+# samples; disttrain 19.04 ms for 64 groups x 64 microbatches x 4 samples; entrain 29.65 ms for 64
 # replicas x 32 microbatches x 16 samples), spread linearly over the batch. ``none`` keeps the
 # given contiguous split: no search. Pass ``decision_seconds`` for a figure measured on the
 # cluster's own CPUs.
 DECISION_PER_SAMPLE_S = {
     "none": 0.0,
-    "orchmllm": 40.38e-3 / (2560 * 60),
-    "disttrain": 29.72e-3 / (64 * 64 * 4),
-    "entrain": 42.82e-3 / (64 * 32 * 16),
+    "orchmllm": 21.19e-3 / (2560 * 60),
+    "disttrain": 19.04e-3 / (64 * 64 * 4),
+    "entrain": 29.65e-3 / (64 * 32 * 16),
 }
 
 
