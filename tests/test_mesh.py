@@ -73,7 +73,7 @@ def _mesh_worker(rank: int, world_size: int, out: str) -> None:
 @pytest.mark.multiprocess
 def test_meshes_match_the_plan_on_gloo(tmp_path):
     run_local(_mesh_worker, 8, str(tmp_path))
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(8)]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(8)]
     for case, plan in _plans().items():
         for rank, res in enumerate(r[case] for r in results):
             mine = plan.coordinate_of(rank)

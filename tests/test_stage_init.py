@@ -83,7 +83,7 @@ def test_each_rank_materialises_only_its_stage(tmp_path):
     run_local(_worker, STAGES, str(tmp_path))
     cfg, model, ref_loss = _reference()
     plan = cfg.plan.resolve(model.layer_counts(), STAGES)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(STAGES)]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(STAGES)]
     layers = model.module_layers("llm")
     total = 0
     for rank, res in enumerate(results):
@@ -148,7 +148,7 @@ def test_hugging_face_llm_stages_materialise_their_layers_and_rotary_tables(tmp_
     tokenizer, dataset = build_data(cfg)
     model = _hf_model(tokenizer, "cpu")
     loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(3)]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(3)]
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     rotary = sorted(n for n in buffers if "rotary_emb" in n)
     assert rotary, "the HF Llama keeps its rotary tables as buffers"

@@ -46,7 +46,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     group = run.optimizer.param_groups[0] if run.optimizer is not None else {}
     torch.save({
         "losses": [s.loss for s in steps],
-        "indices": [s.indices for s in steps],
+        "indices": [[int(i) for i in s.indices] for s in steps],
         "lr": group.get("lr"), "betas": group.get("betas"), "weight_decay": group.get("weight_decay"),
         "params": {n: p.detach().clone() for n, p in run.engine.stage.named_parameters().items()},
     }, Path(out) / f"rank{rank}.pt")
@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
 
 def test_rank_steps_match_one_process_with_the_runs_optimizer_and_schedule(tmp_path: Path) -> None:
     run_local(_worker, WORLD, str(tmp_path))
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
     cfg = _config()
     tokenizer, dataset = build_data(cfg)
