@@ -197,12 +197,9 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
 def slot_arrays(slot_of: np.ndarray, num_slots: int, counts: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """`BatchLayout`'s ``(order, bounds)`` of one phase from each sample's slot (positions
     ascending inside a slot), as `BatchLayout.from_slot_index`, but sorting packed 32-bit
-    ``slot << b | position`` keys when they fit (`stable_argsort`; else a stable radix sort
-    of uint16 slot ids). ``counts``: each slot's sample count, when known."""
-    if num_slots <= 1 << 16:
-        order = stable_argsort(slot_of, num_slots)
-    else:
-        order = np.argsort(slot_of, kind="stable")
+    ``slot << b | position`` keys when they fit (`stable_argsort`, which falls back to a stable
+    argsort). ``counts``: each slot's sample count, when known."""
+    order = stable_argsort(slot_of, num_slots)
     if counts is None:
         counts = np.bincount(slot_of, minlength=num_slots)
     return order, np.concatenate(([0], np.cumsum(counts)))
