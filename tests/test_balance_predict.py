@@ -294,3 +294,38 @@ def test_orchmllm_records_the_slot_costs_and_index_the_prediction_would_compute(
         # another costs object is not answered from the record
         other = SampleCosts({k: v * 2 for k, v in costs.work.items()}, lengths * 2, 1.5, 0.002)
         assert not np.array_equal(slot_costs(layout, other, llm_padded)["vision"], known["vision"])
+
+
+@pytest.mark.parametrize("batching", ["padded", "packed"])
+def test_orchmllm_with_one_slot_per_round_keeps_none_layout_without_deciding(batching: str, monkeypatch) -> None:
+    """Every module at data-parallel degree 1: each round holds one slot, so OrchMLLM has nothing
+    to balance. `make_layout` returns the given layout at once (kept, with why), the same slots,
+    schedule-cache key and payload destinations as ``none``'s, so the step runs what ``none`` runs."""
+    import loom.balance.policy as policy_module
+    from loom.balance.orchmllm import orchmllm_layout
+    from loom.balance.payload import layout_payload_bytes
+
+    plan, costs = _coupled_batch()
+    none = make_layout(BalanceConfig(), plan, costs, llm_batching=batching)
+    # what the policy would build, had it decided: the given layout, by construction
+    own = orchmllm_layout(plan, costs, {"vision": "orchmllm", "llm": "orchmllm"}, "given", batching == "padded")
+    assert own.key() == none.key()
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a policy with nothing to balance must not decide")
+
+    monkeypatch.setattr(policy_module, "orchmllm_layout", must_not_run)
+    monkeypatch.setattr(policy_module, "predict_steps", must_not_run)
+    for config in (BalanceConfig(default="orchmllm"), BalanceConfig(default="orchmllm", min_gain=-1.0),
+                   BalanceConfig(default="none", policy={"llm": "orchmllm"})):
+        kept = make_layout(config, plan, costs, llm_batching=batching)
+        assert kept.kept_given and "one slot" in kept.kept_why, config
+        assert kept.policy == config.summary(plan.module_names)
+        assert kept.predicted_gain == {"total": 0.0, "vision": 0.0, "llm": 0.0}
+        assert kept.key() == none.key() and kept.is_identity() and kept.contiguous
+        sizes = {"vision": np.arange(16.0) + 1, "llm": np.arange(16.0) + 2}
+        moved, moved_none = layout_payload_bytes(plan, kept, sizes), layout_payload_bytes(plan, none, sizes)
+        assert all(np.array_equal(moved[p], moved_none[p]) for p in plan.module_names)
+    # rounds of one slot are still reordered under balance.order = "disttrain": that one decides
+    with pytest.raises(AssertionError, match="must not decide"):
+        make_layout(BalanceConfig(default="orchmllm", order="disttrain"), plan, costs, llm_batching=batching)

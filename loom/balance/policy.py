@@ -41,7 +41,7 @@ from loom.balance.entrain_policy import entrain_layout
 from loom.balance.orchmllm import orchmllm_layout
 from loom.balance.predict import predict_steps
 from loom.plan.plan import Plan
-from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean
+from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean, round_size
 
 __all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",
            "load_stats", "make_layout", "sample_costs"]
@@ -67,6 +67,14 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     given = contiguous_layout(n, plan.num_microbatches, phases)
     if set(chosen.values()) == {"none"}:
         return given.check(n, phases)
+    if config.order == "given" and round_size(plan) == 1 and not set(chosen.values()) & set(JOINT):
+        # every module has one replica, so every round holds one slot: a per-phase policy can only
+        # leave each sample in its microbatch, and its layout is the given one by construction.
+        # Keep it without deciding, so the step runs exactly what `none` runs
+        given.policy, given.kept_given = dict(chosen), True
+        given.predicted_gain = {"total": 0.0} | {p: 0.0 for p in phases}
+        given.kept_why = "nothing to balance: every round holds one slot (every data_parallel is 1)"
+        return given.check(n, phases)
     padded = llm_batching == "padded"
     if set(chosen.values()) == {"disttrain"}:
         layout = disttrain_layout(plan, costs, padded)
@@ -88,6 +96,7 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
         given.policy = dict(chosen)
         given.kept_given = True
         given.predicted_gain = layout.predicted_gain
+        given.kept_why = f"predicted gain {gain:.4f} below balance.min_gain = {config.min_gain}"
         return given
     return layout
 

@@ -40,7 +40,8 @@ class BatchLayout:
     ``order[bounds[j]:bounds[j + 1]]``) so the balancing policies build and check a layout of
     153,600 samples without a Python object per sample; ``slots`` materialises the tuples on
     first use. ``kept_given`` / ``predicted_gain`` say whether a policy kept the given (identity)
-    layout because its predicted gain did not pay for the decision (`loom.balance.policy`)."""
+    layout because its predicted gain did not pay for the decision (`loom.balance.policy`);
+    ``kept_why`` says why in words (empty when the policy's own layout is used)."""
 
     def __init__(self, slots: "dict[str, Slots] | None" = None, policy: dict[str, str] | None = None, *,
                  arrays: "dict[str, tuple[np.ndarray, np.ndarray]] | None" = None, kept_given: bool = False,
@@ -50,6 +51,7 @@ class BatchLayout:
         self.policy: dict[str, str] = dict(policy or {})
         self.kept_given = kept_given
         self.predicted_gain: dict[str, float] = dict(predicted_gain or {})
+        self.kept_why = ""
         # OrchMLLM's node-wise rearrangement (loom.balance.rearrange): per phase, the slot each
         # slot's samples had before the permutation, and the cross-node bytes before/after
         self.unpermuted_slot: dict[str, np.ndarray] = {}
