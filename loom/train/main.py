@@ -88,6 +88,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
             balance_log.write(json.dumps({
                 "step": step,
                 "policy": got.layout.policy, "kept_given": got.layout.kept_given, "predicted_gain": got.layout.predicted_gain,
+                "kept_why": got.layout.kept_why,
                 "nodewise": got.layout.nodewise,
                 "num_microbatches": got.layout.num_microbatches,
                 "max_over_mean": load_stats(got.layout, cfg.plan, got.costs),
