@@ -22,6 +22,7 @@ TRAIN = [
     (["model.llm.num_heads=0"], "model.llm.num_heads = 0"),
     (["model.audio.mlp_ratio=-1.0"], "model.audio.mlp_ratio"),
     (["run.log_every=0"], "run.log_every = 0"),
+    (['run.dtype="fp16"'], "run.dtype = 'fp16'"),
     (["plan.modules.llm.tensor_parallel=2"], "plan.modules['llm'].tensor_parallel = 2"),
     (["plan.modules.vision.context_parallel=2"], "plan.modules['vision'].context_parallel = 2"),
     (["plan.modules.llm.zero_stage=1"], "plan.modules['llm'].zero_stage = 1"),

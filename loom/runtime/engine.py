@@ -18,6 +18,7 @@ from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
+from loom.runtime.precision import Precision
 from loom.runtime.recompute import apply_recompute
 from loom.runtime.mesh import build_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
@@ -50,7 +51,9 @@ class ParallelEngine:
         optimizer_factory: OptimizerFactory | None = None,
         release_others: bool = True,
         max_grad_norm: float = 0.0,  # global-norm gradient clipping, 0 = off (PipelineExecutor)
+        dtype: str = "fp32",  # run.dtype: "fp32" or "bf16" (loom.runtime.precision)
     ) -> "ParallelEngine":
+        precision = Precision(dtype, device.type)  # refuses an unknown dtype before any group is built
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:
@@ -70,7 +73,8 @@ class ParallelEngine:
         groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank)}
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
-        executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer, max_grad_norm)
+        executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer, max_grad_norm,
+                                    precision)
         return cls(plan, schedule, stage, executor, optimizer, trainable, meshes=meshes)
 
     def microbatches_to_load(self) -> list[int]:

@@ -42,6 +42,7 @@ from loom.model.layers import run_layers
 from loom.model.multimodal import MultimodalModel, loss_sum
 from loom.plan.plan import LLM, Plan
 from loom.runtime.comm import P2PCommunicator
+from loom.runtime.precision import Precision
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, move_batch
 from loom.schedule.generators import backward_flow
@@ -142,8 +143,11 @@ class PipelineExecutor:
         trainable: dict[StageId, bool],
         optimizer: torch.optim.Optimizer | None = None,
         max_grad_norm: float = 0.0,
+        precision: Precision | None = None,
     ):
         self.model, self.plan, self.stage = model, plan, stage
+        # run.dtype: autocast around forwards, stage outputs sent in bf16 (loom.runtime.precision)
+        self.precision = precision if precision is not None else Precision(device_type=device.type)
         self.max_grad_norm = max_grad_norm or 0.0  # 0 (or None): no clipping
         self.rank, self.device, self.optimizer = rank, device, optimizer
         self.me: StageId = (stage.module, stage.stage)
@@ -284,23 +288,26 @@ class PipelineExecutor:
             st.batch = move_batch(self._microbatch(it.microbatches, j), self.device)
             if split is None:  # a split microbatch builds one context per part
                 st.context = self.model.module_context(self.stage.module, st.batch)
-        if self._grad_mode:
-            out = self._run_forward(it, j, st, split)
-        else:
-            with torch.no_grad():
+        with self.precision.autocast():
+            if self._grad_mode:
                 out = self._run_forward(it, j, st, split)
+            else:
+                with torch.no_grad():
+                    out = self._run_forward(it, j, st, split)
         st.output = out
 
     def _run_forward(self, it: _Iteration, j: int, st: MicrobatchState, split) -> torch.Tensor:
         if split is not None:
-            st.parts = self._forward_parts(st.batch, j, split, it.rows)
+            st.parts = [self.precision.message(p) for p in self._forward_parts(st.batch, j, split, it.rows)]
             out = torch.cat(st.parts)
         else:
-            out = run_layers(self.stage.layers, self._stage_input(st.inputs, j, it.rows), st.context)
-        if self.stage.computes_loss:
+            x = self.precision.stage_input(self._stage_input(st.inputs, j, it.rows))
+            out = run_layers(self.stage.layers, x, st.context)
+        if self.stage.computes_loss:  # loss_sum upcasts the logits: the loss is fp32
             out = loss_sum(out, st.batch.labels) / it.num_targets
             it.loss_total += out.detach()
-        return out
+            return out
+        return self.precision.message(out)  # sent in the compute dtype, graph included
 
     def _send_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j = a.microbatch

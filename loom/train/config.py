@@ -37,6 +37,9 @@ class RunConfig:
     device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per process)
     log_every: int = 10  # log-line interval when stdout is not a terminal
     profile: str = ""  # a `loom profile` JSON: unset stage boundaries then come from the frozen-aware partitioner
+    # "fp32" or "bf16": bf16 compute and messages, fp32 master weights, gradients and optimizer
+    # state (loom.runtime.precision)
+    dtype: str = "fp32"
 
 
 @dataclass
@@ -99,6 +102,8 @@ class TrainConfig:
         _require(run.steps >= 1, "run.steps", run.steps, "must be at least 1", "train at least one step")
         _require(run.seed >= 0, "run.seed", run.seed, "must not be negative", "use 0 or a positive integer")
         _require(run.device in DEVICES, "run.device", run.device, "unknown device", "choose 'cpu' or 'cuda'")
+        _require(run.dtype in DTYPES, "run.dtype", run.dtype, "unknown precision",
+                 'choose "fp32" or "bf16" (bf16 compute with fp32 master weights)')
         _require(run.log_every >= 1, "run.log_every", run.log_every, "must be at least 1",
                  "log every N >= 1 steps, e.g. run.log_every=10")
         _require(self.model.projector in ("linear", "mlp"), "model.projector", self.model.projector,
@@ -162,6 +167,10 @@ class TrainConfig:
                     f'run.device = "cuda": the plan needs {self.plan.world_size} GPUs (one per process) but this '
                     f"machine has {torch.cuda.device_count()}; shrink the plan or launch on several nodes with torchrun"
                 )
+            if self.run.dtype == "bf16" and not torch.cuda.is_bf16_supported():
+                raise ConfigError('run.dtype = "bf16": this CUDA device has no bf16 support '
+                                  '(torch.cuda.is_bf16_supported() is False); use run.dtype="fp32" or an Ampere or '
+                                  'newer GPU')
         try:  # the balancing policies' refusals (equal degrees, divisible batches, rounds)
             check_balance_config(self.balance, self.plan, self.data.global_batch_size)
         except BalanceError as e:
@@ -201,6 +210,7 @@ class TrainConfig:
 
 
 DEVICES = ("cpu", "cuda")
+DTYPES = ("fp32", "bf16")  # run.dtype (loom.runtime.precision.DTYPES)
 
 
 def _shown(value: Any) -> str:

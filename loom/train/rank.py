@@ -131,7 +131,7 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")
     counters, arch = token_counters(model), arch_from_model(model)
     engine = ParallelEngine.create(model, cfg.plan, device, make_optimizer(cfg.optim),
-                                   max_grad_norm=cfg.optim.max_grad_norm)
+                                   max_grad_norm=cfg.optim.max_grad_norm, dtype=cfg.run.dtype)
     engine.eager_forward = cfg.balance.eager_forward
     scheduler = make_lr_scheduler(cfg, engine.optimizer) if engine.optimizer is not None else None
     sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
