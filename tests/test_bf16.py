@@ -185,3 +185,28 @@ def test_bf16_on_a_cuda_device_without_it_is_refused_before_launch(tmp_path, cap
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match='run.dtype = "bf16": this CUDA device has no bf16 support'):
         Precision("bf16", "cuda")
+
+
+def test_recomputed_forward_replays_under_autocast():
+    """Activation checkpointing (`loom.runtime.recompute`) replays a block's forward in the
+    backward, which runs outside the forward's autocast: the recomputation must still be bf16,
+    or its saved tensors would not match and the gradients would differ from the plain run's."""
+    from loom.runtime.recompute import checkpoint_module
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    ckpt = torch.nn.Sequential(*(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)))
+    ckpt.load_state_dict(plain.state_dict())
+    assert checkpoint_module(ckpt)
+    seen = []
+    ckpt[0].register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    x = torch.randn(4, 8)
+    bf16 = Precision("bf16", "cpu")
+    for model in (plain, ckpt):
+        with bf16.autocast():
+            out = model(x)
+        out.float().pow(2).sum().backward()  # outside autocast, as the executor's backward
+    assert seen == [torch.bfloat16, torch.bfloat16]  # the forward and its replay
+    for p, q in zip(plain.parameters(), ckpt.parameters()):
+        assert q.grad.dtype == torch.float32
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0)
