@@ -159,3 +159,21 @@ def test_all_gather_metadata_on_every_rank(tmp_path: Path) -> None:
         assert res["small_bytes"] == metadata_bytes(_metas(0, 3, 1) + _metas(1, 3, 1), world_size=2)
         assert res["big_bytes"] == metadata_bytes(big, world_size=2) + 8 * 2 * len(
             "payload of sample 101 disagrees — ✗".encode())
+
+
+@pytest.mark.parametrize("counts", [[1, 1, 1, 1], [0, 1, 0, 1, 1], [2, 0, 3, 1], [0, 0, 0], [], [0, 5]])
+def test_per_sample_sum_matches_a_loop_on_every_path(counts: list[int]) -> None:
+    """`per_sample_sum`'s paths (one item per sample, at most one, several; with and without the
+    caller's bounds) give each sample's exact sum of its items, in a new array."""
+    from loom.cost.workload import _bounds, per_sample_sum
+
+    count = np.asarray(counts, dtype=np.int64)
+    values = np.arange(3, 3 + int(count.sum()), dtype=np.int64) ** 3
+    want, k = [], 0
+    for c in counts:
+        want.append(int(values[k:k + c].sum()))
+        k += c
+    for bounds in (None, _bounds(count)):
+        got = per_sample_sum(count, values, bounds)
+        assert got.dtype == values.dtype and got.tolist() == want
+        assert not np.shares_memory(got, values)

@@ -355,6 +355,10 @@ def _item_tokens(module: ModuleArch, meta: MetadataArrays) -> tuple[np.ndarray, 
     item count, each item's tokens)."""
     if module.kind == "vision":
         hw = meta.image_hw
+        if hw.size and 0 <= hw.min() and hw.max() < 2**31:  # int32 floor division: twice as fast, same values
+            h = hw.astype(np.int32)
+            h //= module.patch
+            return meta.image_count, h[:, 0].astype(np.int64) * h[:, 1]
         return meta.image_count, (hw[:, 0] // module.patch) * (hw[:, 1] // module.patch)
     if module.kind == "audio":
         frames = 1 + meta.audio_samples // module.hop_length  # centred STFT frames
@@ -362,13 +366,21 @@ def _item_tokens(module: ModuleArch, meta: MetadataArrays) -> tuple[np.ndarray, 
     raise WorkloadError(_unknown_kind(module.name, module.kind))
 
 
-def per_sample_sum(count: np.ndarray, values: np.ndarray) -> np.ndarray:
+def per_sample_sum(count: np.ndarray, values: np.ndarray, bounds: np.ndarray | None = None) -> np.ndarray:
     """Each sample's sum of its items' ``values`` (items in sample order, ``count[s]`` of them
-    for sample ``s``), exactly, in two array passes."""
+    for sample ``s``, ``count >= 0``), exactly: the items themselves (a copy) when no sample has
+    two, else in two array passes over the running sum. ``bounds``: ``_bounds(count)``, when the
+    caller already has it."""
+    if count.size and int(count.max()) <= 1:
+        # at most one item per sample (LLaVA-like data): a copy, or a scatter past the text-only samples
+        if values.size == count.size:
+            return values.copy()
+        out = np.zeros(count.size, dtype=values.dtype)
+        out[count.astype(bool)] = values
+        return out
     cum = np.zeros(values.size + 1, dtype=values.dtype)
     np.cumsum(values, out=cum[1:])
-    bounds = _bounds(count)
-    return cum[bounds[1:]] - cum[bounds[:-1]]
+    return np.diff(cum[_bounds(count) if bounds is None else bounds])  # one gather, not two
 
 
 def sample_tokens(arch: ModelArch, meta: MetadataArrays | Sequence[SampleMeta]) -> SampleTokens:
@@ -391,9 +403,11 @@ def sample_tokens(arch: ModelArch, meta: MetadataArrays | Sequence[SampleMeta]) 
         module = arch.module(name)
         count, t = _item_tokens(module, meta)
         t = t.astype(np.int64, copy=False)
-        tokens[name] = per_sample_sum(count, t)
-        attn_sq[name] = per_sample_sum(count, t * t)
-        llm = llm + per_sample_sum(count, t // module.merge)
+        # the items' bounds, once per batch, where some sample has several items
+        bounds = meta.bounds[0 if module.kind == "vision" else 1] if count.size and int(count.max()) > 1 else None
+        tokens[name] = per_sample_sum(count, t, bounds)
+        attn_sq[name] = per_sample_sum(count, t * t, bounds)
+        llm = llm + per_sample_sum(count, t // module.merge if module.merge != 1 else t, bounds)
     llm = llm.astype(np.int64)
     tokens[LLM] = np.where(llm > 0, llm, 0)
     attn_sq[LLM] = tokens[LLM] * tokens[LLM]
