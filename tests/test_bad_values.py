@@ -111,6 +111,8 @@ SIMULATE = [
     (["model.freeze=3"], "model.freeze = 3"),
     (["cluster=3"], "cluster = 3"),
     (["parallel.tensor_parallel"], "dotted.key=value"),
+    (['run.dtype="fp16"'], "run.dtype = 'fp16'"),
+    (["optim.max_grad_norm=-1.0"], "optim.max_grad_norm = -1.0"),
 ]
 
 

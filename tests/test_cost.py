@@ -363,7 +363,7 @@ def test_transfer_and_gradient_sync_times():
     assert hop == pytest.approx(comm.p2p_time(WORK["llm"].tokens * LLM_H * 2, inter))
     # gradients: stage 0's replicas are ranks 2 and 3 (one node); stage 1's are 4 and 5
     p0 = sum(l.params for l in arch.module("llm").layers[:3])
-    assert cost.grad_sync_time("llm", 0) == pytest.approx(comm.all_reduce_time(p0 * 2, 2, intra))
+    assert cost.grad_sync_time("llm", 0) == pytest.approx(comm.all_reduce_time(p0 * 4, 2, intra))  # fp32 grads
     assert cost.grad_sync_time("vision", 0) == 0.0  # one replica
     assert cost.optimizer_time("llm", 0) == pytest.approx(p0 * 28 / get_gpu("H100").hbm_bandwidth)
 
@@ -379,34 +379,38 @@ def test_memory_equals_the_hand_computed_values():
     # block: q 64*64 + k, v 2 * 64*32 + o 64*64 + SwiGLU 3*64*128 + 2 RMSNorms 2*64 = 36992
     # stage 0 = embedding 100*64 = 6400 + block 36992 = 43392 parameters, all trainable
     m = cost.static_breakdown("llm", 0)
-    assert m.params == 2 * 43392 / 2  # bf16, TP 2
-    assert m.grads == 2 * 43392 / 2
-    assert m.optimizer == 12 * 43392 / 2 / 2  # fp32 master + Adam m, v; TP 2, ZeRO-1 over DP 2
-    assert cost.static_memory("llm", 0) == 43392 + 43392 + 130176
+    assert m.params == 4 * 43392 / 2  # fp32 master weights (autocast), TP 2
+    assert m.grads == 4 * 43392 / 2
+    assert m.optimizer == 8 * 43392 / 2 / 2  # Adam m, v; TP 2, ZeRO-1 over DP 2
+    assert cost.static_memory("llm", 0) == 86784 + 86784 + 86784
     # activations per token of the block, in elements: 4h replicated + (2q + 2kv + 4 ffn) / TP
     # = 256 + (128 + 64 + 512) / 2 = 608, times 2 bytes, plus the attention core's fp32
     # log-sum-exp per head, 4 * 4 heads / TP 2 bytes; the embedding keeps nothing
     w = Workload.of_lengths([10])
-    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2)
+    # and, under bf16, the copy of the block's GEMM weights its backward keeps: 2 bytes x
+    # (q 64*64 + k, v 2 * 64*32 + o 64*64 + SwiGLU 3*64*128 = 36864) / TP 2
+    copy = 2 * 36864 / 2
+    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2) + copy
     # stage 1 = block 36992 + norm 64 + head 6400; the head keeps its input (2h bytes) and the
     # fp32 log-softmax of its vocab shard (4 * 100 / 2 bytes), the norm its input (2h bytes)
-    assert cost.static_breakdown("llm", 1).params == 2 * (36992 + 64 + 6400) / 2
-    assert cost.activation_memory("llm", 1, w) == 10 * (2 * 608 + 4 * 4 / 2 + 2 * 64 + (2 * 64 + 4 * 100 / 2))
+    assert cost.static_breakdown("llm", 1).params == 4 * (36992 + 64 + 6400) / 2
+    assert cost.activation_memory("llm", 1, w) == (10 * (2 * 608 + 4 * 4 / 2 + 2 * 64 + (2 * 64 + 4 * 100 / 2))
+                                                   + copy + 2 * 6400 / 2)  # the head's weight copy too
     assert cost.transient_memory("llm", 0, w) == 0
     # selective recompute drops the attention core's log-sum-exp, live again for one block
     plan.modules[0].recompute = "selective"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
-    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 608
+    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 608 + copy
     assert cost.transient_memory("llm", 0, w) == 10 * 4 * 4 / 2
     # full recompute keeps each block's input only, and one block's full set while recomputing
     plan.modules[0].recompute = "full"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
-    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64
-    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2)
+    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64  # the weights are cast again when recomputed
+    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2) + copy
     # ZeRO-3 shards the parameters too, ZeRO-2 the gradients
     plan.modules[0].zero_stage = 3
     m = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
-    assert (m.params, m.grads, m.optimizer) == (43392 / 2, 43392 / 2, 130176)
+    assert (m.params, m.grads, m.optimizer) == (86784 / 2, 86784 / 2, 86784)
     # a frozen LLM with nothing trainable upstream: parameters only, no activations
     frozen = AnalyticCostModel(arch.with_freeze(["llm"]), plan, Cluster("A100-80GB", 8))
     assert frozen.static_breakdown("llm", 0).grads == frozen.static_breakdown("llm", 0).optimizer == 0

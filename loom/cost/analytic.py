@@ -42,18 +42,20 @@ from loom.cost.flops import attention_flops, gemm_flops, memory_traffic, model_f
 from loom.cost.frozen import BackwardNeeds, backward_needs
 from loom.cost.hardware import Cluster
 from loom.cost.memory import (
+    MASTER_BYTES,
     OPTIMIZER_STATE_BYTES,
     StaticMemory,
     activation_bytes_per_token,
     block_working_bytes_per_token,
     static_memory,
+    weight_copy_bytes,
 )
 from loom.cost.model import CostModel, MicrobatchWork, Phase, StageKind, Workload
 from loom.plan.plan import ModuleSpec, Plan, PlanError
 
-# HBM bytes an optimizer step moves per trainable parameter (mixed precision, 16-bit grads).
-# Adam reads the fp32 master weight, m and v (12) and the gradient (2), writes master, m and v
-# (12) and the 16-bit copy of the weight (2); SGD reads master and gradient, writes both copies.
+# HBM bytes an optimizer step moves per trainable parameter (fp32 weights and gradients, as
+# autocast keeps them: `loom.cost.memory`, "Precision"). Adam reads the weight, its gradient, m
+# and v (16) and writes weight, m and v (12); SGD reads weight and gradient (8), writes the weight.
 OPTIMIZER_STEP_BYTES = {"adam": 28, "sgd": 12}
 
 _CACHE_LIMIT = 200_000
@@ -94,8 +96,11 @@ class _Groups:
 class AnalyticCostModel(CostModel):
     """Costs from `ModelArch` dimensions and `GPUSpec` numbers (module docstring).
 
-    ``dtype_bytes`` is the width of parameters, activations and gradients (2: BF16); the peak
-    is the GPU's dense BF16 figure whatever ``dtype_bytes`` is. ``efficiency`` is the fraction
+    ``dtype_bytes`` is the width of activations, messages and GEMM operands: ``run.dtype``'s
+    (`loom.cost.memory.DTYPE_BYTES`: bf16 2, the default, or fp32 4); weights, gradients, their
+    reduction, ZeRO-3's gathers and the optimizer state are fp32 whatever it is
+    (`loom.cost.memory.MASTER_BYTES`). The peak is the GPU's dense BF16 figure whatever
+    ``dtype_bytes`` is. ``efficiency`` is the fraction
     of that peak GEMMs and attention achieve. ``optimizer`` is ``"adam"`` or ``"sgd"``.
     """
 
@@ -110,8 +115,8 @@ class AnalyticCostModel(CostModel):
     ) -> None:
         if not 0 < efficiency <= 1:
             raise ValueError(f"efficiency = {efficiency}: the achieved fraction of peak must be in (0, 1]")
-        if dtype_bytes not in (1, 2, 4):
-            raise ValueError(f"dtype_bytes = {dtype_bytes}: choose 1, 2 or 4")
+        if dtype_bytes not in (2, 4):
+            raise ValueError(f"dtype_bytes = {dtype_bytes}: choose 2 (run.dtype bf16) or 4 (fp32)")
         if optimizer not in OPTIMIZER_STEP_BYTES:
             raise ValueError(f"optimizer = {optimizer!r}: choose one of {list(OPTIMIZER_STEP_BYTES)}")
         assert set(OPTIMIZER_STEP_BYTES) == set(OPTIMIZER_STATE_BYTES)
@@ -258,7 +263,8 @@ class AnalyticCostModel(CostModel):
             backward_input_comm += comm.all_gather_time(kv, cp, g.cp_link) + comm.reduce_scatter_time(kv, cp, g.cp_link)
         gather = 0.0
         if spec.zero_stage >= 3:
-            gather = comm.all_gather_time(layer.stored_params / tp * b, g.shards, g.dp_link)
+            # FSDP2 gathers the fp32 shards (autocast casts after the gather)
+            gather = comm.all_gather_time(layer.stored_params / tp * MASTER_BYTES, g.shards, g.dp_link)
 
         forward_core = self._compute(layer, work, "forward", tp, cp) + forward_comm
         backward_input = backward_weight = 0.0
@@ -359,15 +365,21 @@ class AnalyticCostModel(CostModel):
         return sum(l.stored_params for l, _ in layers if l.trainable) / self.plan.spec(module).tensor_parallel
 
     def grad_sync_time(self, module: str, stage: int) -> float:
-        """Ring all-reduce of the stage's trainable gradients (``dtype_bytes`` each, per TP
+        """Ring all-reduce of the stage's trainable gradients (fp32, ``MASTER_BYTES`` each, per TP
         shard) over its data x context-parallel replicas; under ZeRO-1/2 a reduce-scatter of the
         gradients and an all-gather of the updated parameters, the same volume; under ZeRO-3 the
         reduce-scatter only (parameters are gathered on demand in `stage_time`)."""
         g = self.groups(module, stage)
-        nbytes = self._trainable_params(module, stage) * self.dtype_bytes
+        nbytes = self._trainable_params(module, stage) * MASTER_BYTES
         if self.plan.spec(module).zero_stage >= 3:
             return comm.reduce_scatter_time(nbytes, g.shards, g.dp_link)
         return comm.all_reduce_time(nbytes, g.shards, g.dp_link)
+
+    def clip_time(self) -> float:
+        """Gradient clipping's norm (``optim.max_grad_norm`` > 0, `loom.runtime.executor`): one
+        fp32 scalar SUM all-reduce over the plan's world, over the network once it spans nodes."""
+        world = self.plan.world_size
+        return comm.all_reduce_time(MASTER_BYTES, world, comm.link_for(self.cluster, range(world)))
 
     def optimizer_time(self, module: str, stage: int) -> float:
         """A memory-bound update: ``OPTIMIZER_STEP_BYTES`` per trainable parameter on the rank
@@ -383,16 +395,22 @@ class AnalyticCostModel(CostModel):
         spec = self.plan.spec(module)
         layers = [l for l, _ in self.stage_layers(module, stage)]
         return static_memory(layers, spec.tensor_parallel, self.groups(module, stage).shards, spec.zero_stage,
-                             self.dtype_bytes, self.optimizer)
+                             self.optimizer)
 
     def static_memory(self, module: str, stage: int) -> float:
         return self.static_breakdown(module, stage).total
 
     def activation_memory(self, module: str, stage: int, work: Workload) -> float:
+        """What a microbatch keeps per rank (`loom.cost.memory`): its activations, and under bf16
+        the weight copies its backward reads (blocks under ``full`` recompute keep none)."""
         spec = self.plan.spec(module)
         tokens = work.tokens / spec.context_parallel
+        if tokens <= 0:
+            return 0.0
+        t = spec.tensor_parallel
         return sum(
-            activation_bytes_per_token(l, spec.tensor_parallel, spec.recompute, self.dtype_bytes) * tokens
+            activation_bytes_per_token(l, t, spec.recompute, self.dtype_bytes) * tokens
+            + (0.0 if l.kind == "block" and spec.recompute == "full" else weight_copy_bytes(l, t, self.dtype_bytes))
             for l, need in self.stage_layers(module, stage)
             if need.any
         )
@@ -400,13 +418,16 @@ class AnalyticCostModel(CostModel):
     def transient_memory(self, module: str, stage: int, work: Workload) -> float:
         """Under recompute, one block's recomputed activations (all of them under ``full``, its
         attention core's under ``selective``) are live again while it is recomputed and
-        back-propagated (counted once per rank, not per microbatch)."""
+        back-propagated (counted once per rank, not per microbatch); under ``full`` and bf16 with
+        the copy of its weights the recomputation casts."""
         spec = self.plan.spec(module)
-        if spec.recompute == "none":
+        if spec.recompute == "none" or work.tokens <= 0:
             return 0.0
         tokens = work.tokens / spec.context_parallel
+        copies = spec.recompute == "full"  # the recomputed block casts its weights again
         return max(
             (block_working_bytes_per_token(l, spec.tensor_parallel, self.dtype_bytes, spec.recompute) * tokens
+             + (weight_copy_bytes(l, spec.tensor_parallel, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
              for l, need in self.stage_layers(module, stage) if need.any),
             default=0.0,
         )

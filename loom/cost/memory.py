@@ -1,16 +1,20 @@
 """Memory per rank: parameters, gradients, optimizer states and activations, and the check that
 a plan fits (issue 3, item 1; disttrain.md §3.1 "Memory, per GPU").
 
-**Static memory** (mixed-precision training as in Rajbhandari et al., "ZeRO", SC 2020, §3.1:
-16-bit parameters and gradients, fp32 optimizer states), per rank holding ``P`` parameters of
-which ``P_t`` are trainable, with ``b = dtype_bytes``, tensor-parallel degree ``t`` and
-``n = data_parallel x context_parallel`` replicas of the stage (ZeRO shards over both, as
-Megatron-LM's distributed optimizer does):
+**Precision** (``run.dtype``, `loom.runtime.precision`): what loom runs is PyTorch's automatic
+mixed precision, so parameters are fp32 master weights whatever the run's dtype, and so are
+their gradients and the optimizer state (``MASTER_BYTES``); ``dtype_bytes`` (`DTYPE_BYTES`:
+bf16 2, fp32 4) is the width of what is computed: activations, messages, the GEMMs' operands.
 
-- parameters ``b P / t``, divided by ``n`` under ZeRO-3;
-- gradients ``b P_t / t``, divided by ``n`` under ZeRO-2 and -3 (frozen parameters have none);
-- optimizer states ``k P_t / t``, divided by ``n`` under ZeRO-1, -2, -3, with ``k = 12`` for Adam
-  (fp32 master weights, first and second moments) and ``k = 4`` for SGD (fp32 master weights).
+**Static memory** (Rajbhandari et al., "ZeRO", SC 2020, §3.1, with fp32 weights and gradients
+as autocast keeps them), per rank holding ``P`` parameters of which ``P_t`` are trainable, with
+tensor-parallel degree ``t`` and ``n = data_parallel x context_parallel`` replicas of the stage
+(ZeRO shards over both, as Megatron-LM's distributed optimizer does):
+
+- parameters ``4 P / t``, divided by ``n`` under ZeRO-3;
+- gradients ``4 P_t / t``, divided by ``n`` under ZeRO-2 and -3 (frozen parameters have none);
+- optimizer states ``k P_t / t``, divided by ``n`` under ZeRO-1, -2, -3, with ``k = 8`` for Adam
+  (first and second moments; the weights are their own master copy) and ``k = 0`` for plain SGD.
 
 **Activations** kept from a microbatch's forward until its backward, per token and per rank
 (tokens divided by the context-parallel degree), only for layers that run some backward
@@ -44,6 +48,12 @@ so ``b (4 h + (2 q + 2 kv + m) / t) + 4 a / t``: about ``32 h`` bytes for GPT-3 
 - ``"none"``: all of the above.
 
 Other layers keep their inputs (`activation_bytes_per_token`).
+
+**bf16 weight copies**: under bf16 autocast every matrix product casts its fp32 weight to bf16,
+and a layer whose input requires grad keeps that copy for its backward: ``b W / t`` per
+microbatch in flight for a layer of ``W`` GEMM weights that runs some backward (none under
+``"full"`` recompute, where the copy is made again while the block is recomputed: part of the
+transient set). fp32 runs cast nothing (`weight_copy_bytes`).
 """
 
 from __future__ import annotations
@@ -57,7 +67,9 @@ from loom.cost.hardware import GiB
 from loom.cost.model import CostModel, MicrobatchWork, Workload
 from loom.plan.plan import LLM, Plan, PlanError
 
-OPTIMIZER_STATE_BYTES = {"adam": 12, "sgd": 4}  # per trainable parameter, see the module docstring
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd": 0}  # per trainable parameter, see the module docstring
+MASTER_BYTES = 4  # fp32 weights, gradients and their reduction (module docstring, "Precision")
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # run.dtype -> bytes of an activation, message or GEMM operand
 
 
 class OutOfMemoryError(PlanError):
@@ -83,7 +95,6 @@ def static_memory(
     tensor_parallel: int,
     shards: int,
     zero_stage: int,
-    dtype_bytes: int,
     optimizer: str,
 ) -> StaticMemory:
     """Parameters, gradients and optimizer states of ``layers`` on one rank (module docstring);
@@ -95,8 +106,8 @@ def static_memory(
     trainable = sum(n for n, l in zip(stored, layers) if l.trainable)
     t = tensor_parallel
     return StaticMemory(
-        params=dtype_bytes * total / t / (shards if zero_stage >= 3 else 1),
-        grads=dtype_bytes * trainable / t / (shards if zero_stage >= 2 else 1),
+        params=MASTER_BYTES * total / t / (shards if zero_stage >= 3 else 1),
+        grads=MASTER_BYTES * trainable / t / (shards if zero_stage >= 2 else 1),
         optimizer=OPTIMIZER_STATE_BYTES[optimizer] * trainable / t / (shards if zero_stage >= 1 else 1),
     )
 
@@ -142,6 +153,15 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
             return b * (h + 2 * layer.out_hidden)
         return b * 4 * h  # merger: norm input, fc1 input, GELU input, fc2 input (per input token)
     return 0.0  # embedding: keeps only the token ids
+
+
+def weight_copy_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) -> float:
+    """The bf16 copy of ``layer``'s GEMM weights that autocast makes and its backward keeps
+    (module docstring), on a rank of a ``tensor_parallel``-way group; 0 when nothing is cast
+    (``dtype_bytes`` is the fp32 master width)."""
+    if dtype_bytes >= MASTER_BYTES:
+        return 0.0
+    return float(layer.gemm_weights) / tensor_parallel * dtype_bytes
 
 
 def block_working_bytes_per_token(layer: LayerArch, tensor_parallel: int, dtype_bytes: int,

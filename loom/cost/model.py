@@ -89,6 +89,11 @@ class CostModel(ABC):
         """Seconds of the stage's gradient synchronisation across its data-parallel replicas
         (all-reduce, or reduce-scatter under ZeRO-2/3); 0 with one replica or nothing trainable."""
 
+    def clip_time(self) -> float:
+        """Seconds of gradient clipping's global-norm all-reduce (one fp32 scalar over every
+        rank, once per iteration when ``optim.max_grad_norm`` > 0); 0 unless a model prices it."""
+        return 0.0
+
     @abstractmethod
     def optimizer_time(self, module: str, stage: int) -> float:
         """Seconds of the optimizer step of the stage's trainable parameters on one rank."""

@@ -211,6 +211,16 @@ class ProfiledCostModel(CostModel):
         t = fit.alpha_s * (n - 1) / (ref - 1) + nbytes * fit.seconds_per_byte * ring
         return t / 2 if spec.zero_stage >= 2 else t  # a reduce-scatter is half an all-reduce
 
+    def clip_time(self) -> float:
+        """Gradient clipping's norm: one fp32 scalar all-reduce over the plan's world, from the
+        measured all-reduce fit scaled to the world as `grad_sync_time` scales it."""
+        n = self.plan.world_size
+        if n <= 1 or self.profile.comm is None:
+            return 0.0
+        fit, ref = self.profile.comm.all_reduce, self.profile.comm.world
+        ring = (2 * (n - 1) / n) / (2 * (ref - 1) / ref)
+        return fit.alpha_s * (n - 1) / (ref - 1) + 4 * fit.seconds_per_byte * ring
+
     def optimizer_time(self, module: str, stage: int) -> float:
         params, tensors = self._trainable_params(module, stage)
         if params == 0 or not self.profile.optimizer:

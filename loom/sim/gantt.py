@@ -24,9 +24,11 @@ COLOURS = {
     "send_grad": "#9A9A9A",
     "recv_grad": "#C8C8C8",
     "dispatch": "#55A868",
+    "clip": "#937860",
 }
 LEGEND = {"forward": "forward", "backward": "backward", "optimizer_step": "optimizer step",
-          "grad_sync": "grad sync", "recv_act": "receive (incl. wait)", "dispatch": "dispatch"}
+          "grad_sync": "grad sync", "recv_act": "receive (incl. wait)", "dispatch": "dispatch",
+          "clip": "clip norm (incl. wait)"}
 _COMPUTE = {"forward", "backward", "optimizer_step", "dispatch"}
 _MAX_LABELS = 4000  # beyond this, text labels cost more than they tell
 

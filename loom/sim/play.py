@@ -3,7 +3,13 @@ handler per action kind (the semantics are `loom.sim.simulator`'s module docstri
 
 Every unit has a pointer into its action list; a ready stack holds the units that can advance;
 a unit blocked on a receive waits on that message's key and is woken by the send that posts it,
-a unit at a grad sync by the last replica to arrive. Each action is visited once. Because
+a unit at a grad sync by the last replica to arrive. Each action is visited once.
+
+With ``clip`` (``optim.max_grad_norm`` > 0) every unit also joins gradient clipping's norm
+all-reduce over the world, as the executor does: a unit with an ``OPTIMIZER_STEP`` before it
+(after its gradient sync), a unit without one (a frozen stage) after its last action; all leave
+at the last arrival plus ``cost.clip_time()``, so the optimizer steps wait for every rank's
+backward. Because
 messages carry their arrival times and no resource is shared between units, the order in which
 units advance changes no time, so the result is exact. Core sharing (`loom.sim.sharing`) enters
 as fixed stretch factors per compute action, set between plays by `simulate`'s fixed point.
@@ -23,6 +29,7 @@ SEND_ACT, SEND_GRAD = ActionKind.SEND_ACT, ActionKind.SEND_GRAD
 RECV_ACT, RECV_GRAD = ActionKind.RECV_ACT, ActionKind.RECV_GRAD
 GRAD_SYNC, OPTIMIZER_STEP = ActionKind.GRAD_SYNC, ActionKind.OPTIMIZER_STEP
 
+CLIP = "clip"  # the timeline kind of gradient clipping's norm all-reduce (not an IR action)
 _NAME = {k: k.value for k in ActionKind}  # enum .value is a property call; this is a dict hit
 
 
@@ -39,7 +46,7 @@ class Play:
 
     def __init__(self, schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork],
                  part_work: PartWork, *, link_contention: bool = False, step: int = 0, start: float = 0.0,
-                 stretch: list[list[float]] | None = None):
+                 stretch: list[list[float]] | None = None, clip: bool = False):
         self.units = sorted(schedule.actions)
         n = len(self.units)
         self.actions = [schedule.actions[u] for u in self.units]
@@ -71,6 +78,11 @@ class Play:
         self.messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
         self.waiting: dict[tuple, int] = {}  # message key -> the unit blocked on it
         self.arrived: dict[tuple[str, int], dict[int, float]] = {}  # stage -> {unit: arrival} at its grad sync
+        # gradient clipping's world all-reduce: who must join, who has (unit -> arrival), who is through
+        self.clip = clip
+        self.clip_at_end = [not any(a.kind is OPTIMIZER_STEP for a in acts) for acts in self.actions]
+        self.clip_arrived: dict[int, float] = {}
+        self.clipped = [not clip] * n
         # Units that may advance, as a stack. The order is free: it changes no time.
         self.ready = list(reversed(self.units))
         self.handlers = {FORWARD: self._compute, BACKWARD: self._compute, SEND_ACT: self._send, SEND_GRAD: self._send,
@@ -101,6 +113,10 @@ class Play:
             t = after
             i += 1
         self.pointer[u], self.clock[u] = i, t
+        if i == end and not self.clipped[u] and self.clip_at_end[u] and u not in self.clip_arrived:
+            done = self._join_clip(u, t)  # no optimizer step here: join the norm after the last action
+            if done is not None:
+                self.clock[u] = done
 
     def _event(self, u: int, a: Action, start: float, end: float) -> TimelineEvent:
         return TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage, a.microbatch, start, end,
@@ -190,7 +206,35 @@ class Play:
                 self.ready.append(q)
         return end
 
-    def _optimizer(self, u: int, a: Action, t: float) -> float:
+    def _join_clip(self, u: int, t: float) -> float | None:
+        """Unit ``u`` reaches the clipping norm's all-reduce at ``t``: None while others are
+        still to come; the last to arrive releases everyone at ``max(arrivals) + clip_time``."""
+        self.clip_arrived[u] = t
+        if len(self.clip_arrived) < len(self.units):
+            return None
+        d = self.cost.clip_time()
+        end = max(self.clip_arrived.values()) + d
+        for q, tq in self.clip_arrived.items():
+            role = self.roles[q]
+            self.events[q].append(TimelineEvent(self.first_rank[q], CLIP, "CLIP", role[0], role[1], -1, tq, end,
+                                                self.step))
+            self.sync[q] += d
+            self.clipped[q] = True
+            if q != u:
+                self.clock[q] = end
+                if not self.clip_at_end[q]:
+                    self.ready.append(q)  # back to its optimizer step
+        self.clip_arrived = {}
+        return end
+
+    def _optimizer(self, u: int, a: Action, t: float) -> float | None:
+        if not self.clipped[u]:  # clip before the step: the scale needs every rank's gradients
+            if u in self.clip_arrived:
+                return None
+            after = self._join_clip(u, t)
+            if after is None:
+                return None
+            t = after
         d = self.cost.optimizer_time(a.module, a.stage)
         if self.stretch is not None:
             d = self._stretched(u, d, t)
@@ -220,6 +264,8 @@ class Play:
                 here = self.arrived.get(st, {})
                 missing = [q for q in self.sync_group[st] if q not in here]
                 what += f" with {len(here)} of {len(self.sync_group[st])} replicas arrived (missing units {missing})"
+            elif a.kind is OPTIMIZER_STEP and u in self.clip_arrived:
+                what += " at gradient clipping's norm all-reduce, which some unit never reaches"
             elif a.peer is not None:
                 what += f" for a message from unit {a.peer} that is never sent"
             lines.append(what)

@@ -30,6 +30,7 @@ from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch import ModelArch
 from loom.cost.model_configs import load_model_arch
 from loom.cost.hardware import Cluster, get_gpu
+from loom.cost.memory import DTYPE_BYTES
 from loom.cost.model import MicrobatchWork, Workload
 from loom.cost.workload import WorkloadError, sample_work
 from loom.data.sample import SampleMeta
@@ -77,6 +78,14 @@ class Scenario:
     llm_batching: str = "packed"  # or "padded"
     degrees: ParallelDegrees = field(default_factory=ParallelDegrees)
     plans: dict[str, Plan] = field(default_factory=dict)  # explicit plans from the file
+    # as in a run's config: run.dtype (activations and messages; weights, gradients and optimizer
+    # state are fp32 either way) and optim.max_grad_norm (> 0: the clipping norm's all-reduce)
+    dtype: str = "bf16"
+    max_grad_norm: float = 0.0
+
+    def cost_model(self, plan: Plan) -> AnalyticCostModel:
+        """The analytic cost model of ``plan`` on this cluster at the scenario's ``run.dtype``."""
+        return AnalyticCostModel(self.arch, plan, self.cluster, dtype_bytes=DTYPE_BYTES[self.dtype])
 
     # ---- data -----------------------------------------------------------------------------
     def metas(self, step: int = 0) -> list[SampleMeta]:
@@ -123,7 +132,7 @@ class Scenario:
         for m in one_stage.modules:
             m.num_stages, m.stage_boundaries = 1, None
         one_stage.resolve(self.arch.layer_counts())
-        model = AnalyticCostModel(self.arch, one_stage, self.cluster)
+        model = self.cost_model(one_stage)
         n = len(work)
         mean = {
             name: Workload(*(round(sum(getattr(w.get(name, Workload()), f) for w in work) / n)
@@ -178,11 +187,11 @@ class Scenario:
             if layout is not None:
                 raise ScenarioError("Scenario.run with a layout needs its per-slot work (Scenario.layout_work)")
             work = self.microbatch_work(self.metas(), plan.num_microbatches)
-        cost = AnalyticCostModel(self.arch, plan, self.cluster)
+        cost = self.cost_model(plan)
         # frozen stages run no backward
         schedule = build_schedule(plan, self.trainable_stages(plan), layout=layout, eager=eager)
         result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work,
-                          dispatch=dispatch)
+                          dispatch=dispatch, clip=self.max_grad_norm > 0)
         return result, cost
 
     def run_balanced(self, plan: Plan, balance: "BalanceConfig | str", step: int = 0,
@@ -254,7 +263,9 @@ def policy_label(config: "BalanceConfig", phases: list[str]) -> str:
 def load_scenario(path: str | Path, overrides: typing.Sequence[str] = ()) -> Scenario:
     """A scenario from TOML: ``[model]`` (llm, encoders, projector, freeze), ``[cluster]`` (gpu,
     num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size, llm_batching),
-    ``[parallel]`` (`ParallelDegrees`), and optional ``[plans.<name>]`` tables in the plan format.
+    ``[parallel]`` (`ParallelDegrees`), ``[run]`` (dtype, as a run's: "bf16", the default, or
+    "fp32"), ``[optim]`` (max_grad_norm, as a run's: > 0 prices the clipping norm's all-reduce)
+    and optional ``[plans.<name>]`` tables in the plan format.
     ``overrides`` (``dotted.key=value``, `loom.plan.overrides`) apply to those tables first; every
     value, the file's and the overrides', passes `check_scenario_tables`, so this API refuses what
     ``loom simulate`` refuses."""
@@ -287,6 +298,8 @@ def _schema() -> dict[str, Any]:
         "cluster": {"gpu": str, "num_gpus": int, "gpus_per_node": int},
         "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str},
         "parallel": typing.get_type_hints(ParallelDegrees),
+        "run": {"dtype": str},
+        "optim": {"max_grad_norm": float},
         "plans": dict[str, dict],
     }
 
@@ -294,7 +307,7 @@ def _schema() -> dict[str, Any]:
 # whole numbers that may be 0 (the others are sizes and counts, at least 1)
 _ZERO_OK = {"data.seed", "parallel.zero_stage"}
 _CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3),
-            "parallel.recompute": RECOMPUTE_MODES}
+            "parallel.recompute": RECOMPUTE_MODES, "run.dtype": tuple(DTYPE_BYTES)}
 
 
 def check_scenario_tables(data: dict[str, Any]) -> None:
@@ -327,6 +340,9 @@ def check_scenario_tables(data: dict[str, Any]) -> None:
                 if isinstance(v, int) and not isinstance(v, bool) and v < low:
                     raise ScenarioError(f"{where} = {v}: must be at least {low}; use a "
                                         f"{'non-negative' if low == 0 else 'positive'} whole number")
+                if where == "optim.max_grad_norm" and not (v >= 0 and v != float("inf")):
+                    raise ScenarioError(f"{where} = {v!r}: is a gradient-norm threshold; use 0 for no clipping or a "
+                                        f"positive norm such as 1.0")
                 if where in _CHOICES and v not in _CHOICES[where]:
                     raise ScenarioError(f"{where} = {v!r}: unknown value; choose one of {list(_CHOICES[where])}")
     except ScenarioError:
@@ -375,4 +391,6 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
         name=data.get("name", default_name), arch=arch, cluster=cluster, mix=mix, seed=int(dd.get("seed", 0)),
         global_batch_size=int(dd.get("global_batch_size", 1024)), llm_batching=dd.get("llm_batching", "packed"),
         degrees=ParallelDegrees(**data.get("parallel", {})), plans=plans,
+        dtype=data.get("run", {}).get("dtype", "bf16"),
+        max_grad_norm=float(data.get("optim", {}).get("max_grad_norm", 0.0)),
     )

@@ -19,7 +19,10 @@ dependencies forward").
   stages and ``samples``);
 - ``GRAD_SYNC`` is a collective over the units holding a ``GRAD_SYNC`` of the same stage (its
   data-parallel replicas): all of them leave it at ``max(arrivals) + cost.grad_sync_time``;
-- ``OPTIMIZER_STEP`` takes ``cost.optimizer_time``.
+- ``OPTIMIZER_STEP`` takes ``cost.optimizer_time``;
+- with ``clip`` (``optim.max_grad_norm`` > 0), gradient clipping's norm: one scalar all-reduce
+  over every unit, joined before the ``OPTIMIZER_STEP`` (or after the last action of a unit
+  without one), which all leave at ``max(arrivals) + cost.clip_time()`` (`loom.sim.play`).
 
 With ``link_contention`` a unit's outgoing messages also share one link: each transfer starts
 when the previous one from the same unit has finished.
@@ -71,6 +74,7 @@ def simulate(
     sample_work: Sequence[MicrobatchWork] | Mapping[int, MicrobatchWork] | None = None,
     dispatch: DispatchCost | None = None,
     sharing: CoreSharing | None = None,
+    clip: bool = False,
 ) -> SimResult:
     """Play one iteration of ``schedule`` (whose ranks are ``plan``'s pipeline units) under
     ``cost``, with ``work[j]`` the per-module workload of microbatch ``j`` (with a balanced
@@ -81,6 +85,7 @@ def simulate(
     is given. ``dispatch`` (`loom.sim.dispatch.price_dispatch`) runs before the schedule.
     ``sharing`` (`loom.sim.sharing.CoreSharing`): ranks that share a CPU host's cores, whose
     compute stretches by the contention it meets (the cost model then prices solo compute).
+    ``clip``: the run clips gradients by their global norm (``optim.max_grad_norm`` > 0).
 
     Raises `DeadlockError` if some unit can never finish. The IR is not otherwise checked: run
     `loom.schedule.validate_schedule` first for a precise diagnosis of a malformed one."""
@@ -101,7 +106,7 @@ def simulate(
                 else dispatch.host * stretch)
         dispatch = replace(dispatch, decide=dispatch.decide * stretch, host=host)
     head = dispatch.total if dispatch is not None else 0.0
-    play = _play(schedule, plan, cost, works, part_work, link_contention, step, head, sharing)
+    play = _play(schedule, plan, cost, works, part_work, link_contention, step, head, sharing, clip)
     if dispatch is not None:
         for u in units:
             play.events[u][:0] = _dispatch_events(dispatch, play.first_rank[u], play.roles[u], step)
@@ -109,15 +114,15 @@ def simulate(
 
 
 def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork], part_work: PartWork,
-          link_contention: bool, step: int, head: float, sharing: CoreSharing | None) -> Play:
+          link_contention: bool, step: int, head: float, sharing: CoreSharing | None, clip: bool = False) -> Play:
     """The iteration's play; with core sharing, the fixed point of `loom.sim.sharing`."""
     if sharing is None:
         return Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step,
-                    start=head).run()
+                    start=head, clip=clip).run()
     stretch: list[list[float]] = [[] for _ in range(plan.num_units)]
     for _ in range(MAX_ROUNDS):
         play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head,
-                    stretch=stretch).run()
+                    stretch=stretch, clip=clip).run()
         unit_ranks = [plan.spec(play.roles[u][0]).ranks_per_unit for u in play.units]
         stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch)
         if worst <= TOLERANCE:
