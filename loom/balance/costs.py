@@ -134,7 +134,9 @@ def sample_costs(arch: ModelArch, metas: MetadataArrays | Sequence[SampleMeta]) 
     for name in arch.module_names:
         a, b = module_coefficients(arch, name)
         # an int64 array times a Python float is float64 already: no converted copies, same values
-        work[name] = float(a) * tok.tokens[name] + float(b) * tok.attn_sq[name]
+        w = float(a) * tok.tokens[name]
+        w += float(b) * tok.attn_sq[name]  # in place: one temporary fewer, the same sums
+        work[name] = w
         # the batch's backward over forward FLOPs: exact per sample when the module's token and
         # attention parts have one ratio (trainable: 2, frozen before any trainable layer: 0)
         ba, bb = backward[name]

@@ -173,6 +173,15 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
         Kp = K[:k_max]
         Q = q_buf[:k_max]
         np.add(Kp, ps[pos : pos + k_max], out=Q)
+        if k_max == m > 1 and K[m - 1] < Q[: m - 1].min():
+            # a full batch (S(t) fails for every t < m: the least of Q[:-1] is above the largest
+            # key; the usual case when items far outnumber ranks): every rank takes an item and
+            # the new keys are Q itself, sorted, so the buffers swap instead of copying back
+            ps[pos : pos + m] = K
+            Q.sort()
+            K, q_buf = Q, K
+            pos += m
+            continue
         k = k_max
         if k_max > 1:
             # Stop at the first t with S(t): min(Q[:t]) <= Kp[t]. S is monotone (prefix minima

@@ -118,7 +118,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     r = round_size(plan)
     rounds = m // r
     bounds = np.concatenate(([0], np.cumsum(contiguous_sizes(n, m))))
-    base = np.repeat(np.arange(m, dtype=np.int64), np.diff(bounds))
+    base = None  # the given slots, built only for a phase under "none"
     slot_of: dict[str, np.ndarray] = {}
     nodewise = ranks_per_node > 1 and costs.payload_bytes is not None
     balanced = [p for p, policy in chosen.items() if policy != "none"]
@@ -130,6 +130,8 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     slot_counts: dict[str, np.ndarray] = {}  # and its sample count
     for phase, policy in chosen.items():
         if policy == "none":
+            if base is None:
+                base = np.repeat(np.arange(m, dtype=np.int64), np.diff(bounds))
             slot_of[phase] = base
             continue
         dp = plan.spec(phase).data_parallel

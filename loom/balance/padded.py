@@ -203,7 +203,9 @@ def padded_runs(lengths: np.ndarray, num_ranks: int, alpha: float = 1.0, beta: f
         hist = np.bincount(l)
         values = np.flatnonzero(hist)[::-1]  # distinct lengths, longest first
         counts = hist[values]
-        order = np.argsort((top_len - l).astype(np.uint16), kind="stable")  # longest first, ties by index
+        key = np.empty(n, dtype=np.uint16)
+        np.subtract(top_len, l, out=key, casting="unsafe")  # exact: 0 <= top - l < 2^16; no int64 temporary
+        order = np.argsort(key, kind="stable")  # longest first, ties by index
     else:
         lf = _check_workloads(l, "lengths")
         values, counts = np.unique(lf, return_counts=True)

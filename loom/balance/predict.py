@@ -129,8 +129,9 @@ def _routes(layout: BatchLayout, encoder: str, lanes: int, plan: Plan,
     e_order, e_bounds = layout.arrays[encoder]
     m, r, dp = len(bounds) - 1, round_size(plan), plan.spec(encoder).data_parallel
     enc_index = layout.slot_index(encoder)
-    enc_of = enc_index[order]
-    to = llm_index[e_order]
+    # indices valid by construction: "clip" skips the bounds check and error path of fancy indexing
+    enc_of = np.take(enc_index, order, mode="clip")
+    to = np.take(llm_index, e_order, mode="clip")
     if m == r == lanes:
         return enc_of, to, None
     enc_slot = np.repeat(np.arange(m), np.diff(e_bounds))
@@ -202,7 +203,8 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
                 r = np.zeros(lanes)
                 if hi > lo:
                     starts = llm_bounds[q * lanes:(q + 1) * lanes] - lo
-                    r[:starts.size] = np.maximum.reduceat(f_end[d].reshape(-1)[idx[lo:hi]], starts)
+                    r[:starts.size] = np.maximum.reduceat(np.take(f_end[d].reshape(-1), idx[lo:hi], mode="clip"),
+                                                          starts)
             out = r if out is None else np.maximum(out, r)
         return out
 
@@ -221,7 +223,7 @@ def pipeline_times(plan: Plan, forward: dict[str, np.ndarray], *, backward_ratio
         out = np.zeros(lanes)
         if hi > lo:
             starts = eb[k * lanes:(k + 1) * lanes] - lo
-            out[:starts.size] = np.maximum.reduceat(b_end[d].reshape(-1)[idx[lo:hi]], starts)
+            out[:starts.size] = np.maximum.reduceat(np.take(b_end[d].reshape(-1), idx[lo:hi], mode="clip"), starts)
         return out
 
     for q in range(positions):

@@ -396,19 +396,24 @@ def sample_tokens(arch: ModelArch, meta: MetadataArrays | Sequence[SampleMeta]) 
                 f"the data has {field_name} but the model has no {kind} encoder: add one under "
                 f"[model] encoders, or choose a data.mix without {field_name}"
             )
-    llm = meta.text_tokens - meta.image_count - meta.audio_count
+    llm = (meta.text_tokens - meta.image_count).astype(np.int64, copy=False)  # a new array: summed in place
+    llm -= meta.audio_count
     tokens: dict[str, np.ndarray] = {}
     attn_sq: dict[str, np.ndarray] = {}
     for name in arch.encoder_names:
         module = arch.module(name)
-        count, t = _item_tokens(module, meta)
+        count, t = _item_tokens(module, meta)  # a new array
         t = t.astype(np.int64, copy=False)
+        top = int(count.max()) if count.size else 0
+        if top == 1 and t.size == count.size:  # one item per sample: the items' values are the samples'
+            tokens[name], attn_sq[name] = t, t * t
+            llm += t // module.merge if module.merge != 1 else t
+            continue
         # the items' bounds, once per batch, where some sample has several items
-        bounds = meta.bounds[0 if module.kind == "vision" else 1] if count.size and int(count.max()) > 1 else None
+        bounds = meta.bounds[0 if module.kind == "vision" else 1] if top > 1 else None
         tokens[name] = per_sample_sum(count, t, bounds)
         attn_sq[name] = per_sample_sum(count, t * t, bounds)
-        llm = llm + per_sample_sum(count, t // module.merge if module.merge != 1 else t, bounds)
-    llm = llm.astype(np.int64)
-    tokens[LLM] = np.where(llm > 0, llm, 0)
+        llm += per_sample_sum(count, t // module.merge if module.merge != 1 else t, bounds)
+    tokens[LLM] = np.maximum(llm, 0)
     attn_sq[LLM] = tokens[LLM] * tokens[LLM]
     return SampleTokens(tokens, attn_sq, llm)
