@@ -1,0 +1,120 @@
+"""Peak bytes of live tensors on the CPU, exactly, as a context manager (issue 9,
+``benchmarks/memory.py``; usable by ``loom profile``).
+
+The process's resident set size is too coarse to check a memory model with: the allocator keeps
+freed pages, the interpreter and libraries weigh hundreds of MB, and it only grows. What the
+cost model predicts (`loom.cost.memory`) is the bytes of tensors alive at once, so that is what
+`MemoryMeter` counts: every tensor storage on the metered device, from the moment an operator
+creates it to the moment its last reference (Python or C++: autograd's saved tensors, a view,
+an optimizer's state) goes, at each operator call.
+
+How: a `TorchDispatchMode` sees every operator's outputs (forward, backward, which runs in the
+calling thread on the CPU, optimizer steps, collectives' buffers). The first time it sees a
+storage it adds the storage's bytes to the live count and attaches a ``weakref.finalize`` to the
+storage's Python object, which PyTorch keeps alive exactly as long as the C++ storage, so the
+count drops when the storage is really freed. Storages that exist before the meter starts (the
+parameters, the optimizer's state) are added by `MemoryMeter.track` or `track_live` (all tensors
+the garbage collector can reach). A storage resized in place (FSDP2 frees its unsharded
+parameters that way) is re-measured whenever an operator returns it, and by `refresh`.
+
+CUDA has this built in: use ``torch.cuda.max_memory_allocated`` there (`peak_allocated`).
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class MemoryMeter(TorchDispatchMode):
+    """Counts the bytes of live tensor storages on ``device`` (a device type: ``"cpu"``) while
+    entered, and their peak. ``live_bytes``: now; ``peak_bytes``: the most at once since the
+    meter started or `reset_peak`."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device).type
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        # id(storage) -> [bytes counted, its finalizer]; the finalizer holds no strong reference
+        self._sizes: dict[int, list[Any]] = {}
+
+    # ---- counting ------------------------------------------------------------------------------
+    def _freed(self, key: int) -> None:
+        entry = self._sizes.pop(key, None)
+        if entry is not None:
+            self.live_bytes -= entry[0]
+
+    def _see(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has none of its own
+            return
+        key = id(storage)
+        n = storage.nbytes()
+        entry = self._sizes.get(key)
+        if entry is None:
+            self._sizes[key] = [n, weakref.finalize(storage, self._freed, key)]
+            self.live_bytes += n
+        elif entry[0] != n:  # resized in place since we last saw it
+            self.live_bytes += n - entry[0]
+            entry[0] = n
+        else:
+            return
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+
+    def track(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Count storages that existed before the meter started (each counted once)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+
+    def track_live(self) -> None:
+        """Count every tensor the garbage collector can reach now (parameters, gradients,
+        optimizer states, buffers, data): the live bytes of a process at a step boundary."""
+        # type(), not isinstance(): the latter reads ``__class__``, which some module proxies warn on
+        self.track(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+    def refresh(self) -> None:
+        """Re-measure every counted storage (catches in-place resizes no operator returned)."""
+        for key, entry in list(self._sizes.items()):
+            storage = entry[1].peek()
+            if storage is not None:
+                n = storage[0].nbytes()
+                self.live_bytes += n - entry[0]
+                entry[0] = n
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def reset_peak(self) -> None:
+        """Start a new peak from the bytes live now."""
+        self.peak_bytes = self.live_bytes
+
+    def close(self) -> None:
+        """Stop following the counted storages (their finalizers detach)."""
+        for entry in self._sizes.values():
+            entry[1].detach()
+        self._sizes.clear()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._see(t)
+        return out
+
+
+def peak_allocated(device: torch.device) -> int:
+    """``torch.cuda.max_memory_allocated`` of ``device`` (CUDA only): the CUDA allocator's own
+    count of the same quantity `MemoryMeter` counts on the CPU."""
+    if device.type != "cuda":
+        raise ValueError(f"peak_allocated(device={device}): CUDA only; on the CPU enter a MemoryMeter")
+    return torch.cuda.max_memory_allocated(device)
