@@ -1,45 +1,61 @@
 """Simulator fidelity: the simulator's prediction against what ``loom train`` measures, per step
 and per action (issue 8, point 5 and its acceptance).
 
-What runs, in this order:
+What runs: ``--rounds`` rounds (default 3), each
 
-1. **The profile**, from a separate ``loom profile`` run of the demo model (configs/demo.toml),
-   one thread, with co-running processes standing in for the other ranks, written to a file
-   *before any step is measured*; the simulator loads that file as production would
-   (`loom.cost.profile_file.load_profile_for`, then `loom.cost.profiled.ProfiledCostModel`).
-   ``--profile PATH`` reuses a stored profile instead (it must match the model).
-2. **Real steps on the production path** of ``loom train``: 4 local gloo processes, one thread
-   each, the demo config with each case's overrides, each rank built by
-   `loom.train.rank.build_rank` and stepped by `RankRun.step` (the training loop's own builder
-   and iteration: the seeded sampler's global batch of that step, the `Dispatcher` with its
-   metadata all-gather, the ``[balance]`` policy's layout and the payload all-to-all, then
-   ``engine.step`` with the layout and its `RowMap`, the run's AdamW and LR schedule). The cases:
+1. **a profile**, from a separate ``loom profile`` run of the demo model (configs/demo.toml),
+   one thread, with co-running processes standing in for the other ranks (none by default: the
+   simulator prices the core sharing), written to a file *before any step of its round is
+   measured*; the simulator loads that file as production would
+   (`loom.cost.profile_file.load_profile_for`, then `loom.cost.profiled.ProfiledCostModel`). The
+   first round's run measures everything; later rounds' runs time the layers only (``--no-comm
+   --no-dispatch``, about a third of the time) and take the communication and dispatcher fits
+   from the first round's file. ``--profile PATH`` uses a stored profile in every round instead
+   (it must match the model);
+2. then **real steps on the production path** of ``loom train``: 4 local gloo processes (started
+   once, idle while a profile runs), one thread each, the demo config with each case's
+   overrides, each rank built by `loom.train.rank.build_rank` and stepped by `RankRun.step`
+   (the training loop's own builder and iteration: the seeded sampler's global batch of that
+   step, the `Dispatcher` with its metadata all-gather, the ``[balance]`` policy's layout and
+   the payload all-to-all, then ``engine.step`` with the layout and its `RowMap`, the run's
+   AdamW and LR schedule, the loss all-reduce): ``--warmup`` untimed then ``--steps`` timed
+   steps of every case (the step numbers go on from round to round: every step has its own
+   global batch). The cases:
    - ``demo``: the demo plan (vision and audio encoders in parallel on a rank each, a 2-stage
      LLM; multimodal 1F1B, 4 microbatches) under policy ``none``, ``disttrain`` and
      ``entrain`` (whose layout defers LLM work, entrain.md §3.6, so its schedule has split
      backwards);
    - ``dp2``: vision | audio | an LLM of data-parallel degree 2 (routed encoder->LLM edges,
      a gradient all-reduce), under ``none`` and ``orchmllm``.
-   As in ``loom train``, the dispatcher reads (decodes) its shard's samples inside the step. Rounds alternate the cases (one step of each per round) so every case
-   samples the machine over the same minutes; a step runs from a barrier to the end of
-   `RankRun.step` on the last rank (``max end - min start``, one clock), the dispatch included.
-3. **The simulation of the same IR**, for every timed step's batch: the schedule
-   ``engine.schedule_for`` runs for the layout
-   (rebuilt here from the same metadata by the same `make_layout`), each slot's workload per
-   phase from the samples it holds (`loom.cost.workload.sample_work`, right-padded LLM rows as
-   the runtime collates them), and the dispatch priced by `loom.sim.dispatch`: the metadata
-   all-gather and the payload all-to-alls over the profile's measured message link (alpha-beta
-   from its ``latency`` fit), the decision at its time measured here before the steps (median of
-   repeated ``sample_costs`` + ``make_layout`` calls on the gathered metadata, with the
-   profile's co-running processes, none by default). The 4 ranks share this machine's cores:
-   the simulation prices that with `loom.sim.sharing.CoreSharing` (processor sharing), the
-   profile being solo (``--no-sharing`` plays each rank on a core of its own).
+   As in ``loom train``, the dispatcher reads (decodes) its shard's samples inside the step.
+   Cases alternate within each step number, so every case samples the machine over the same
+   minutes; a step runs from a barrier to the end of `RankRun.step` on the last rank (``max end
+   - min start``, one clock), the dispatch included. Each rank's CPU time over the step is
+   recorded beside it (what it computed, whatever the contention).
+
+Rounds exist because this machine's speed drifts from minute to minute (other work, the VM):
+a profile taken long before the steps prices a different machine. Each round pairs a profile
+with the steps right after it, and the figures are medians over rounds with their spread.
+
+**The simulation of the same IR**, for every timed step's batch with its round's profile: the
+schedule ``engine.schedule_for`` runs for the layout (rebuilt here from the same metadata by the
+same `make_layout`), each slot's workload per phase from the samples it holds
+(`loom.cost.workload.sample_work`, right-padded LLM rows as the runtime collates them), the
+dispatch priced by `loom.sim.dispatch` (the dispatcher's host work from the profile's fit; the
+metadata all-gather and the payload all-to-alls over the profile's message link measured with
+the sender waiting, ``latency_idle``, as every rank waits in those collectives; the decision at
+its time measured here before the steps, the median of repeated ``sample_costs`` +
+``make_layout`` calls on the gathered metadata), and the loss all-reduce that ends the step
+(one scalar over the world, `ProfiledCostModel.clip_time`'s pricing). The 4 ranks share this
+machine's cores: the simulation prices that with `loom.sim.sharing.CoreSharing` (processor
+sharing), the profile being solo (``--no-sharing`` plays each rank on a core of its own).
 
 Figures:
 
-- ``median_abs_rel_error``: iteration level, the median over cases of ``|sim - real| / real``
-  with ``real`` the median step time of the case and ``sim`` the median of its simulated
-  steps, over the same steps (target <= 0.15);
+- ``median_abs_rel_error``: iteration level, per round the median over cases of ``|sim - real|
+  / real`` with ``real`` the median step time of the case over the round's timed steps and
+  ``sim`` the median of its simulated steps (the same steps); the figure is the median over
+  rounds, its spread the rounds' [min, max] (target <= 0.15);
 - ``action_median_abs_rel_error``: per action kind, the median over kinds of each kind's median
   ``|sim - real| / real``, where one observation is the time one rank spends in that kind in one
   step of one case (the sum of its matched actions' durations; real and simulated: the
@@ -47,19 +63,19 @@ Figures:
   sync, optimizer and dispatch (target <= 0.25). Per rank-step sums rather than single actions
   because the simulator's sends take no time on their rank (their CPU cost is charged to the
   compute action around them, `ProfiledCostModel`), so single messages have no counterpart.
-  The per-kind table shows each kind's error and its summed times.
-- ``max_abs_rel_error``: the worst case's iteration-level error;
+  Per round, then the median over rounds (spread over rounds). The per-kind table shows each
+  kind's error per round and its summed times.
+- ``max_abs_rel_error``: the worst case's iteration-level error (per round; median over rounds);
 - ``sim_seconds_1024gpu_64mb``: seconds of one ``simulate`` of a 1024-GPU plan (simulated, not
   a measurement of training).
 
-    python benchmarks/sim_fidelity.py [--steps 5 --warmup 1 --cases 0,3 --profile PATH --out DIR]
+    python benchmarks/sim_fidelity.py [--rounds 3 --steps 3 --warmup 1 --cases 0,3 --profile PATH --out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -81,7 +97,7 @@ from loom.balance.policy import make_layout, sample_costs
 from loom.cost.arch_from_model import arch_from_model
 from loom.cost.comm import Link
 from loom.cost.model import Workload
-from loom.cost.profile_file import load_profile_for
+from loom.cost.profile_file import Profile, load_profile_for
 from loom.cost.profiled import ProfiledCostModel
 from loom.cost.workload import MetadataArrays, sample_work
 from loom.data.sampler import GlobalBatchSampler
@@ -142,18 +158,37 @@ def batch_indices(cfg: TrainConfig, step: int) -> list[int]:
 
 
 # ---- 1. the profile: a separate `loom profile` run -------------------------------------------
-def run_profiler(out: Path, co_runners: int, repeats: int) -> float:
-    """``loom profile`` of the demo config as a subprocess; returns its wall seconds."""
-    exe = shutil.which("loom")
-    cmd = ([exe] if exe else [sys.executable, "-m", "loom.cli"]) + [
-        "profile", "--config", str(CONFIG), "--out", str(out), "--threads", "1", "--co-runners", str(co_runners),
-        "--repeats", str(repeats)]
-    print("  $ " + " ".join(cmd[1:] if exe is None else ["loom"] + cmd[1:]), flush=True)
+def run_profiler(out: Path, co_runners: int, repeats: int, layers_only: bool = False) -> float:
+    """``loom profile`` of the demo config as a subprocess, written to ``out``; returns its wall
+    seconds. ``layers_only`` skips the communication and dispatcher measurements (``--no-comm
+    --no-dispatch``): a later round's profile, whose round takes those fits from the first
+    round's stored profile (`round_profile`)."""
+    # `python -m loom.cli` of this checkout (what the `loom` script runs), so the profile is of
+    # this tree's code whatever the installed entry point points at
+    cmd = [sys.executable, "-m", "loom.cli", "profile", "--config", str(CONFIG), "--out", str(out), "--threads", "1",
+           "--co-runners", str(co_runners), "--repeats", str(repeats)] + (["--no-comm", "--no-dispatch"]
+                                                                         if layers_only else [])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    print("  $ loom " + " ".join(cmd[3:]), flush=True)
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"loom profile failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
     return time.perf_counter() - t0
+
+
+def round_profile(path: Path, first: Path, model) -> Profile:
+    """A round's stored profile as production loads it (`load_profile_for`); where it was taken
+    ``layers_only``, its communication and dispatcher fits come from the first round's stored
+    profile ``first`` (both files exist before the round's steps run)."""
+    profile = load_profile_for(path, model)
+    if path != first and (profile.comm is None or not profile.dispatch):
+        base = load_profile_for(first, model)
+        profile.comm = profile.comm or base.comm
+        profile.dispatch = profile.dispatch or base.dispatch
+    if profile.comm is None:
+        raise SystemExit(f"the profile {first} has no communication fits: profile without --no-comm")
+    return profile
 
 
 # ---- 2. the real steps ------------------------------------------------------------------------
@@ -166,43 +201,37 @@ def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], comma
         records = []
         for run in runs:
             dist.barrier()  # every rank is idle: the step's clock starts here
-            start = time.time()
+            start, cpu = time.time(), time.process_time()
             got = run.step(r, exact_timing=True)  # what `loom train` runs: sampler, dispatcher, engine, LR step
-            end = time.time()
+            end, cpu = time.time(), time.process_time() - cpu
             dist.barrier()
-            records.append({"start": start, "dispatched": start + got.dispatch_s, "end": end,
+            records.append({"start": start, "dispatched": start + got.dispatch_s, "end": end, "cpu": cpu,
                             "timeline": events_to_dicts(got.result.timeline)})
         replies.put(("step", rank, records))
     replies.put(("done", rank, 0.0))
 
 
-def measure(selected: list[Case], steps: int, warmup: int) -> list[dict]:
-    """Per case: step times and, per timed step, every rank's measured events (the dispatch as
-    one ``dispatch`` event per rank)."""
-    group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected])
-    per_case = [{"times": [], "steps": []} for _ in selected]
-    try:
-        group.wait_ready()
-        for r in range(warmup + steps):
-            got = group.command(r)
-            if r < warmup:
-                continue
-            for i, acc in enumerate(per_case):
-                rows = [g[2][i] for g in got]
-                acc["times"].append(max(x["end"] for x in rows) - min(x["start"] for x in rows))
-                events = []
-                for rank, x in enumerate(rows):
-                    events.append({"rank": rank, "kind": DISPATCH, "label": "dispatch", "module": "", "stage": 0,
-                                   "microbatch": -1, "start_s": x["start"], "end_s": x["dispatched"], "step": r})
-                    events += x["timeline"]
-                acc["steps"].append(events)
-            print(f"  round {r - warmup + 1}/{steps}: "
-                  + " ".join(f"{acc['times'][-1] * 1e3:.0f}" for acc in per_case) + " ms", flush=True)
-        group.close()
-    finally:
-        for p in group.procs:
-            if p.is_alive():
-                p.terminate()
+def measure(group: WorkerGroup, selected: list[Case], steps: list[int], warmup: int, label: str) -> list[dict]:
+    """Per case: step times, per-rank CPU seconds and, per timed step, every rank's measured
+    events (the dispatch as one ``dispatch`` event per rank). ``warmup`` untimed steps run
+    first (steps ``steps[0] - warmup`` on), then ``steps``; cases alternate within each."""
+    per_case = [{"times": [], "steps": [], "cpu": []} for _ in selected]
+    for r in list(range(steps[0] - warmup, steps[0])) + steps:
+        got = group.command(r)
+        if r < steps[0]:
+            continue
+        for i, acc in enumerate(per_case):
+            rows = [g[2][i] for g in got]
+            acc["times"].append(max(x["end"] for x in rows) - min(x["start"] for x in rows))
+            acc["cpu"].append([x["cpu"] for x in rows])
+            events = []
+            for rank, x in enumerate(rows):
+                events.append({"rank": rank, "kind": DISPATCH, "label": "dispatch", "module": "", "stage": 0,
+                               "microbatch": -1, "start_s": x["start"], "end_s": x["dispatched"], "step": r})
+                events += x["timeline"]
+            acc["steps"].append(events)
+        print(f"  {label} step {r}: " + " ".join(f"{acc['times'][-1] * 1e3:.0f}" for acc in per_case) + " ms",
+              flush=True)
     return per_case
 
 
@@ -218,37 +247,64 @@ def decision_seconds(cfg: TrainConfig, arch, metas: list[SampleMeta], repeats: i
     return statistics.median(times)
 
 
-def measure_decisions(selected: list[Case], co_runners: int) -> list[float]:
-    """Each case's decision time (`decision_seconds`), measured before any step with
-    ``co_runners`` processes computing alongside, the contention the profile was taken under
-    (solo by default: the simulator's core sharing prices the other ranks deciding at once)."""
-    out = []
-    with CoRunners(co_runners):
-        for case in selected:
-            cfg = train_config(case)
-            tokenizer, dataset = build_data(cfg)
-            arch = arch_from_model(build_model(cfg.model, tokenizer, seed=cfg.run.seed))
-            plan = cfg.plan.resolve(arch.layer_counts(), WORLD_SIZE)
-            cfg.plan = plan
-            out.append(decision_seconds(cfg, arch, [dataset.meta(i) for i in batch_indices(cfg, 0)]))
-    return out
+@dataclass
+class CaseModel:
+    """What the simulation of a case needs, built once: its config (plan resolved), data set,
+    model, architecture and LLM batching."""
+    cfg: TrainConfig
+    dataset: Any
+    model: Any
+    plan: Plan
+    arch: Any
+    batching: str
 
 
-def predict(case: Case, step: int, profile_path: Path, links: Links, decide_s: float, sharing: CoreSharing | None):
-    """The simulated step ``step`` of ``case``: its `SimResult` and the dispatch's price (the
-    decision taking ``decide_s``), the ranks sharing this host's cores as ``sharing`` says."""
+def case_model(case: Case) -> CaseModel:
     cfg = train_config(case)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
     plan = cfg.plan.resolve(model.layer_counts(), WORLD_SIZE)
-    profile = load_profile_for(profile_path, model)  # as production loads a stored profile
-    arch = arch_from_model(model)
-    metas = [dataset.meta(i) for i in batch_indices(cfg, step)]
-    batching = "packed" if cfg.data.pack_sequences else "padded"
+    cfg.plan = plan
+    return CaseModel(cfg, dataset, model, plan, arch_from_model(model),
+                     "packed" if cfg.data.pack_sequences else "padded")
+
+
+def measure_decisions(models: list[CaseModel], co_runners: int) -> list[float]:
+    """Each case's decision time (`decision_seconds`), measured before any step with
+    ``co_runners`` processes computing alongside, the contention the profile was taken under
+    (solo by default: the simulator's core sharing prices the other ranks deciding at once)."""
+    with CoRunners(co_runners):
+        return [decision_seconds(cm.cfg, cm.arch, [cm.dataset.meta(i) for i in batch_indices(cm.cfg, 0)])
+                for cm in models]
+
+
+@dataclass
+class Predicted:
+    """One simulated step: the `SimResult`, the dispatch's price and ``iteration_s``, the
+    simulated iteration plus the loss all-reduce that ends `RankStep` (``loss_reduce_s``)."""
+    result: Any
+    dispatch: Any
+    loss_reduce_s: float
+
+    @property
+    def iteration_s(self) -> float:
+        return self.result.iteration_time + self.loss_reduce_s
+
+
+def predict(cm: CaseModel, step: int, profile: Profile, links: Links, decide_s: float,
+            sharing: CoreSharing | None) -> Predicted:
+    """The simulated step ``step`` of a case: the schedule `engine.schedule_for` runs for the
+    layout the dispatcher decides, its slots' workloads, the dispatch priced (the decision taking
+    ``decide_s``), the ranks sharing this host's cores as ``sharing`` says; then the step's loss
+    all-reduce (`RankRun.step` sums the loss over the world after ``engine.step``: one scalar
+    all-reduce every rank joins, priced as the cost model prices such a collective,
+    `ProfiledCostModel.clip_time`)."""
+    cfg, plan, arch, batching = cm.cfg, cm.plan, cm.arch, cm.batching
+    metas = [cm.dataset.meta(i) for i in batch_indices(cfg, step)]
     layout = make_layout(cfg.balance, plan, sample_costs(arch, metas), batching)
-    schedule = build_schedule(plan, trainable_stages(model, plan), layout=layout, eager=cfg.balance.eager_forward)
+    schedule = build_schedule(plan, trainable_stages(cm.model, plan), layout=layout, eager=cfg.balance.eager_forward)
     layout_plan = replace(plan, num_microbatches=layout.num_microbatches)  # as engine.schedule_for validates it
-    cost = ProfiledCostModel(profile, model, layout_plan)
+    cost = ProfiledCostModel(profile, cm.model, layout_plan)
     work = [{phase: sample_work(arch, [metas[s] for s in slots[j]], batching)[phase] for phase, slots in layout.slots.items()}
             for j in range(layout.num_microbatches)]
     per_sample = [sample_work(arch, [m], batching) for m in metas]
@@ -256,8 +312,20 @@ def predict(case: Case, step: int, profile_path: Path, links: Links, decide_s: f
                               decision_seconds=decide_s,
                               payload=layout_payload_bytes(plan, layout, sample_payload_bytes(arch, MetadataArrays.from_metas(metas))),
                               host_seconds=profile.dispatch_host_seconds(len(metas), WORLD_SIZE) or 0.0)
-    result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch, sharing=sharing)
-    return result, result.dispatch_parts
+    result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch, sharing=sharing,
+                      clip=cfg.optim.max_grad_norm > 0)
+    return Predicted(result, result.dispatch_parts, cost.clip_time())
+
+
+def dispatch_links(profile: Profile) -> Links:
+    """The link the dispatch's collectives run over: the profile's message latency measured
+    with the sender *waiting* (``latency_idle``), since in the metadata all-gather and the
+    payload all-to-alls every rank waits in the collective and none computes on (the pipeline's
+    messages, whose senders compute on, use ``latency`` in `ProfiledCostModel`)."""
+    comm = profile.comm
+    fit = comm.latency_idle or comm.latency
+    return Links.uniform(Link("gloo loopback (profiled, idle sender)", 1.0 / max(fit.seconds_per_byte, 1e-15),
+                              fit.alpha_s))
 
 
 def kind_totals(events: list) -> dict[tuple[int, str], float]:
@@ -327,13 +395,15 @@ def simulator_speed(repeats: int = 3) -> tuple[float, dict[str, Any]]:
 # ---- main ------------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=5, help="timed rounds (one step of every case each)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed rounds before them")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of (a `loom profile` stored to a file, then the timed steps of every case)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps of every case per round")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed steps of every case per round, before them")
     ap.add_argument("--cases", type=str, default=None,
                     help="comma-separated case indices (default: all): "
                          + ", ".join(f"{i} {c.name}" for i, c in enumerate(cases())))
     ap.add_argument("--profile", type=Path, default=None,
-                    help="a stored profile of the demo model to use instead of running `loom profile`")
+                    help="a stored profile of the demo model to use in every round instead of running `loom profile`")
     ap.add_argument("--profile-repeats", type=int, default=3, help="`loom profile --repeats`")
     ap.add_argument("--co-runners", type=int, default=0,
                     help="`loom profile --co-runners`: processes computing while layers are timed (default 0: a "
@@ -342,11 +412,51 @@ def parse_args(argv=None):
                     help="simulate every rank on a core of its own (no core sharing; for comparison)")
     ap.add_argument("--out", type=Path, default=None, help="results directory; default benchmarks/results")
     args = ap.parse_args(argv)
-    for flag, value, low in (("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
+    for flag, value, low in (("--rounds", args.rounds, 1), ("--steps", args.steps, 1), ("--warmup", args.warmup, 0),
                              ("--profile-repeats", args.profile_repeats, 1), ("--co-runners", args.co_runners, 0)):
         if value < low:
             ap.error(f"{flag} {value}: use {low} or more")
     return args
+
+
+def compare_round(selected: list[Case], models: list[CaseModel], measured: list[dict], steps: list[int],
+                  profile: Profile, decisions: list[float], sharing: CoreSharing | None) -> dict[str, Any]:
+    """One round's comparison: per case the median measured and simulated step (the same
+    steps, each simulated with its own global batch) and their error; per action kind the
+    observations (relative error, measured, simulated seconds) of every rank-step."""
+    links = dispatch_links(profile)
+    cases_out, observations = [], {k: [] for k in KINDS}
+    for case, cm, meas, decide_s in zip(selected, models, measured, decisions):
+        sims = [predict(cm, step, profile, links, decide_s, sharing) for step in steps]
+        real = statistics.median(meas["times"])
+        predicted = statistics.median(p.iteration_s for p in sims)
+        sim_kinds, real_kinds = per_step_kinds([p.result.timeline for p in sims]), per_step_kinds(meas["steps"])
+        per_kind = {}
+        for key in sorted(set(sim_kinds) | set(real_kinds)):
+            r = statistics.median(real_kinds[key]) if key in real_kinds else 0.0
+            s = statistics.median(sim_kinds[key]) if key in sim_kinds else 0.0
+            per_kind[f"r{key[0]} {key[1]}"] = {"measured_ms": round(r * 1e3, 3), "simulated_ms": round(s * 1e3, 3)}
+            if r > 0 and max(r, s) >= MIN_OBSERVATION_S:
+                observations[key[1]].append((abs(s - r) / r, r, s))
+        cases_out.append({
+            "case": case.name, "overrides": case.overrides, "steps": steps,
+            "measured_ms": [round(t * 1e3, 3) for t in meas["times"]],
+            "predicted_ms": [round(p.iteration_s * 1e3, 3) for p in sims],
+            "real_s": real, "predicted_s": predicted, "abs_rel_error": abs(predicted - real) / real,
+            "dispatch_measured_s": statistics.median([e["end_s"] - e["start_s"] for ev in meas["steps"] for e in ev
+                                                      if e["kind"] == DISPATCH]),
+            "dispatch_simulated_s": statistics.median(p.dispatch.total for p in sims),
+            "loss_reduce_simulated_ms": round(sims[0].loss_reduce_s * 1e3, 3),
+            # CPU seconds of each rank's whole step (every thread): what it computed, whatever
+            # the contention; beside the wall times it separates work from waiting
+            "cpu_ms_per_rank": [round(statistics.median(c[r] for c in meas["cpu"]) * 1e3, 3)
+                                for r in range(WORLD_SIZE)],
+            "dispatch_first_step": sims[0].dispatch.summary(), "per_rank_kind": per_kind})
+    kind_errors = {k: statistics.median(o[0] for o in obs) for k, obs in observations.items() if obs}
+    errors = [c["abs_rel_error"] for c in cases_out]
+    return {"cases": cases_out, "observations": observations, "kind_errors": kind_errors,
+            "median_abs_rel_error": statistics.median(errors), "max_abs_rel_error": max(errors),
+            "action_median_abs_rel_error": statistics.median(kind_errors.values())}
 
 
 def main(argv=None) -> dict:
@@ -361,108 +471,119 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)
     t_start = time.perf_counter()
     print(f"{NAME}: {len(selected)} cases on the production path (Dispatcher + engine.step with the layout), "
-          f"{WORLD_SIZE} gloo processes x 1 thread; {args.warmup} warmup + {args.steps} timed rounds")
+          f"{WORLD_SIZE} gloo processes x 1 thread; {args.rounds} rounds of (profile -> {args.warmup} warmup + "
+          f"{args.steps} timed steps of every case)")
+    models = [case_model(c) for c in selected]
+    sharing = None if args.no_sharing else CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE)
+    rounds, profile_seconds = [], []
     with tempfile.TemporaryDirectory(prefix="loom-sim-fidelity-") as tmp:
-        profile_path, profile_s = args.profile, None
-        if profile_path is None:
-            profile_path = Path(tmp) / "profile.json"
-            profile_s = run_profiler(profile_path, args.co_runners, args.profile_repeats)
-            print(f"  profiled in {profile_s:.0f} s -> {profile_path}")
-        decisions = measure_decisions(selected, args.co_runners)
+        decisions = measure_decisions(models, args.co_runners)
         print("  decisions: " + ", ".join(f"{c.name} {d * 1e3:.1f} ms" for c, d in zip(selected, decisions)))
-        measured = measure(selected, args.steps, args.warmup)
+        group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected])
+        measured_rounds = []
+        try:
+            group.wait_ready()
+            per_round = args.warmup + args.steps
+            for k in range(args.rounds):
+                # the round's profile is stored before any of its steps runs (the workers idle)
+                path = args.profile if args.profile is not None else Path(tmp) / f"profile{k}.json"
+                if args.profile is None:
+                    profile_seconds.append(run_profiler(path, args.co_runners, args.profile_repeats, layers_only=k > 0))
+                    print(f"  round {k + 1}: profiled in {profile_seconds[-1]:.0f} s -> {path}", flush=True)
+                steps = list(range(k * per_round + args.warmup, (k + 1) * per_round))
+                measured = measure(group, selected, steps, args.warmup, f"round {k + 1}/{args.rounds}")
+                # loaded now, as a run loads its stored profile; the first round's file gives the
+                # communication and dispatcher fits to the later, layers-only ones
+                first = args.profile if args.profile is not None else Path(tmp) / "profile0.json"
+                measured_rounds.append((round_profile(path, first, models[0].model), steps, measured))
+            group.close()
+        finally:
+            for p in group.procs:
+                if p.is_alive():
+                    p.terminate()
         print(f"  measured in {time.perf_counter() - t_start:.0f} s")
-        cfg0 = train_config(all_cases[0])
-        tokenizer, _ = build_data(cfg0)
-        comm = load_profile_for(profile_path, build_model(cfg0.model, tokenizer, seed=cfg0.run.seed)).comm
-        if comm is None:
-            raise SystemExit(f"the profile {profile_path} has no communication fits: profile without --no-comm")
-        link = Link("gloo loopback (profiled)", 1.0 / max(comm.latency.seconds_per_byte, 1e-15), comm.latency.alpha_s)
-        links = Links.uniform(link)  # one machine: every pair of ranks shares one node
-        sharing = None if args.no_sharing else CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE)
-        rows, errors, observations, details = [], [], {k: [] for k in KINDS}, []
-        for case, meas, decide_s in zip(selected, measured, decisions):
-            # every timed step has its own global batch (the run's sampler): simulate each, and
-            # compare the medians over the same steps
-            sims = [predict(case, step, profile_path, links, decide_s, sharing)
-                    for step in range(args.warmup, args.warmup + args.steps)]
-            real = statistics.median(meas["times"])
-            predicted = statistics.median(sim.iteration_time for sim, _ in sims)
-            err = abs(predicted - real) / real
-            errors.append(err)
-            sim_kinds, real_kinds = per_step_kinds([sim.timeline for sim, _ in sims]), per_step_kinds(meas["steps"])
-            dispatch = sims[0][1]
-            per_kind = {}
-            for key in sorted(set(sim_kinds) | set(real_kinds)):
-                r = statistics.median(real_kinds[key]) if key in real_kinds else 0.0
-                s = statistics.median(sim_kinds[key]) if key in sim_kinds else 0.0
-                per_kind[f"r{key[0]} {key[1]}"] = {"measured_ms": round(r * 1e3, 3), "simulated_ms": round(s * 1e3, 3)}
-                if r > 0 and max(r, s) >= MIN_OBSERVATION_S:
-                    observations[key[1]].append((abs(s - r) / r, r, s))
-            rows.append([case.name, real * 1e3, predicted * 1e3, f"{(predicted - real) / real:+.1%}",
-                         statistics.median([e["end_s"] - e["start_s"] for ev in meas["steps"] for e in ev
-                                            if e["kind"] == DISPATCH]) * 1e3,
-                         statistics.median(d.total for _, d in sims) * 1e3])
-            details.append({"case": case.name, "overrides": case.overrides,
-                            "measured_ms": [round(t * 1e3, 3) for t in meas["times"]],
-                            "predicted_ms": [round(sim.iteration_time * 1e3, 3) for sim, _ in sims],
-                            "abs_rel_error": round(err, 4),
-                            "dispatch_first_step": dispatch.summary(), "per_rank_kind": per_kind})
+        for profile, steps, measured in measured_rounds:
+            rounds.append(compare_round(selected, models, measured, steps, profile, decisions, sharing))
 
     print()
-    print(format_table(["case", "measured ms", "predicted ms", "error", "dispatch measured ms", "dispatch simulated ms"],
-                       rows))
-    kind_rows, kind_errors = [], {}
+    header = ["case"] + [f"r{k + 1} {h}" for k in range(len(rounds)) for h in ("measured", "predicted", "error")]
+    rows = []
+    for i, case in enumerate(selected):
+        row = [case.name]
+        for rd in rounds:
+            c = rd["cases"][i]
+            row += [c["real_s"] * 1e3, c["predicted_s"] * 1e3, f"{(c['predicted_s'] - c['real_s']) / c['real_s']:+.1%}"]
+        rows.append(row)
+    print("step time (ms; median of each round's timed steps), measured and predicted, per round")
+    print(format_table(header, rows))
+    print()
+    print(format_table(["case", "dispatch measured ms", "dispatch simulated ms", "CPU ms per rank (measured)"],
+                       [[c["case"], statistics.median(rd["cases"][i]["dispatch_measured_s"] for rd in rounds) * 1e3,
+                         statistics.median(rd["cases"][i]["dispatch_simulated_s"] for rd in rounds) * 1e3,
+                         " ".join(f"{v:.0f}" for v in c["cpu_ms_per_rank"])]
+                        for i, c in enumerate(rounds[0]["cases"])]))
+    kind_rows = []
     for kind in KINDS:
-        obs = observations[kind]
+        obs = [o for rd in rounds for o in rd["observations"][kind]]
+        per_round = [rd["kind_errors"][kind] for rd in rounds if kind in rd["kind_errors"]]
         if not obs:
-            kind_rows.append([kind, 0, "-", "-", "-"])
+            kind_rows.append([kind, 0, "-", "-", "-", "-"])
             continue
-        kind_errors[kind] = statistics.median(o[0] for o in obs)
-        kind_rows.append([kind, len(obs), f"{kind_errors[kind]:.3f}", sum(o[1] for o in obs) * 1e3,
+        kind_rows.append([kind, len(obs), f"{statistics.median(per_round):.3f}",
+                          " ".join(f"{e:.2f}" for e in per_round), sum(o[1] for o in obs) * 1e3,
                           sum(o[2] for o in obs) * 1e3])
     print()
     print(f"per action kind: one observation = one rank's time in the kind in one step of one case "
-          f"(left out when under {MIN_OBSERVATION_S * 1e3:.0f} ms on both sides)")
-    print(format_table(["kind", "rank-steps", "median |sim-real|/real", "measured ms (sum)", "simulated ms (sum)"],
-                       kind_rows))
-    med, worst = statistics.median(errors), max(errors)
-    action = statistics.median(kind_errors.values())
-    print(f"\nmedian_abs_rel_error = {med:.3f} (target <= {TARGET_MEDIAN}), max_abs_rel_error = {worst:.3f}, "
-          f"action_median_abs_rel_error = {action:.3f} (target <= {TARGET_ACTION})")
+          f"(left out when under {MIN_OBSERVATION_S * 1e3:.0f} ms on both sides); error: median over rounds of "
+          f"each round's median")
+    print(format_table(["kind", "rank-steps", "median |sim-real|/real", "per round", "measured ms (sum)",
+                        "simulated ms (sum)"], kind_rows))
+    med_r = [rd["median_abs_rel_error"] for rd in rounds]
+    act_r = [rd["action_median_abs_rel_error"] for rd in rounds]
+    worst_r = [rd["max_abs_rel_error"] for rd in rounds]
+    med, action, worst = statistics.median(med_r), statistics.median(act_r), statistics.median(worst_r)
+    print(f"\nmedian_abs_rel_error = {med:.3f} (target <= {TARGET_MEDIAN}; rounds "
+          f"{' '.join(f'{v:.3f}' for v in med_r)}), action_median_abs_rel_error = {action:.3f} (target <= "
+          f"{TARGET_ACTION}; rounds {' '.join(f'{v:.3f}' for v in act_r)}), max_abs_rel_error = {worst:.3f}")
 
     sim_s, sim_info = simulator_speed()
     print(f"sim_seconds_1024gpu_64mb = {sim_s:.3f} s ({sim_info['pipeline_units']} pipeline units, "
           f"{sim_info['actions']} actions; simulated, the issue asks for under 1 s)")
     print(f"total {time.perf_counter() - t_start:.0f} s")
-    err_spread, err_kind = spread_of(errors)
-    kind_spread, kind_kind = spread_of(list(kind_errors.values()))
     figures = {
-        "median_abs_rel_error": figure(med, "fraction", "lower", err_spread, err_kind),
-        "action_median_abs_rel_error": figure(action, "fraction", "lower", kind_spread, kind_kind),
-        "max_abs_rel_error": figure(worst, "fraction", "lower"),
+        "median_abs_rel_error": figure(med, "fraction", "lower", *spread_of(med_r)),
+        "action_median_abs_rel_error": figure(action, "fraction", "lower", *spread_of(act_r)),
+        "max_abs_rel_error": figure(worst, "fraction", "lower", *spread_of(worst_r)),
         "sim_seconds_1024gpu_64mb": figure(sim_s, "s", "lower", *spread_of(sim_info["all_seconds"])),
     }
     config = {
-        "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "timed_rounds": args.steps,
-        "warmup_rounds": args.warmup, "config": "configs/demo.toml with each case's overrides",
+        "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "rounds": args.rounds,
+        "timed_steps_per_round": args.steps, "warmup_steps_per_round": args.warmup,
+        "config": "configs/demo.toml with each case's overrides",
         "path": "build_rank + RankRun.step, as loom/train/main.py (Dispatcher.dispatch, ParallelEngine.step with "
-                "the layout, LR scheduler)",
-        "timing": "per step: max end - min start over the ranks, from a barrier, dispatch included; median over "
-                  "the timed rounds; cases alternate within each round",
-        "profile": ("stored profile " + str(args.profile)) if args.profile else
-                   f"separate `loom profile` run before any step ({profile_s:.0f} s, --threads 1, --co-runners "
-                   f"{args.co_runners}, --repeats {args.profile_repeats}), loaded with load_profile_for",
+                "the layout, LR scheduler, loss all-reduce)",
+        "timing": "per step: max end - min start over the ranks, from a barrier, dispatch included; per round the "
+                  "median over its timed steps; cases alternate within each step",
+        "profile": ("stored profile " + str(args.profile) + " in every round") if args.profile else
+                   f"per round a separate `loom profile` run stored before that round's steps (--threads 1, "
+                   f"--co-runners {args.co_runners}, --repeats {args.profile_repeats}; rounds after the first "
+                   f"--no-comm --no-dispatch, taking those fits from the first round's file), loaded with "
+                   f"load_profile_for; seconds {[round(s) for s in profile_seconds]}",
+        "figures": "each figure per round (median over cases; over kinds of each kind's median over rank-steps), "
+                   "then the median over rounds; spread: over rounds",
         "dispatch_model": "loom.sim.dispatch: the dispatcher's host work from the profile's fit (loom.profile."
-                          "dispatch, CPU time of the slowest rank), ring all-gather of the metadata table and one "
-                          "all-to-all per phase over the profiled message link (latency fit), decision time measured "
-                          f"before the steps with {args.co_runners} co-runners",
+                          "dispatch, CPU time per rank, shared cores), ring all-gather of the metadata table and one "
+                          "all-to-all per phase over the profiled idle-sender message link (latency_idle fit), "
+                          f"decision time measured before the steps with {args.co_runners} co-runners",
+        "loss_all_reduce": "RankRun.step's scalar loss all-reduce after engine.step, added to the simulated "
+                           "iteration (ProfiledCostModel.clip_time: the all-reduce fit carried to the world)",
         "core_sharing": None if args.no_sharing else {"cores": host_cores(), "ranks_per_host": WORLD_SIZE,
                                                       "model": "loom.sim.sharing (processor sharing, fixed point)"},
-        "spreads": "median_abs_rel_error: over cases; action_median_abs_rel_error: over kinds; "
-                   "sim_seconds: over simulate calls",
-        "kind_errors": {k: round(v, 4) for k, v in kind_errors.items()},
-        "cases": details,
+        "kind_errors_per_round": [{k: round(v, 4) for k, v in rd["kind_errors"].items()} for rd in rounds],
+        "rounds": [{"median_abs_rel_error": round(rd["median_abs_rel_error"], 4),
+                    "action_median_abs_rel_error": round(rd["action_median_abs_rel_error"], 4),
+                    "cases": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
+                              for c in rd["cases"]]} for rd in rounds],
         "simulator_speed": sim_info,
     }
     path = write_result(NAME, figures, config, machine_info(), args.out)
