@@ -139,3 +139,15 @@ def test_bytes_per_element_follow_run_dtype():
         assert AnalyticCostModel(llm, one, cluster, dtype_bytes=b).activation_memory("llm", 0, tokens) == 10 * b * 64
     with pytest.raises(ValueError, match="dtype_bytes = 1: choose 2 .run.dtype bf16. or 4 .fp32."):
         AnalyticCostModel(llm, one, cluster, dtype_bytes=1)
+
+
+def test_memory_bound_compute_follows_run_dtype():
+    """Compute prices the bytes it moves at run.dtype's width: a norm (memory-bound, no GEMM)
+    takes twice as long in fp32 as in bf16."""
+    llm = ModelArch({"llm": llm_module()})
+    plan = Plan([ModuleSpec("llm")], num_microbatches=1)
+    cluster = Cluster("H100", 8, 8)
+    work = Workload.of_lengths([512])
+    bf16, fp32 = (AnalyticCostModel(llm, plan, cluster, dtype_bytes=b).layer_costs("llm", 0, work) for b in (2, 4))
+    (norm16,), (norm32,) = ([c for c in costs if c.kind == "norm"] for costs in (bf16, fp32))
+    assert norm16.forward > 0 and norm32.forward == pytest.approx(2 * norm16.forward)
