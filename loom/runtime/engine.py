@@ -23,6 +23,8 @@ from loom.runtime.recompute import apply_recompute
 from loom.runtime.mesh import build_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stage, trainable_stages
+from loom.runtime.tensor_parallel import apply_tensor_parallel, check_tp_degree
+from loom.runtime.unit import UnitPlace
 from loom.schedule.generators import build_schedule
 from loom.schedule.ir import Schedule
 from loom.schedule.validate import validate_schedule
@@ -57,24 +59,28 @@ class ParallelEngine:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:
-            if m.ranks_per_unit > 1 or m.zero_stage:
+            if m.context_parallel > 1 or m.zero_stage:
                 raise PlanError(
-                    f"plan.modules[{m.name!r}]: tensor_parallel, context_parallel and zero_stage "
+                    f"plan.modules[{m.name!r}]: context_parallel and zero_stage "
                     f"are modelled by the cost model and simulator but not yet executed by the runtime; "
-                    f"set them to 1, 1 and 0 to train"
+                    f"set them to 1 and 0 to train"
                 )
+            if m.tensor_parallel > 1:  # before any group is built: a bad degree fails on every rank alike
+                check_tp_degree(model, m.name, m.tensor_parallel)
         trainable = trainable_stages(model, plan)
         schedule = build_schedule(plan, trainable)
         validate_schedule(schedule, plan)
         # every rank builds every module's mesh, in plan order (group creation is collective)
         meshes = build_meshes(plan, device.type)
         stage = build_stage(model, plan, rank, release_others=release_others, device=device)
+        unit = UnitPlace.of(plan, rank, meshes)  # the rank's pipeline unit (loom.runtime.unit)
+        apply_tensor_parallel(model, stage, unit.tp_mesh)  # loom.runtime.tensor_parallel
         apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
         groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank)}
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
         executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer, max_grad_norm,
-                                    precision)
+                                    precision, unit)
         return cls(plan, schedule, stage, executor, optimizer, trainable, meshes=meshes)
 
     def microbatches_to_load(self) -> list[int]:

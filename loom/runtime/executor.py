@@ -11,6 +11,10 @@ each action kind has one handler. What depends only on the schedule (tags, handl
 labels, how many backward parts and sends each microbatch has) is computed once per schedule
 (`ActionPlan`), so the per-action cost is a handler call and the communication itself.
 
+A rank runs its pipeline unit's actions (``schedule.actions[unit]``); with tensor or context
+parallelism a unit has several ranks, and `loom.runtime.unit.UnitPlace` says which ranks each
+message goes to and comes from, who reports the loss and how gradients are counted.
+
 Semantics that make a parallel run equal the single-process reference:
 - the LLM's last stage scales each microbatch's summed token loss by the *global* number of
   target tokens, so the sum over microbatches and replicas is the reference mean loss;
@@ -35,7 +39,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loom.data.sample import Batch
 from loom.model.layers import run_layers
@@ -45,6 +48,7 @@ from loom.runtime.comm import P2PCommunicator
 from loom.runtime.precision import Precision
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, move_batch
+from loom.runtime.unit import UnitPlace, local_tensor, settle_gradients, sync_gradients
 from loom.schedule.generators import backward_flow
 from loom.schedule.ir import Action, ActionKind, Schedule
 from loom.schedule.timeline import TimelineEvent
@@ -144,12 +148,15 @@ class PipelineExecutor:
         optimizer: torch.optim.Optimizer | None = None,
         max_grad_norm: float = 0.0,
         precision: Precision | None = None,
+        unit: UnitPlace | None = None,
     ):
         self.model, self.plan, self.stage = model, plan, stage
         # run.dtype: autocast around forwards, stage outputs sent in bf16 (loom.runtime.precision)
         self.precision = precision if precision is not None else Precision(device_type=device.type)
         self.max_grad_norm = max_grad_norm or 0.0  # 0 (or None): no clipping
         self.rank, self.device, self.optimizer = rank, device, optimizer
+        # the rank's pipeline unit: which actions it runs and its peers' ranks (loom.runtime.unit)
+        self.unit = unit if unit is not None else UnitPlace.of(plan, rank)
         self.me: StageId = (stage.module, stage.stage)
         self.dp_group = dp_groups.get(self.me)
         self.needs_backward, self.grad_edges = backward_flow(plan, trainable)
@@ -192,6 +199,7 @@ class PipelineExecutor:
         shows when kernels ran, not when they were queued; turn it off for steps whose
         timeline is not kept, so the host can run ahead."""
         plan = self.action_plan(schedule)
+        microbatches = self.unit.prepare_microbatches(microbatches, self.model.placeholder_ids)
         if plan.routed and rows is None:
             raise ValueError(f"rank {self.rank}: this schedule routes encoder rows by sample; pass the layout's RowMap "
                              f"as rows= (Dispatched.rows)")
@@ -225,7 +233,7 @@ class PipelineExecutor:
         got = self._plans.get(id(schedule))
         if got is not None and got[0] is schedule:
             return got[1]
-        actions = schedule.actions[self.rank]
+        actions = schedule.actions[self.unit.unit]
         n = schedule.num_microbatches
         backward_parts: dict[int, int] = {}
         last_send: dict[int, int] = {}
@@ -271,9 +279,9 @@ class PipelineExecutor:
         lead = self._lead_dims(it, src, self.me, a.other_microbatch, a.microbatch, a.samples)
         known = self._act_shapes.get(channel) if lead is not None else None
         if known is not None:
-            x = self.comm.recv_shaped((*lead, *known[1]), known[0], a.peer, tag)
+            x = self.comm.recv_shaped((*lead, *known[1]), known[0], self.unit.source(a.peer), tag)
         else:
-            x = self.comm.recv(a.peer, tag)
+            x = self.comm.recv(self.unit.source(a.peer), tag)
             if lead is not None and channel not in self._act_shapes:
                 self._act_shapes[channel] = _learn(x, lead)
         if (src, self.me) in self.grad_edges:
@@ -304,8 +312,10 @@ class PipelineExecutor:
             x = self.precision.stage_input(self._stage_input(st.inputs, j, it.rows))
             out = run_layers(self.stage.layers, x, st.context)
         if self.stage.computes_loss:  # loss_sum upcasts the logits: the loss is fp32
-            out = loss_sum(out, st.batch.labels) / it.num_targets
-            it.loss_total += out.detach()
+            with self.unit.loss_context():  # vocabulary-parallel under TP: the loss is replicated
+                out = self.unit.loss_value(loss_sum(out, st.batch.labels)) / it.num_targets
+            if self.unit.reports_loss:
+                it.loss_total += out.detach()
             return out
         return self.precision.message(out)  # sent in the compute dtype, graph included
 
@@ -325,7 +335,8 @@ class PipelineExecutor:
             elif self._act_shapes[channel] is not None:
                 _check_shape(out, lead, self._act_shapes[channel], channel)
                 header = False
-        self.comm.send(out, a.peer, tag, header=header)
+        for peer in self.unit.destinations(a.peer):
+            self.comm.send(out, peer, tag, header=header)
         self.comm.release_completed()
         if not self._grad_mode and i == it.plan.last_send[j]:
             del it.states[j]  # nothing will flow back: drop the microbatch now
@@ -336,10 +347,10 @@ class PipelineExecutor:
         st = it.states[j]
         out = st.output
         if a.samples is None:
-            st.out_grad = self.comm.recv_shaped(out.shape, out.dtype, a.peer, tag)
+            st.out_grad = self.comm.recv_shaped(out.shape, out.dtype, self.unit.source(a.peer), tag)
         else:  # rows of some samples: scatter into this microbatch's pending gradient
             index = it.rows.index(self.stage.module, j, a.samples, out.device)
-            g = self.comm.recv_shaped((index.numel(), *out.shape[1:]), out.dtype, a.peer, tag)
+            g = self.comm.recv_shaped((index.numel(), *out.shape[1:]), out.dtype, self.unit.source(a.peer), tag)
             if st.out_grad is None:
                 st.out_grad = torch.zeros_like(out)
             st.out_grad.index_copy_(0, index, g)
@@ -366,7 +377,8 @@ class PipelineExecutor:
             # A split backward on a later encoder stage (entrain.md §3.6) runs the stage's graph
             # once per part with that part's rows of the gradient (zeros elsewhere); by
             # linearity the parts sum to the whole; the graph is kept until the last.
-            torch.autograd.backward(out, grad, retain_graph=not last_part)
+            with self.unit.loss_context():
+                torch.autograd.backward(out, grad, retain_graph=not last_part)
         if last_part:
             # keep only the inputs whose gradients still have to be sent back
             st.inputs = {k: t for k, t in st.inputs.items() if t.requires_grad}
@@ -381,7 +393,8 @@ class PipelineExecutor:
         key = (a.peer_module, a.other_microbatch)
         x = st.inputs.pop(key)
         g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
-        self.comm.send(g, a.peer, tag, header=False)  # the peer sent x: it knows the shape
+        for peer in self.unit.destinations(a.peer):  # the peer sent x: it knows the shape
+            self.comm.send(g, peer, tag, header=False)
         self.comm.release_completed()
         if not st.inputs and st.backward_left == 0:
             del it.states[j]
@@ -390,6 +403,7 @@ class PipelineExecutor:
         self._sync_gradients()
 
     def _optimizer_step(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        settle_gradients(self.stage.trainable_parameters())  # TP gradients in their parameters' placements
         if self.max_grad_norm > 0:
             it.grad_norm = self._clip_gradients()
         if self.optimizer is not None:
@@ -463,32 +477,20 @@ class PipelineExecutor:
         returns the norm before clipping. A collective over the world: every rank calls it once
         per iteration."""
         params = [p for p in self.stage.trainable_parameters() if p.grad is not None]
-        # per-parameter norms first, as clip_grad_norm_ does, so the sum matches its rounding
-        local = torch.zeros((), dtype=torch.float32, device=self.device)
-        if params and self.stage.replica == 0:  # other replicas hold the same gradients: count once
-            norms = torch.stack([torch.linalg.vector_norm(p.grad.detach(), 2.0).float() for p in params])
-            local = (norms * norms).sum()
+        # every TP shard once, a replicated parameter once per unit, the first replica only
+        local = self.unit.grad_norm_sq(params).to(self.device)
         dist.all_reduce(local)
         norm = local.sqrt()
         if params:
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-            torch._foreach_mul_([p.grad.detach() for p in params], coef.to(params[0].grad.dtype))
+            grads = [local_tensor(p.grad.detach()) for p in params]
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return float(norm)
 
     def _sync_gradients(self) -> None:
         """SUM all-reduce of the stage's trainable gradients across its data-parallel replicas,
-        in one flat bucket."""
-        if self.dp_group is None:
-            return
-        params = self.stage.trainable_parameters()
-        if not params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)
-        for p, g in zip(params, _unflatten_dense_tensors(flat, grads)):
-            p.grad = g
-
+        in one flat bucket (TP shards sync their local parts: `loom.runtime.unit.sync_gradients`)."""
+        sync_gradients(self.stage.trainable_parameters(), self.dp_group)
 
 def _learn(x: torch.Tensor, ids: tuple[int, ...]) -> _ActShape | None:
     """The shape rule of a channel from its first message: the leading dims both sides derive

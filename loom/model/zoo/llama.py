@@ -113,12 +113,13 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None
     ) -> torch.Tensor:
         b, length, _ = x.shape
-        q = self.q_proj(x).view(b, length, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # heads as -1: under tensor parallelism a rank holds only its share of the heads
+        q = self.q_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
-        repeats = self.num_heads // self.num_kv_heads
+        repeats = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeats, dim=1)
         v = v.repeat_interleave(repeats, dim=1)
         if segments is None:

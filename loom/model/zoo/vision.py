@@ -92,9 +92,13 @@ class EncoderBlock(nn.Module):
     def attention(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         n = x.shape[0]
         # [N, 3*hidden] -> 3 x [heads, N, head_dim]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)
+        qkv = self.qkv(x)
+        # under tensor parallelism a rank holds only its share of the heads (from the width, not
+        # -1: an empty call has no elements to infer it from)
+        heads = qkv.shape[-1] // (3 * self.head_dim)
+        q, k, v = qkv.view(n, 3, heads, self.head_dim).permute(1, 2, 0, 3)
         out = self.core(q, k, v, lengths, False)
-        return self.proj(out.transpose(0, 1).reshape(n, self.num_heads * self.head_dim))
+        return self.proj(out.transpose(0, 1).reshape(n, heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         x = x + self.attention(self.attn_norm(x), lengths)

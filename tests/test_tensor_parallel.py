@@ -1,0 +1,123 @@
+"""Tensor parallelism with sequence parallelism (issue 9 point 3, `loom.runtime.tensor_parallel`)
+on pipeline units of several ranks (`loom.runtime.unit`): on gloo, the loss and every gradient
+(gathered from the TP shards) equal the single-process model's on the same global batch, fp32.
+
+One launch per case, several checks each: the LLM alone under TP 2; TP 2 x PP 2 with gradient
+clipping active (the norm counts every shard once and every replicated parameter once per unit);
+a vision encoder under TP 2 feeding a TP 2 LLM in two stages (messages across modules from the
+unit's leader, gradients back to every encoder rank); a frozen encoder with a trainable
+projector under TP, next to an LLM with TP 2 x DP 2 (the data-parallel sync of local shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from loom.data.demo import DemoConfig
+from loom.model.zoo import LlamaConfig, VisionConfig
+from loom.plan.plan import ModuleSpec, Plan
+from loom.runtime.engine import ParallelEngine
+from loom.runtime.local import run_local
+from loom.runtime.unit import is_sharded
+from loom.train.build import build_data, build_model
+from loom.train.config import ModelConfig, TrainConfig
+from reference import assert_matches_reference, identity_step, reference_backward
+
+pytestmark = pytest.mark.multiprocess
+
+GLOBAL_BATCH = 8
+SEED = 5
+MAX_NORM = 0.05  # below the batch's gradient norm (checked), so clipping scales the gradients
+
+
+def _config(case: str) -> TrainConfig:
+    llm = LlamaConfig(hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model = ModelConfig(vision=VisionConfig(hidden_size=32, num_layers=2, num_heads=2), audio=None, llm=llm,
+                        projector="mlp")
+    demo = DemoConfig(num_samples=64, seed=SEED, mix={"text": 0.4, "image": 0.6})
+    if case == "llm_tp2":
+        model = dataclasses.replace(model, vision=None)
+        demo = dataclasses.replace(demo, mix={"text": 1.0})
+        plan = Plan([ModuleSpec("llm", tensor_parallel=2)], num_microbatches=2)
+    elif case == "llm_tp2_pp2_clip":
+        model = dataclasses.replace(model, vision=None)
+        demo = dataclasses.replace(demo, mix={"text": 1.0})
+        plan = Plan([ModuleSpec("llm", num_stages=2, tensor_parallel=2)], num_microbatches=4)
+    elif case == "vision_tp2":
+        plan = Plan([ModuleSpec("vision", tensor_parallel=2), ModuleSpec("llm", num_stages=2, tensor_parallel=2)],
+                    num_microbatches=4)
+    elif case == "frozen_tp":
+        model = dataclasses.replace(model, freeze=["vision.encoder"])
+        plan = Plan([ModuleSpec("vision", tensor_parallel=2),
+                     ModuleSpec("llm", data_parallel=2, tensor_parallel=2)], num_microbatches=4)
+    else:
+        raise KeyError(case)
+    cfg = TrainConfig(model=model, plan=plan)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo)
+    return cfg
+
+
+CASES = {"llm_tp2": 2, "llm_tp2_pp2_clip": 4, "vision_tp2": 6, "frozen_tp": 6}
+
+
+def _full_grads(named: dict[str, torch.nn.Parameter]) -> tuple[dict[str, torch.Tensor], list[str], int]:
+    """Gradients gathered from the TP shards (a collective over the unit: every rank of it
+    calls this with the same parameters), the names without one, how many parameters are
+    sharded."""
+    grads = {}
+    sharded = sum(is_sharded(p) for p in named.values())
+    for name, p in named.items():
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            grads[name] = p.grad.full_tensor().clone()
+        else:
+            grads[name] = p.grad.clone()
+    return grads, sorted(n for n, p in named.items() if p.grad is None), sharded
+
+
+def _worker(rank: int, world_size: int, case: str, out: str) -> None:
+    cfg = _config(case)
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
+    clip = MAX_NORM if case.endswith("clip") else 0.0
+    engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), max_grad_norm=clip)
+    # two steps: the second reuses what the first taught each channel (headers dropped)
+    for step in range(2):
+        for p in engine.stage.named_parameters().values():
+            p.grad = None
+        result, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH, step)
+    grads, no_grad, sharded = _full_grads(engine.stage.named_parameters())
+    torch.save({"loss": loss, "grads": grads, "no_grad": no_grad, "sharded": sharded, "grad_norm": result.grad_norm,
+                "module": engine.stage.module}, Path(out) / f"rank{rank}.pt")
+    engine.close()
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tensor_parallel_matches_single_process(case: str, tmp_path: Path) -> None:
+    world = CASES[case]
+    run_local(_worker, world, case, str(tmp_path))
+    cfg = _config(case)
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED)
+    ref_loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    if case.endswith("clip"):
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM))
+        assert norm > 2 * MAX_NORM  # clipping is active
+        for r, res in enumerate(results):
+            assert res["grad_norm"] == pytest.approx(norm, rel=1e-5), f"rank {r} grad_norm"
+    assert_matches_reference(results, model, ref_loss)
+    # the TP modules' ranks really hold shards
+    for r, res in enumerate(results):
+        assert res["sharded"] > 0 or res["module"] not in ("llm", "vision"), f"rank {r} holds no TP shard"
+    if case == "frozen_tp":  # the frozen encoder has no gradient, its projector does
+        vision = [res for res in results if res["module"] == "vision"]
+        assert all(any(".projector." in n for n in res["grads"]) for res in vision)
+        assert all(not any(".encoder." in n for n in res["grads"]) for res in vision)
