@@ -23,7 +23,7 @@ from loom.runtime.recompute import apply_recompute
 from loom.runtime.mesh import build_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stage, trainable_stages
-from loom.runtime.tensor_parallel import apply_tensor_parallel, check_tp_degree
+from loom.runtime.tensor_parallel import apply_tensor_parallel, check_tp_degree, module_config
 from loom.runtime.unit import UnitPlace
 from loom.schedule.generators import build_schedule
 from loom.schedule.ir import Schedule
@@ -66,7 +66,7 @@ class ParallelEngine:
                     f"set them to 1 and 0 to train"
                 )
             if m.tensor_parallel > 1:  # before any group is built: a bad degree fails on every rank alike
-                check_tp_degree(model, m.name, m.tensor_parallel)
+                check_tp_degree(m.name, m.tensor_parallel, module_config(model, m.name))
         trainable = trainable_stages(model, plan)
         schedule = build_schedule(plan, trainable)
         validate_schedule(schedule, plan)

@@ -161,34 +161,43 @@ def parallelize_encoder_layer(layer: Layer, mesh: DeviceMesh) -> None:
                                                        "fc1": ColwiseParallel(), "fc2": RowwiseParallel()}))
 
 
-def check_tp_degree(model: MultimodalModel, module: str, degree: int) -> None:
-    """Refuse a TP degree the module's shapes cannot split evenly (heads, key/value heads, the
-    MLP width, the vocabulary), naming the field and the fix."""
+def check_tp_degree(module: str, degree: int, config: Any) -> None:
+    """Refuse a TP degree that module ``module``'s shapes (from its ``config``: the zoo's
+    ``LlamaConfig``, ``VisionConfig``, ``AudioConfig`` or a Hugging Face config) cannot split
+    evenly: query and key/value heads, the hidden size, the MLP width, the vocabulary. The
+    message names the field and the fix. Needs no model, so `TrainConfig.check` runs it before
+    launch, and the engine again on the built model."""
     where = f"plan.modules[{module!r}].tensor_parallel = {degree}"
-    for what, size in tp_split_sizes(model, module).items():
+    for what, size in tp_split_sizes(config).items():
         if size % degree:
-            divisors = [d for d in range(1, size + 1) if size % d == 0 and d <= 16]
+            divisors = [d for d in range(1, min(size, 64) + 1) if size % d == 0]
             raise PlanError(f"{where} does not divide the {what} ({size}); choose a degree that divides it "
                             f"(one of {divisors}) or 1")
 
 
-def tp_split_sizes(model: MultimodalModel, module: str) -> dict[str, int]:
-    """The sizes TP splits in module ``module`` (what must be divisible by the degree)."""
-    if module == LLM:
-        cfg = model.llm.config
-        if isinstance(model.llm, LlamaForCausalLM):
-            return {"attention heads (num_heads)": cfg.num_heads, "key/value heads (num_kv_heads)": cfg.num_kv_heads,
-                    "hidden size": cfg.hidden_size, "intermediate size": cfg.intermediate_size,
-                    "vocabulary (vocab_size)": cfg.vocab_size}
-        return {"attention heads (num_attention_heads)": cfg.num_attention_heads,
-                "key/value heads (num_key_value_heads)": getattr(cfg, "num_key_value_heads", None)
-                or cfg.num_attention_heads,
-                "hidden size": cfg.hidden_size, "intermediate size": cfg.intermediate_size,
-                "vocabulary (vocab_size)": cfg.vocab_size}
-    encoder = model.encoders[module].encoder
-    cfg = encoder.config
-    return {"attention heads (num_heads)": cfg.num_heads, "hidden size": cfg.hidden_size,
-            "MLP width (hidden_size * mlp_ratio)": int(cfg.hidden_size * cfg.mlp_ratio)}
+def tp_split_sizes(config: Any) -> dict[str, int]:
+    """The sizes TP splits in a module of ``config`` (each must be divisible by the degree)."""
+    if hasattr(config, "num_attention_heads"):  # Hugging Face
+        return {"attention heads (num_attention_heads)": config.num_attention_heads,
+                "key/value heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None)
+                or config.num_attention_heads,
+                "hidden size (hidden_size)": config.hidden_size,
+                "intermediate size (intermediate_size)": config.intermediate_size,
+                "vocabulary (vocab_size)": config.vocab_size}
+    if hasattr(config, "num_kv_heads"):  # the zoo's Llama
+        return {"attention heads (num_heads)": config.num_heads,
+                "key/value heads (num_kv_heads)": config.num_kv_heads,
+                "hidden size (hidden_size)": config.hidden_size,
+                "intermediate size (intermediate_size)": config.intermediate_size,
+                "vocabulary (vocab_size)": config.vocab_size}
+    # the zoo's encoders: heads, width, MLP width
+    return {"attention heads (num_heads)": config.num_heads, "hidden size (hidden_size)": config.hidden_size,
+            "MLP width (hidden_size * mlp_ratio)": int(config.hidden_size * config.mlp_ratio)}
+
+
+def module_config(model: MultimodalModel, module: str) -> Any:
+    """The config that shapes module ``module`` of ``model``."""
+    return model.llm.config if module == LLM else model.encoders[module].encoder.config
 
 
 def supports_tensor_parallel(model: MultimodalModel, module: str) -> bool:
@@ -211,7 +220,7 @@ def apply_tensor_parallel(model: MultimodalModel, stage: Stage, mesh: DeviceMesh
         kind = type(model.llm if stage.module == LLM else model.encoders[stage.module].encoder).__name__
         raise PlanError(f"plan.modules[{stage.module!r}].tensor_parallel = {degree}: loom has no TP plan for "
                         f"{kind}; set tensor_parallel = 1 for it")
-    check_tp_degree(model, stage.module, degree)
+    check_tp_degree(stage.module, degree, module_config(model, stage.module))
     if stage.module == LLM:
         projections = llama_projection_styles(model.llm)
         for layer in stage.layers:

@@ -24,6 +24,7 @@ from loom.data.demo import DemoConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 from loom.plan.overrides import ConfigError, build_dataclass, parse_override, set_dotted, typed_value
 from loom.plan.plan import ModuleSpec, Plan, PlanError
+from loom.runtime.tensor_parallel import check_tp_degree
 
 __all__ = ["ConfigError", "TrainConfig", "config_to_toml", "load_config", "parse_override", "typed_value"]
 
@@ -143,6 +144,13 @@ class TrainConfig:
                     f"plan.modules[{m.name!r}]: unknown module name; the model has {encoders + ['llm']}: name one "
                     f"of them (an encoder set to none in [model] has no module to place)"
                 )
+        shapes = {"llm": self.model.llm, "vision": self.model.vision, "audio": self.model.audio}
+        for m in self.plan.modules:  # TP degrees against heads and widths (loom.runtime.tensor_parallel)
+            if isinstance(m.tensor_parallel, int) and m.tensor_parallel > 1 and shapes.get(m.name) is not None:
+                try:
+                    check_tp_degree(m.name, m.tensor_parallel, shapes[m.name])
+                except PlanError as e:
+                    raise ConfigError(str(e)) from e
         try:
             self.balance.check(self.plan.module_names)
         except BalanceError as e:
@@ -176,12 +184,11 @@ class TrainConfig:
         except BalanceError as e:
             raise ConfigError(str(e)) from e
         for m in self.plan.modules:
-            for name, value, default in (("tensor_parallel", m.tensor_parallel, 1),
-                                         ("context_parallel", m.context_parallel, 1),
+            for name, value, default in (("context_parallel", m.context_parallel, 1),
                                          ("zero_stage", m.zero_stage, 0)):
                 if value != default:
                     raise ConfigError(
-                        f"plan.modules[{m.name!r}].{name} = {_shown(value)}: tensor_parallel, context_parallel "
+                        f"plan.modules[{m.name!r}].{name} = {_shown(value)}: context_parallel "
                         f"and zero_stage are modelled by the cost model and simulator but not yet "
                         f"executed by the runtime; set it to {_shown(default)} to train (loom simulate prices it)"
                     )
