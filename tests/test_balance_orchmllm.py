@@ -365,3 +365,58 @@ def test_stable_argsort_equals_numpy_stable(n, bound):
     key = np.random.default_rng(n).integers(0, bound, size=n)  # the last cases take the fallback
     got = stable_argsort(key, bound)
     assert got.dtype == np.int64 and np.array_equal(got, np.argsort(key, kind="stable"))
+
+
+def test_lpt_groups_are_each_ranks_items_sorted_when_every_batch_is_full():
+    """`_lpt_integer_core`'s ``groups`` (every batch full: one item per rank per batch) is the
+    stable argsort of its assignment, row per rank; the assignment itself is unchanged."""
+    from loom.balance.lpt import _quantised_lpt
+
+    rng = np.random.default_rng(3)
+    seen = 0
+    for n_per, d, spread in [(60, 256, 0.05), (7, 64, 0.02), (5, 64, 1.0), (3, 10, 0.0)]:
+        costs = 1000.0 * (1.0 + spread * rng.random(n_per * d))
+        groups: list = []
+        a = _quantised_lpt(costs, d, groups=groups)
+        assert np.array_equal(a.rank_of_sample, quantised_lpt(costs, d).rank_of_sample)
+        if groups:
+            seen += 1
+            assert groups[0].shape == (d, n_per)
+            assert np.array_equal(groups[0], np.argsort(a.rank_of_sample, kind="stable").reshape(d, n_per))
+    assert seen >= 2  # near-equal costs fill every batch
+
+
+@pytest.mark.parametrize("rounds", [1, 3])
+def test_orchmllm_layout_from_lpt_groups_equals_the_sorted_one(rounds: int, monkeypatch):
+    """The layout built from LPT's grouped bins (no sort of all positions) is the one built by
+    sorting every sample's slot (`slot_arrays`), over one round and several."""
+    import loom.balance.orchmllm as orch
+    from loom.balance.costs import SampleCosts
+    from loom.plan.plan import ModuleSpec, Plan
+
+    dp = 32
+    plan = Plan([ModuleSpec("vision", data_parallel=dp), ModuleSpec("llm", data_parallel=dp)],
+                num_microbatches=dp * rounds).resolve({"vision": 4, "llm": 4})
+    rng = np.random.default_rng(rounds)
+    n = dp * rounds * 20
+    vision = 1000.0 * (1.0 + 0.05 * rng.random(n))
+    lengths = rng.integers(50, 400, n)
+    costs = SampleCosts({"vision": vision, "llm": lengths * 1.0}, lengths, 1.0, 0.0)
+    chosen = {"vision": "orchmllm", "llm": "orchmllm"}
+    calls = []
+    real = orch.balance_round
+
+    def spy(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls.append(bool(args[6] if len(args) > 6 else kwargs.get("groups")))
+        return out
+
+    monkeypatch.setattr(orch, "balance_round", spy)
+    grouped = orch.orchmllm_layout(plan, costs, chosen, "given", llm_padded=False)
+    assert sum(calls) >= rounds  # the vision rounds took the grouped path
+    monkeypatch.setattr(orch, "balance_round", lambda *a, **k: real(*a[:6]))  # no groups: sorted
+    sorted_ = orch.orchmllm_layout(plan, costs, chosen, "given", llm_padded=False)
+    for p in chosen:
+        assert np.array_equal(grouped.arrays[p][0], sorted_.arrays[p][0]), p
+        assert np.array_equal(grouped.arrays[p][1], sorted_.arrays[p][1]), p
+    assert grouped.key() == sorted_.key()

@@ -112,7 +112,8 @@ class _Scratch:
 _SCRATCH_MAX_ITEMS = 1 << 20  # so at most ~16 MB is kept per thread
 
 
-def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray] | None:
+def _lpt_integer_core(wi: np.ndarray, num_ranks: int,
+                      groups: list | None = None) -> tuple[np.ndarray, np.ndarray] | None:
     """`_lpt_fast` for integer workloads (token counts, the usual case): the same assignment,
     plus the per-rank loads (exact sums), or None when the values are too large for its keys.
 
@@ -128,6 +129,11 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
     (max - w) << 32 | index; never by an argsort of floats (~10 ms for 153,600 items on the
     2-core machine). The order array is then reused as the output, and the other n-sized
     arrays are per-thread scratch (`_Scratch`).
+
+    ``groups`` (a list): when every batch was full (every rank took one item per batch, the
+    usual case at many items per rank), receives each rank's items, ``(ranks, n / ranks)``
+    positions ascending per row: the items grouped by rank without a sort of all n (row ``r``
+    holds the item of batch ``t`` at column ``t``, then each row of ``n / ranks`` is sorted).
     """
     n = wi.size
     m = num_ranks
@@ -168,6 +174,7 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
     pm_buf = np.empty(m, dtype=dt)
     stop_buf = np.empty(m, dtype=bool)
     pos = 0
+    full = True  # every batch so far was a full one
     while pos < n:
         k_max = min(m, n - pos)
         Kp = K[:k_max]
@@ -183,6 +190,7 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
             pos += m
             continue
         k = k_max
+        full = False
         if k_max > 1:
             # Stop at the first t with S(t): min(Q[:t]) <= Kp[t]. S is monotone (prefix minima
             # fall, Kp rises) and false while Kp[t] < g = min(Q[:-1]); let t0 be the first t
@@ -206,6 +214,15 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.nd
         K.sort()
         pos += k
     ps &= mask  # rank per item, in LPT order
+    if groups is not None and full and m > 1:
+        per = n // m  # every batch full: n = per * m, item i of the LPT order in batch i // m
+        cell = ps.reshape(per, m).astype(np.int64) * per
+        cell += np.arange(per, dtype=np.int64)[:, None]
+        grouped = np.empty(n, dtype=np.int32 if n < 2**31 else np.int64)
+        grouped[cell.reshape(-1)] = rank_of  # still the LPT order: item positions
+        grouped = grouped.reshape(m, per)
+        grouped.sort(axis=1)
+        groups.append(grouped)
     # rank_of[order] = ps, scattered into the smallest integer type that holds a rank (a random
     # scatter over n items is memory-bound; int16 keeps it in cache), then widened in place.
     if m <= 2**15:
@@ -231,15 +248,16 @@ def _integer_workloads(values: Sequence[float] | np.ndarray) -> np.ndarray | Non
     return values
 
 
-def _lpt_assign(w: np.ndarray, num_ranks: int) -> tuple[np.ndarray, np.ndarray]:
+def _lpt_assign(w: np.ndarray, num_ranks: int, groups: list | None = None) -> tuple[np.ndarray, np.ndarray]:
     """LPT rank per sample and per-rank loads (the packed sums) for validated workloads `w`
-    (float64, or a nonnegative integer array from `_integer_workloads`)."""
+    (float64, or a nonnegative integer array from `_integer_workloads`); ``groups``: see
+    `_lpt_integer_core` (left empty on the other paths)."""
     # The heap is faster for tiny instances, where batches hold a single item.
     if num_ranks > 2 and w.size > 64:
         if w.dtype.kind in "iu":
-            res = _lpt_integer_core(w, num_ranks)
+            res = _lpt_integer_core(w, num_ranks, groups)
         elif float(w.max()) < 2**31 and np.array_equal(w, np.floor(w)):
-            res = _lpt_integer_core(w.astype(np.int64), num_ranks)
+            res = _lpt_integer_core(w.astype(np.int64), num_ranks, groups)
         else:
             res = None
         if res is not None:
@@ -305,6 +323,13 @@ def quantised_lpt(costs: Sequence[float] | np.ndarray, num_ranks: int, levels: i
     ``(4/3 - 1/(3d)) (OPT + k u / 2) + k u / 2``. At 2560 bins of 60 samples and the default
     levels, ``k u / 2`` is below 0.05 % of the largest sample's cost. Loads are the true float
     sums. Zero costs stay zero (text-only samples in an encoder phase)."""
+    return _quantised_lpt(costs, num_ranks, levels)
+
+
+def _quantised_lpt(costs: Sequence[float] | np.ndarray, num_ranks: int, levels: int = QUANT_LEVELS,
+                   groups: list | None = None) -> Assignment:
+    """`quantised_lpt`, with each rank's items put in ``groups`` where the integer core can give
+    them (`_lpt_integer_core`)."""
     num_ranks = _check_num_ranks(num_ranks)
     c = np.asarray(costs, dtype=np.float64)
     # two reductions validate the usual input (NaN and infinities show in the max or min);
@@ -319,5 +344,5 @@ def quantised_lpt(costs: Sequence[float] | np.ndarray, num_ranks: int, levels: i
     else:
         scaled = np.multiply(c, levels / top)
         q = np.rint(scaled, out=scaled).astype(dtype)
-    rank_of, _ = _lpt_assign(q, num_ranks)
+    rank_of, _ = _lpt_assign(q, num_ranks, groups)
     return Assignment(rank_of, packed_loads(c, rank_of, num_ranks))

@@ -17,7 +17,7 @@ import numpy as np
 
 from loom.balance.costs import SampleCosts
 from loom.balance.disttrain import reorder_microbatches
-from loom.balance.lpt import quantised_lpt
+from loom.balance.lpt import _quantised_lpt
 from loom.balance.padded import padded_runs
 from loom.balance.payload import loader_rank_of, slot_destinations
 from loom.balance.rearrange import rearrange_round, round_time_limit
@@ -55,10 +55,12 @@ def nonempty_bins(bins: np.ndarray, cost: np.ndarray, num_bins: int) -> tuple[np
     return bins, counts
 
 
-def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: int,
-                  llm_padded: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: int, llm_padded: bool,
+                  groups: list | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Bins of positions ``lo..hi-1`` (one round), the bins' loads under the phase's own cost
-    (padded for a padded LLM, summed otherwise) and their sample counts."""
+    (padded for a padded LLM, summed otherwise) and their sample counts. ``groups`` (a list):
+    receives, where LPT gives them (`_lpt_integer_core`: every batch full), each bin's
+    positions (relative to ``lo``), ascending, as a ``(num_bins, count)`` array."""
     if phase == LLM and llm_padded:
         a, sizes = padded_runs(costs.llm_lengths[lo:hi], num_bins, costs.llm_alpha, costs.llm_beta)
         if sizes.size == num_bins:  # a run per bin: the counts are the run sizes, no bin is empty
@@ -71,7 +73,11 @@ def balance_round(phase: str, costs: SampleCosts, lo: int, hi: int, num_bins: in
         np.maximum.at(peak, bins, w)
         return bins, counts * peak, counts
     cost = costs.work[phase][lo:hi]
-    a = quantised_lpt(cost, num_bins)
+    got: list = []
+    a = _quantised_lpt(cost, num_bins, groups=got if groups is not None else None)
+    if got:  # every bin took one sample per LPT batch: equal counts, none empty
+        groups.append(got[0])
+        return a.rank_of_sample, a.loads, np.full(num_bins, got[0].shape[1], dtype=np.int64)
     bins, counts = nonempty_bins(a.rank_of_sample, cost, num_bins)
     loads = a.loads if bins is a.rank_of_sample else np.bincount(bins, weights=cost, minlength=num_bins)
     return bins, loads, counts
@@ -128,6 +134,7 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
     calls = len(balanced) * rounds
     slot_load: dict[str, np.ndarray] = {}  # per balanced phase, each slot's load (its bin's)
     slot_counts: dict[str, np.ndarray] = {}  # and its sample count
+    presorted: dict[str, np.ndarray] = {}  # per phase, the slots' positions where LPT grouped them
     for phase, policy in chosen.items():
         if policy == "none":
             if base is None:
@@ -145,9 +152,13 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
             stats = np.zeros(4)
             methods: set[str] = set()
             applied = 0
+        # each round's slots' positions, when LPT gives them grouped (`balance_round`): the layout's
+        # order without a sort of all n (not when rounds are reordered below)
+        pieces: list | None = None if order == "disttrain" and rounds > 1 else []
         for t in range(rounds):
             lo, hi = int(bounds[t * r]), int(bounds[(t + 1) * r])
-            bins, loads, counts = balance_round(phase, costs, lo, hi, r, llm_padded)
+            groups: list | None = [] if pieces is not None else None
+            bins, loads, counts = balance_round(phase, costs, lo, hi, r, llm_padded, groups)
             slot_of_bin = place_bins(loads, dp, carried)
             if nodewise:
                 got = rearrange_round(bins, slot_of_bin, loader[lo:hi], costs.payload_bytes[phase][lo:hi],
@@ -164,6 +175,17 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
                 idx[lo:hi] += t * r
             per_slot[t * r + slot_of_bin] = loads
             slot_count[t * r + slot_of_bin] = counts
+            if groups:
+                bin_of_slot = np.empty(r, dtype=np.int64)
+                bin_of_slot[slot_of_bin] = np.arange(r)
+                piece = groups[0][bin_of_slot].reshape(-1).astype(np.int64)
+                if lo:
+                    piece += lo
+                pieces.append(piece)
+            else:
+                pieces = None
+        if pieces:
+            presorted[phase] = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         slot_of[phase] = idx
         slot_counts[phase] = slot_count
         if nodewise:
@@ -185,7 +207,9 @@ def orchmllm_layout(plan: Plan, costs: SampleCosts, chosen: dict[str, str], orde
             moved = np.empty_like(undo)
             moved[move(np.arange(m))] = move(undo)
             unpermuted[p] = moved
-    layout = BatchLayout(None, dict(chosen), arrays={p: slot_arrays(v, m, slot_counts.get(p)) for p, v in slot_of.items()})
+    arrays = {p: (presorted[p], np.concatenate(([0], np.cumsum(slot_counts[p])))) if p in presorted
+              else slot_arrays(v, m, slot_counts.get(p)) for p, v in slot_of.items()}
+    layout = BatchLayout(None, dict(chosen), arrays=arrays)
     for p, v in slot_of.items():
         layout.set_slot_index(p, v)  # the arrays were sorted from it: the check and the prediction read it
     # the balanced loads are the never-slower prediction's per-slot costs (`predict.slot_costs`):
