@@ -191,3 +191,18 @@ def test_fit_communication_recovers_a_known_latency_and_bandwidth():
             assert [p[0] for p in fit.points] == sorted(set(MESSAGE_SIZES))
             for n in (0, 4096, 100_000, 2_000_000, 16_000_000):
                 assert fit.time(n) == pytest.approx(a + n * b, rel=0.05), (seed, q, n)
+
+
+def test_encoder_packs_have_distinct_item_lengths():
+    """The zoo encoders run one attention call per distinct item length, so the profiler's packs
+    use distinct lengths (the per-item term then prices one call per item, as for images of mixed
+    sizes); each pack keeps its target's tokens, and both pack sizes are measured."""
+    for target in DEFAULT_TOKEN_COUNTS:
+        shapes = item_shapes(target)
+        assert shapes[0] == [target]
+        for shape in shapes:
+            assert sum(shape) == target, (target, shape)
+            assert len(set(shape)) == len(shape), (target, shape)
+    packs = [len(s) for x in DEFAULT_TOKEN_COUNTS for s in item_shapes(x) if len(s) > 1]
+    assert max(packs) >= 16 and min(packs) <= 2
+    assert item_shapes(256) == [[256], [66, 65, 63, 62], list(range(24, 16, -1)) + list(range(15, 7, -1))]

@@ -27,13 +27,28 @@ def _grid(tokens: int) -> tuple[int, int]:
 
 def item_shapes(target: int, sizes: Iterable[int] = (None, 64, 16)) -> list[list[int]]:
     """Per target token count, several ways to make it from items: one item of all of it, and
-    many items of 64 and of 16 tokens (so tokens, tokens^2, sum of squares and item count vary
-    independently)."""
+    packs of ``target // s`` items of *distinct* lengths around each size ``s`` (``s`` plus
+    centred offsets ``±1, ±2, ...``, so a pack keeps ``s`` tokens per item on average), so
+    tokens, tokens^2, the sum of squares and the item count vary independently.
+
+    Distinct lengths because the zoo encoders' attention runs one call per distinct item length
+    (`loom.model.zoo.attention.segment_attention`): a pack of equal items would price the per-item
+    term at one call for the whole pack, while the data's items (images of mixed sizes) mostly
+    differ. A pack needs ``target // s <= s`` items to keep every length distinct (within
+    ``s / 2`` of ``s``); larger packs of that size are left out."""
     out = []
     for s in sizes:
-        s = target if s is None else s
-        if s <= target and [s] * (target // s) not in out:
-            out.append([s] * (target // s))
+        if s is None:
+            shape = [target]
+        else:
+            k = target // s
+            if k < 1 or k > s:
+                continue
+            # k distinct centred offsets summing to 0: 0 (k odd), then +-1, +-2, ...
+            offsets = ([0] if k % 2 else []) + [sign * i for i in range(1, k // 2 + 1) for sign in (1, -1)]
+            shape = sorted((s + o for o in offsets), reverse=True)
+        if shape not in out:
+            out.append(shape)
     return out
 
 
@@ -90,7 +105,8 @@ def module_workloads(model: MultimodalModel, name: str, token_counts: Sequence[i
                      device: torch.device) -> list[tuple[Batch, Workload]]:
     """Synthetic microbatches of module ``name`` and their workloads: for the LLM, right-padded
     batches of 1, 4 and 16 sequences; for an encoder, no item at all (a microbatch without its
-    modality still runs the module) and packs of one, of 64-token and of 16-token items."""
+    modality still runs the module), one item of each token count, and packs of items of
+    distinct lengths around 64 and 16 tokens (`item_shapes`)."""
     configs: list[tuple[Batch, Workload]] = []
     dummy = torch.zeros(1, 1, dtype=torch.long, device=device)
     if name == LLM:
