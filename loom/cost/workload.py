@@ -259,16 +259,20 @@ class MetadataArrays:
         ranks, width = table.shape
         if ranks == 0:
             return MetadataArrays.from_metas([])
-        if width < HEADER or (table[:, :HEADER] < 0).any() or (row_lengths(table) > width).any():
+        # the headers, copied once as contiguous columns: the checks and the field offsets read them
+        head = table[:, :HEADER].T.copy() if width >= HEADER else None
+        if head is None or (head < 0).any() or (
+                HEADER + PER_SAMPLE * head[0] + 2 * head[1] + 2 * head[2] + head[3] + head[4] > width).any():
             raise WorkloadError("gathered metadata rows are shorter than their headers say (or the headers are "
                                 "negative); build each with MetadataArrays.to_flat")
-        n, i, a, s, e = (np.ascontiguousarray(table[:, k]) for k in range(HEADER))
-        if (n == n[0]).all():  # every rank sent as many samples: each field is a strided slice
+        n, i, a, s, e = head
+        if (n == n[0]).all() and n[0] > 0:  # every rank sent as many samples: each field is a strided slice
             fields = table[:, HEADER:HEADER + PER_SAMPLE * int(n[0])].reshape(ranks, PER_SAMPLE, int(n[0]))
             sample_id, text, image_count, audio_count, segment_count = (
                 fields[:, k, :].reshape(-1) for k in range(PER_SAMPLE))
             counts = (image_count, audio_count, segment_count)
-            per_row = np.stack([c.reshape(ranks, int(n[0])).sum(axis=1) for c in counts], axis=1)
+            row_starts = np.arange(0, ranks * int(n[0]), int(n[0]))
+            per_row = np.stack([np.add.reduceat(c, row_starts) for c in counts], axis=1)
             negative = min(c.min(initial=0) for c in counts) < 0
         else:
             sample_id, text, image_count, audio_count, segment_count = (
@@ -278,7 +282,7 @@ class MetadataArrays:
                                 for count in (image_count, audio_count, segment_count)], axis=1)
             negative = min(c.min(initial=0) for c in (image_count, audio_count, segment_count)) < 0
         # every row's per-sample counts must add up to its header's
-        if negative or not np.array_equal(per_row, table[:, 1:4]):
+        if negative or not np.array_equal(per_row, head[1:4].T):
             raise WorkloadError("gathered metadata rows have item or segment counts that disagree with their "
                                 "headers; build each with MetadataArrays.to_flat")
         start = HEADER + PER_SAMPLE * n
