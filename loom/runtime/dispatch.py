@@ -282,6 +282,8 @@ class Dispatcher:
                       received: dict[int, list | np.ndarray]) -> dict[int, Batch]:
         dp = self.plan.spec(self.module).data_parallel
         batches = {}
+        if self.plan.coordinate_of(self.rank)[3:] != (0, 0):  # payloads go to a unit's leader, which
+            return batches  # shares them with its unit (`loom.runtime.unit.UnitPlace.share_microbatches`)
         for j, slot in enumerate(layout.slots[self.module]):
             if j % dp != self.replica:
                 continue

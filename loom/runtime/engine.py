@@ -121,6 +121,7 @@ class ParallelEngine:
         """One iteration under ``layout`` (from the `Dispatcher`, or `identity_layout`):
         ``microbatches`` are this rank's slots of it, ``rows`` its `RowMap` (needed when the
         layout routes encoder rows by sample)."""
+        microbatches = self.executor.unit.share_microbatches(microbatches)  # the unit leader's, on every rank
         return self.executor.run(self.schedule_for(layout), microbatches, num_targets, rows, step, exact_timing)
 
     def close(self) -> None:

@@ -173,6 +173,19 @@ class UnitPlace:
             return microbatches
         return {j: pad_microbatch(b, multiple, placeholder_ids) for j, b in microbatches.items()}
 
+    def share_microbatches(self, microbatches: dict[int, Batch]) -> dict[int, Batch]:
+        """The unit leader's microbatches on every rank of the unit (the `Dispatcher` delivers a
+        unit's payloads to its leader only): broadcast over the leader's TP group, then over
+        each CP group. What the other ranks were given is replaced."""
+        if self.size == 1:
+            return microbatches
+        box = [microbatches]
+        for mesh, root in ((self.tp_mesh, self.context == 0), (self.cp_mesh, True)):
+            if mesh is not None and root:
+                group = mesh.get_group()
+                dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        return box[0]
+
     # ---- loss ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def loss_context(self) -> Iterator[None]:
