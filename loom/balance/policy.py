@@ -27,7 +27,10 @@ Per-sample cost is the module's forward FLOPs (`loom.balance.costs`, arrays from
 arrays). A policy never makes a step slower than ``none`` by its own cost model: where the
 predicted gain in step time (`loom.balance.predict`: the layout's 1F1B pipeline over every
 replica) is below ``balance.min_gain`` of the given layout's, the given layout is kept and the
-layout says so (``kept_given``, ``predicted_gain``).
+layout says so (``kept_given``, ``predicted_gain``, and why in ``kept_why``). A per-phase policy
+whose rounds hold one slot each (every module at data-parallel degree 1, ``order = "given"``)
+has nothing to balance: the given layout is kept at once, without deciding, so the step runs
+exactly what ``none`` runs.
 """
 
 from __future__ import annotations
