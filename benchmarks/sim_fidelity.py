@@ -66,6 +66,12 @@ Figures:
   Per round, then the median over rounds (spread over rounds). The per-kind table shows each
   kind's error per round and its summed times.
 - ``max_abs_rel_error``: the worst case's iteration-level error (per round; median over rounds);
+- ``cpu_median_abs_rel_error``: per round the median over every case's ranks of ``|sim - real| /
+  real`` of one rank's CPU seconds per step (measured: ``time.process_time`` over `RankRun.step`,
+  every thread; simulated: its solo compute and collectives, the dispatcher's host work and the
+  decision, from a play without core sharing), the median over rounds. No target: it checks the
+  cost model apart from contention and drift (what the ranks compute, not when), so a large
+  iteration error beside a small CPU error is the machine's load, not the profile's prices;
 - ``sim_seconds_1024gpu_64mb``: seconds of one ``simulate`` of a 1024-GPU plan (simulated, not
   a measurement of training).
 
@@ -428,6 +434,14 @@ def compare_round(selected: list[Case], models: list[CaseModel], measured: list[
     cases_out, observations = [], {k: [] for k in KINDS}
     for case, cm, meas, decide_s in zip(selected, models, measured, decisions):
         sims = [predict(cm, step, profile, links, decide_s, sharing) for step in steps]
+        # each rank's simulated CPU: its solo compute and collectives, the dispatcher's host
+        # work and the decision (a play without core sharing: what the rank computes, whatever
+        # the contention), against its measured CPU time
+        solo = [predict(cm, step, profile, links, decide_s, None) for step in steps]
+        sim_cpu = [statistics.median(p.result.compute[r] + p.result.sync[r] + p.dispatch.decide
+                                     + (p.dispatch.host_per_rank[r] if p.dispatch.host_per_rank else p.dispatch.host)
+                                     for p in solo) for r in range(WORLD_SIZE)]
+        real_cpu = [statistics.median(c[r] for c in meas["cpu"]) for r in range(WORLD_SIZE)]
         real = statistics.median(meas["times"])
         predicted = statistics.median(p.iteration_s for p in sims)
         sim_kinds, real_kinds = per_step_kinds([p.result.timeline for p in sims]), per_step_kinds(meas["steps"])
@@ -449,12 +463,14 @@ def compare_round(selected: list[Case], models: list[CaseModel], measured: list[
             "loss_reduce_simulated_ms": round(sims[0].loss_reduce_s * 1e3, 3),
             # CPU seconds of each rank's whole step (every thread): what it computed, whatever
             # the contention; beside the wall times it separates work from waiting
-            "cpu_ms_per_rank": [round(statistics.median(c[r] for c in meas["cpu"]) * 1e3, 3)
-                                for r in range(WORLD_SIZE)],
+            "cpu_ms_per_rank": [round(t * 1e3, 3) for t in real_cpu],
+            "simulated_cpu_ms_per_rank": [round(t * 1e3, 3) for t in sim_cpu],
+            "cpu_abs_rel_error": [abs(s - r) / r for s, r in zip(sim_cpu, real_cpu)],
             "dispatch_first_step": sims[0].dispatch.summary(), "per_rank_kind": per_kind})
     kind_errors = {k: statistics.median(o[0] for o in obs) for k, obs in observations.items() if obs}
     errors = [c["abs_rel_error"] for c in cases_out]
     return {"cases": cases_out, "observations": observations, "kind_errors": kind_errors,
+            "cpu_median_abs_rel_error": statistics.median(e for c in cases_out for e in c["cpu_abs_rel_error"]),
             "median_abs_rel_error": statistics.median(errors), "max_abs_rel_error": max(errors),
             "action_median_abs_rel_error": statistics.median(kind_errors.values())}
 
@@ -517,11 +533,16 @@ def main(argv=None) -> dict:
     print("step time (ms; median of each round's timed steps), measured and predicted, per round")
     print(format_table(header, rows))
     print()
-    print(format_table(["case", "dispatch measured ms", "dispatch simulated ms", "CPU ms per rank (measured)"],
-                       [[c["case"], statistics.median(rd["cases"][i]["dispatch_measured_s"] for rd in rounds) * 1e3,
+    def per_rank(i: int, key: str) -> str:  # median over rounds, per rank
+        return " ".join(f"{statistics.median(rd['cases'][i][key][r] for rd in rounds):.0f}" for r in range(WORLD_SIZE))
+
+    print("dispatch, and each rank's CPU time per step (ms, ranks 0-3; medians over rounds): measured, and simulated "
+          "(solo compute and collectives, dispatcher host work, decision)")
+    print(format_table(["case", "dispatch measured", "dispatch simulated", "CPU measured", "CPU simulated"],
+                       [[c.name, statistics.median(rd["cases"][i]["dispatch_measured_s"] for rd in rounds) * 1e3,
                          statistics.median(rd["cases"][i]["dispatch_simulated_s"] for rd in rounds) * 1e3,
-                         " ".join(f"{v:.0f}" for v in c["cpu_ms_per_rank"])]
-                        for i, c in enumerate(rounds[0]["cases"])]))
+                         per_rank(i, "cpu_ms_per_rank"), per_rank(i, "simulated_cpu_ms_per_rank")]
+                        for i, c in enumerate(selected)]))
     kind_rows = []
     for kind in KINDS:
         obs = [o for rd in rounds for o in rd["observations"][kind]]
@@ -541,10 +562,13 @@ def main(argv=None) -> dict:
     med_r = [rd["median_abs_rel_error"] for rd in rounds]
     act_r = [rd["action_median_abs_rel_error"] for rd in rounds]
     worst_r = [rd["max_abs_rel_error"] for rd in rounds]
+    cpu_r = [rd["cpu_median_abs_rel_error"] for rd in rounds]
     med, action, worst = statistics.median(med_r), statistics.median(act_r), statistics.median(worst_r)
+    cpu = statistics.median(cpu_r)
     print(f"\nmedian_abs_rel_error = {med:.3f} (target <= {TARGET_MEDIAN}; rounds "
           f"{' '.join(f'{v:.3f}' for v in med_r)}), action_median_abs_rel_error = {action:.3f} (target <= "
-          f"{TARGET_ACTION}; rounds {' '.join(f'{v:.3f}' for v in act_r)}), max_abs_rel_error = {worst:.3f}")
+          f"{TARGET_ACTION}; rounds {' '.join(f'{v:.3f}' for v in act_r)}), max_abs_rel_error = {worst:.3f}, "
+          f"cpu_median_abs_rel_error = {cpu:.3f} (rounds {' '.join(f'{v:.3f}' for v in cpu_r)})")
 
     sim_s, sim_info = simulator_speed()
     print(f"sim_seconds_1024gpu_64mb = {sim_s:.3f} s ({sim_info['pipeline_units']} pipeline units, "
@@ -554,6 +578,7 @@ def main(argv=None) -> dict:
         "median_abs_rel_error": figure(med, "fraction", "lower", *spread_of(med_r)),
         "action_median_abs_rel_error": figure(action, "fraction", "lower", *spread_of(act_r)),
         "max_abs_rel_error": figure(worst, "fraction", "lower", *spread_of(worst_r)),
+        "cpu_median_abs_rel_error": figure(cpu, "fraction", "lower", *spread_of(cpu_r)),
         "sim_seconds_1024gpu_64mb": figure(sim_s, "s", "lower", *spread_of(sim_info["all_seconds"])),
     }
     config = {
@@ -582,6 +607,7 @@ def main(argv=None) -> dict:
         "kind_errors_per_round": [{k: round(v, 4) for k, v in rd["kind_errors"].items()} for rd in rounds],
         "rounds": [{"median_abs_rel_error": round(rd["median_abs_rel_error"], 4),
                     "action_median_abs_rel_error": round(rd["action_median_abs_rel_error"], 4),
+                    "cpu_median_abs_rel_error": round(rd["cpu_median_abs_rel_error"], 4),
                     "cases": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
                               for c in rd["cases"]]} for rd in rounds],
         "simulator_speed": sim_info,
