@@ -383,30 +383,38 @@ def test_memory_equals_the_hand_computed_values():
     assert m.grads == 4 * 43392 / 2
     assert m.optimizer == 8 * 43392 / 2 / 2  # Adam m, v; TP 2, ZeRO-1 over DP 2
     assert cost.static_memory("llm", 0) == 86784 + 86784 + 86784
-    # activations per token of the block, in elements: 4h replicated + (2q + 2kv + 4 ffn) / TP
-    # = 256 + (128 + 64 + 512) / 2 = 608, times 2 bytes, plus the attention core's fp32
-    # log-sum-exp per head, 4 * 4 heads / TP 2 bytes; the embedding keeps nothing
+    # activations per token of the block, in elements: two RMSNorms' input, x / rms(x) and
+    # output, 6h replicated, + (4q (Q, K and V repeated to the query heads, the output) + 4 ffn)
+    # / TP = 384 + (256 + 512) / 2 = 768, times 2 bytes, plus the attention core's fp32
+    # log-sum-exp per head, 4 * 4 heads / TP 2 bytes; the embedding keeps nothing; stage 0's
+    # output (2h bytes) stays until its gradient comes back
     w = Workload.of_lengths([10])
     # and, under bf16, the copy of the block's GEMM weights its backward keeps: 2 bytes x
     # (q 64*64 + k, v 2 * 64*32 + o 64*64 + SwiGLU 3*64*128 = 36864) / TP 2
     copy = 2 * 36864 / 2
-    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2) + copy
+    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 768 + 4 * 4 / 2 + 2 * 64) + copy
     # stage 1 = block 36992 + norm 64 + head 6400; the head keeps its input (2h bytes) and the
-    # fp32 log-softmax of its vocab shard (4 * 100 / 2 bytes), the norm its input (2h bytes)
+    # fp32 log-softmax of its vocab shard (4 * 100 / 2 bytes), the RMSNorm its input and
+    # x / rms(x) (its output is the head's input: 2 * 2h bytes)
     assert cost.static_breakdown("llm", 1).params == 4 * (36992 + 64 + 6400) / 2
-    assert cost.activation_memory("llm", 1, w) == (10 * (2 * 608 + 4 * 4 / 2 + 2 * 64 + (2 * 64 + 4 * 100 / 2))
+    assert cost.activation_memory("llm", 1, w) == (10 * (2 * 768 + 4 * 4 / 2 + 2 * 2 * 64 + (2 * 64 + 4 * 100 / 2))
                                                    + copy + 2 * 6400 / 2)  # the head's weight copy too
-    assert cost.transient_memory("llm", 0, w) == 0
+    # one block's backward at a time: the SwiGLU's gradients, 3 ffn / TP elements per token
+    assert cost.transient_memory("llm", 0, w) == 10 * 2 * 3 * 128 / 2
+    # ... and on stage 1 the head's fp32 gradients of the log-probabilities and logits, if larger
+    assert cost.transient_memory("llm", 1, w) == 10 * max(2 * 3 * 128 / 2, 8 * 100 / 2)
     # selective recompute drops the attention core's log-sum-exp, live again for one block
+    # (less than the MLP's gradients)
     plan.modules[0].recompute = "selective"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
-    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 608 + copy
-    assert cost.transient_memory("llm", 0, w) == 10 * 4 * 4 / 2
-    # full recompute keeps each block's input only, and one block's full set while recomputing
+    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 768 + 2 * 64) + copy
+    assert cost.transient_memory("llm", 0, w) == 10 * 2 * 3 * 128 / 2
+    # full recompute keeps each block's input only, and one block's full set (less its input)
+    # with the MLP's gradients while recomputing
     plan.modules[0].recompute = "full"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
-    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64  # the weights are cast again when recomputed
-    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 608 + 4 * 4 / 2) + copy
+    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64 + 10 * 2 * 64  # the weights are cast again when recomputed
+    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 768 + 4 * 4 / 2 - 2 * 64 + 2 * 3 * 128 / 2) + copy
     # ZeRO-3 shards the parameters too, ZeRO-2 the gradients
     plan.modules[0].zero_stage = 3
     m = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
@@ -435,7 +443,8 @@ def test_a_plan_that_does_not_fit_names_the_rank_and_the_excess():
     plan = Plan([ModuleSpec("llm", num_stages=2, tensor_parallel=4)], num_microbatches=4)
     cost = AnalyticCostModel(arch, plan, Cluster("H100", 8))
     in_flight = worst_in_flight(plan, [{"llm": Workload.of_lengths([4096])}] * 4)
-    stage0 = cost.static_memory("llm", 0) + sum(cost.activation_memory("llm", 0, w) for w in in_flight[("llm", 0)])
+    stage0 = (cost.static_memory("llm", 0) + sum(cost.activation_memory("llm", 0, w) for w in in_flight[("llm", 0)])
+              + max(cost.transient_memory("llm", 0, w) for w in in_flight[("llm", 0)]))  # one backward's working set
     excess = (stage0 - 80 * GiB) / GiB
     with pytest.raises(OutOfMemoryError, match=(
             rf"rank 0 \(module 'llm' stage 0, pipeline unit 0; every replica alike\) needs .* GiB but one H100 has "

@@ -131,12 +131,13 @@ def test_bytes_per_element_follow_run_dtype():
         assert bf16.static_breakdown(module, stage) == fp32.static_breakdown(module, stage)
         assert bf16.grad_sync_time(module, stage) == fp32.grad_sync_time(module, stage)
         assert bf16.optimizer_time(module, stage) == fp32.optimizer_time(module, stage)
-    # an LLM alone, full recompute: stage 0 (embedding, block) keeps each block's input only
+    # an LLM alone, full recompute: stage 0 (embedding, block) keeps each block's input only,
+    # and its output until the gradient comes back
     llm = ModelArch({"llm": llm_module()})
     one = Plan([ModuleSpec("llm", num_stages=2, stage_boundaries=[0, 2, 5], recompute="full")], num_microbatches=2)
     tokens = Workload.of_lengths([10])
     for b in (2, 4):
-        assert AnalyticCostModel(llm, one, cluster, dtype_bytes=b).activation_memory("llm", 0, tokens) == 10 * b * 64
+        assert AnalyticCostModel(llm, one, cluster, dtype_bytes=b).activation_memory("llm", 0, tokens) == 2 * 10 * b * 64
     with pytest.raises(ValueError, match="dtype_bytes = 1: choose 2 .run.dtype bf16. or 4 .fp32."):
         AnalyticCostModel(llm, one, cluster, dtype_bytes=1)
 

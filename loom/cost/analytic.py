@@ -46,12 +46,13 @@ from loom.cost.memory import (
     OPTIMIZER_STATE_BYTES,
     StaticMemory,
     activation_bytes_per_token,
-    block_working_bytes_per_token,
+    backward_working_bytes_per_token,
     static_memory,
+    stage_output_bytes_per_token,
     weight_copy_bytes,
 )
 from loom.cost.model import CostModel, MicrobatchWork, Phase, StageKind, Workload
-from loom.plan.plan import ModuleSpec, Plan, PlanError
+from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 
 # HBM bytes an optimizer step moves per trainable parameter (fp32 weights and gradients, as
 # autocast keeps them: `loom.cost.memory`, "Precision"). Adam reads the weight, its gradient, m
@@ -401,32 +402,38 @@ class AnalyticCostModel(CostModel):
         return self.static_breakdown(module, stage).total
 
     def activation_memory(self, module: str, stage: int, work: Workload) -> float:
-        """What a microbatch keeps per rank (`loom.cost.memory`): its activations, and under bf16
-        the weight copies its backward reads (blocks under ``full`` recompute keep none)."""
+        """What a microbatch keeps per rank (`loom.cost.memory`): its activations, under bf16
+        the weight copies its backward reads (blocks under ``full`` recompute keep none), and
+        the stage's output until its gradient returns (every stage but the LLM's last)."""
         spec = self.plan.spec(module)
         tokens = work.tokens / spec.context_parallel
         if tokens <= 0:
             return 0.0
         t = spec.tensor_parallel
-        return sum(
+        layers = self.stage_layers(module, stage)
+        kept = sum(
             activation_bytes_per_token(l, t, spec.recompute, self.dtype_bytes) * tokens
             + (0.0 if l.kind == "block" and spec.recompute == "full" else weight_copy_bytes(l, t, self.dtype_bytes))
-            for l, need in self.stage_layers(module, stage)
+            for l, need in layers
             if need.any
         )
+        last, need = layers[-1]
+        if need.any and not (module == LLM and stage == spec.num_stages - 1):  # the LLM's last computes the loss
+            kept += stage_output_bytes_per_token(last, self.dtype_bytes) * tokens
+        return kept
 
     def transient_memory(self, module: str, stage: int, work: Workload) -> float:
-        """Under recompute, one block's recomputed activations (all of them under ``full``, its
-        attention core's under ``selective``) are live again while it is recomputed and
-        back-propagated (counted once per rank, not per microbatch); under ``full`` and bf16 with
-        the copy of its weights the recomputation casts."""
+        """One layer's backward working set at a time (`loom.cost.memory`, counted once per
+        rank, not per microbatch): its gradients' intermediates and, under recompute, one
+        block's recomputed activations (all under ``full``, with the copy of its weights the
+        recomputation casts under bf16; its attention core's under ``selective``)."""
         spec = self.plan.spec(module)
-        if spec.recompute == "none" or work.tokens <= 0:
+        if work.tokens <= 0:
             return 0.0
         tokens = work.tokens / spec.context_parallel
         copies = spec.recompute == "full"  # the recomputed block casts its weights again
         return max(
-            (block_working_bytes_per_token(l, spec.tensor_parallel, self.dtype_bytes, spec.recompute) * tokens
+            (backward_working_bytes_per_token(l, spec.tensor_parallel, self.dtype_bytes, spec.recompute) * tokens
              + (weight_copy_bytes(l, spec.tensor_parallel, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
              for l, need in self.stage_layers(module, stage) if need.any),
             default=0.0,

@@ -23,29 +23,44 @@ Recomputation in Large Transformer Models" (MLSys 2023), §4.1, whose ``34 h + 5
 per token (16-bit, with dropout, without FlashAttention) we take *with* FlashAttention (no
 ``s x s`` scores, softmax or dropout tensors: the ``5 a s`` term goes) and without dropout
 (training MLLMs uses none: the two ``h``-byte masks go), generalised to grouped-query
-attention and gated MLPs. In elements per token:
+attention and gated MLPs, and counted as loom's blocks (the zoo's and Hugging Face's) really
+keep them, which `benchmarks/memory.py` measures tensor by tensor. In elements per token:
 
-- replicated across TP (Megatron without sequence parallelism): the two norm inputs and the
-  inputs of the QKV and first MLP projections, ``4 h``;
-- split across TP: ``Q, K, V`` and the attention output, ``2 q + 2 kv``, and the MLP's
-  intermediates, ``2 ffn`` (GELU MLP: the activation's input and output) or ``4 ffn`` (SwiGLU:
-  gate, up, silu(gate), their product);
-
+- replicated across TP (Megatron without sequence parallelism), per norm: a LayerNorm keeps
+  its input and its output (the next projection's input), ``2 h``; an RMSNorm also its
+  normalised input before the weight's scale (``x / rms(x)``, which the scale's backward
+  reads), ``3 h``; two norms per block;
+- split across TP: ``Q, K, V`` and the attention output as the core receives them,
+  ``4 q``: grouped-query attention repeats K and V to the query heads before the core (the
+  zoo and Hugging Face's ``repeat_kv`` both do), so they are kept at the query width; RoPE
+  keeps only its (shared) tables; and the MLP's intermediates, ``2 ffn`` (GELU MLP: the
+  activation's input and output) or ``4 ffn`` (SwiGLU: gate, up, silu(gate), their product);
 - the attention core's own intermediates: FlashAttention keeps the fp32 log-sum-exp of every
   query row, ``4 a / t`` bytes for ``a`` heads (its inputs Q, K, V and its output are counted
   above: the projections around the core keep them anyway);
 
-so ``b (4 h + (2 q + 2 kv + m) / t) + 4 a / t``: about ``32 h`` bytes for GPT-3 (``q = kv = h``,
-``ffn = 4h``) against Korthikanti's ``34 h`` with dropout masks. Activation recomputation
+so ``b (2 n h + (4 q + m) / t) + 4 a / t`` with ``n`` the norm's count: about ``32 h`` bytes
+for GPT-3 (LayerNorm, ``q = h``, ``ffn = 4h``) against Korthikanti's ``34 h`` with dropout
+masks. A stage that hands its output on to a later stage also keeps that output until its
+gradient comes back (the executor holds it for the backward): ``b`` times the last layer's
+output width (`stage_output_bytes_per_token`). Activation recomputation
 (``ModuleSpec.recompute``) changes what a block keeps:
 
 - ``"full"``: only its input, ``b h``; one block's full set is live again while it is
   recomputed (the *transient* working set, counted once);
 - ``"selective"`` (Korthikanti §4.2, the attention core only): everything but the core's
-  intermediates, ``4 a / t`` less; one block's core intermediates are the transient set. Under
-  FlashAttention that is a small saving: the ``5 a s`` scores Korthikanti recomputes are never
-  stored, so selective mostly costs time (the core's forward again, `loom.cost.analytic`);
+  intermediates, ``4 a / t`` less; one block's core intermediates are live again while it is
+  recomputed. Under FlashAttention that is a small saving: the ``5 a s`` scores Korthikanti
+  recomputes are never stored, so selective mostly costs time (the core's forward again,
+  `loom.cost.analytic`);
 - ``"none"``: all of the above.
+
+**Backward working set** (transient, one layer at a time, whatever the recompute mode): while
+a block back-propagates through its MLP, the gradients of the MLP's intermediates are live next
+to what it keeps, ``3 ffn`` elements per token for SwiGLU (of the product, of silu(gate) and
+of up), ``2 ffn`` for a GELU MLP; the head's backward holds the fp32 gradients of the
+log-probabilities and of the logits, ``8 vocab / t`` bytes (`backward_working_bytes_per_token`).
+Under recompute the recomputed set adds to it.
 
 Other layers keep their inputs (`activation_bytes_per_token`).
 
@@ -125,6 +140,12 @@ def attention_core_bytes_per_token(layer: LayerArch, tensor_parallel: int) -> fl
     return 4.0 * layer.heads / tensor_parallel if layer.kind == "block" else 0.0
 
 
+def norm_kept_elements(norm: str, hidden: int) -> int:
+    """Elements per token a norm keeps for its backward, its output included (module
+    docstring): LayerNorm its input and output, RMSNorm also ``x / rms(x)``."""
+    return (3 if norm == "rmsnorm" else 2) * hidden
+
+
 def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute: str, dtype_bytes: int) -> float:
     """Bytes one input token of ``layer`` keeps until the backward (module docstring), on a
     rank of a ``tensor_parallel``-way group, under ``recompute`` ("none", "selective", "full")."""
@@ -133,8 +154,8 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
         if recompute == "full":
             return b * h
         mlp = (4 if layer.gated_mlp else 2) * layer.ffn
-        kv = max(layer.kv_dim / t, layer.kv_dim / layer.kv_heads)  # fewer KV heads than ranks: replicated
-        kept = b * (4 * h + (2 * layer.q_dim) / t + 2 * kv + mlp / t)
+        # Q, K, V and the output as the core receives them: K and V repeated to the query heads
+        kept = b * (2 * norm_kept_elements(layer.norm, h) + (4 * layer.q_dim + mlp) / t)
         return kept if recompute == "selective" else kept + attention_core_bytes_per_token(layer, t)
     if layer.kind == "frontend":
         if layer.frontend == "patch":
@@ -142,7 +163,7 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
         # mel frames, conv1 output and its GELU, conv2 output, per output token
         return b * (layer.stride * layer.in_channels + 2 * layer.stride * h + h)
     if layer.kind == "norm":
-        return b * h
+        return b * (norm_kept_elements(layer.norm, h) - h)  # its output is the next layer's input
     if layer.kind == "head":
         # its input, and the fp32 log-softmax of the (vocab-parallel) logits the loss keeps
         return b * h + 4 * layer.vocab / t
@@ -155,6 +176,12 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
     return 0.0  # embedding: keeps only the token ids
 
 
+def stage_output_bytes_per_token(layer: LayerArch, dtype_bytes: int) -> float:
+    """What a stage whose last layer is ``layer`` holds per input token of its output until the
+    output's gradient comes back (module docstring): the output, in the compute dtype."""
+    return dtype_bytes * layer.out_width / (layer.merge if layer.kind == "projector" else 1)
+
+
 def weight_copy_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) -> float:
     """The bf16 copy of ``layer``'s GEMM weights that autocast makes and its backward keeps
     (module docstring), on a rank of a ``tensor_parallel``-way group; 0 when nothing is cast
@@ -164,15 +191,24 @@ def weight_copy_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) 
     return float(layer.gemm_weights) / tensor_parallel * dtype_bytes
 
 
-def block_working_bytes_per_token(layer: LayerArch, tensor_parallel: int, dtype_bytes: int,
-                                  recompute: str = "full") -> float:
-    """What is live again per token while a block is recomputed: its full activations under
-    ``full``, its attention core's intermediates under ``selective``, nothing under ``none``."""
-    if layer.kind != "block" or recompute == "none":
+def backward_working_bytes_per_token(layer: LayerArch, tensor_parallel: int, dtype_bytes: int,
+                                     recompute: str = "none") -> float:
+    """What is live per token, beyond what the layer keeps, while ``layer`` back-propagates
+    (module docstring, "Backward working set"): a block's MLP gradients, plus under ``full``
+    recompute its whole recomputed set and under ``selective`` (at another moment of the
+    block's backward) its attention core's; the head's fp32 gradients of the log-probabilities
+    and logits; nothing for other layers."""
+    t = tensor_parallel
+    if layer.kind == "head":
+        return 8.0 * layer.vocab / t
+    if layer.kind != "block":
         return 0.0
+    mlp_grads = dtype_bytes * (3 if layer.gated_mlp else 2) * layer.ffn / t
+    if recompute == "full":  # the recomputed set, less the input the block kept
+        return activation_bytes_per_token(layer, t, "none", dtype_bytes) - dtype_bytes * layer.hidden + mlp_grads
     if recompute == "selective":
-        return attention_core_bytes_per_token(layer, tensor_parallel)
-    return activation_bytes_per_token(layer, tensor_parallel, "none", dtype_bytes)
+        return max(mlp_grads, attention_core_bytes_per_token(layer, t))
+    return mlp_grads
 
 
 # ---- the plan-level check -----------------------------------------------------------------------
@@ -203,7 +239,7 @@ class MemoryBreakdown:
                  f"{g(self.optimizer)}, activations {g(self.activations)} GiB for {self.microbatches} "
                  f"microbatch{'es' if self.microbatches != 1 else ''} in flight")
         if self.transient:
-            parts += f", recompute working set {g(self.transient)} GiB"
+            parts += f", backward working set {g(self.transient)} GiB"
         return parts
 
 

@@ -57,7 +57,7 @@ def peak_memory_of(schedule: Schedule, plan: Plan, cost: CostModel, works: list[
                     live -= size
             elif a.kind is BACKWARD:
                 key = (a.module, a.stage, a.microbatch)
-                # the recompute working set is live while this backward (part) runs
+                # the backward working set (recomputed activations included) is live while this backward (part) runs
                 w = works[a.microbatch].get(a.module, EMPTY) if a.samples is None else part_work(a.module, a.samples)
                 peak = max(peak, live + cost.transient_memory(a.module, a.stage, w))
                 backwards_left[key] -= 1
