@@ -2,8 +2,8 @@
 on pipeline units of several ranks (`loom.runtime.unit`): on gloo, the loss and every gradient
 (gathered from the TP shards) equal the single-process model's on the same global batch, fp32.
 
-One launch per case, several checks each: the LLM alone under TP 2; TP 2 x PP 2 with gradient
-clipping active (the norm counts every shard once and every replicated parameter once per unit);
+One launch per case, several checks each: the LLM alone under TP 2 (selective recompute);
+TP 2 x PP 2 (full recompute) with gradient clipping active (the norm counts every shard once and every replicated parameter once per unit);
 a vision encoder under TP 2 feeding a TP 2 LLM in two stages (messages across modules from the
 unit's leader, gradients back to every encoder rank); a frozen encoder with a trainable
 projector under TP, next to an LLM with TP 2 x DP 2 (the data-parallel sync of local shards).
@@ -43,11 +43,11 @@ def _config(case: str) -> TrainConfig:
     if case == "llm_tp2":
         model = dataclasses.replace(model, vision=None)
         demo = dataclasses.replace(demo, mix={"text": 1.0})
-        plan = Plan([ModuleSpec("llm", tensor_parallel=2)], num_microbatches=2)
+        plan = Plan([ModuleSpec("llm", tensor_parallel=2, recompute="selective")], num_microbatches=2)
     elif case == "llm_tp2_pp2_clip":
         model = dataclasses.replace(model, vision=None)
         demo = dataclasses.replace(demo, mix={"text": 1.0})
-        plan = Plan([ModuleSpec("llm", num_stages=2, tensor_parallel=2)], num_microbatches=4)
+        plan = Plan([ModuleSpec("llm", num_stages=2, tensor_parallel=2, recompute="full")], num_microbatches=4)
     elif case == "vision_tp2":
         plan = Plan([ModuleSpec("vision", tensor_parallel=2), ModuleSpec("llm", num_stages=2, tensor_parallel=2)],
                     num_microbatches=4)
