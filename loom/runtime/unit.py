@@ -8,6 +8,10 @@ Schedules (the IR) address units, so the contract of a unit of several ranks is:
   in the same order: sends, receives, forwards, backwards, gradient syncs and optimizer steps
   happen on all of them (collectives inside a unit, TP's and CP's, match up because the ranks
   run the same code in the same order).
+- **Microbatches.** The `Dispatcher` delivers a unit's payloads to its leader; the engine
+  shares the leader's microbatches with the unit (`UnitPlace.share_microbatches`: over the TP
+  group, then over each CP group) before the actions run, and the executor pads the LLM's to
+  `UnitPlace.sequence_multiple` (`prepare_microbatches`); context parallelism extends both.
 - **Messages between units** (`UnitPlace.destinations`, `UnitPlace.source`; the same rule for
   activations forward and gradients backward, with the roles swapped):
 
