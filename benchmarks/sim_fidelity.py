@@ -97,7 +97,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import WorkerGroup, figure, format_table, machine_info, spread_of, start_run, write_result
+from benchmarks.common import (WorkerGroup, figure, format_table, load_avg_1m, machine_info, spread_of, start_run,
+                               write_result)
 from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
 from loom.balance.policy import make_layout, sample_costs
 from loom.cost.arch_from_model import arch_from_model
@@ -491,7 +492,7 @@ def main(argv=None) -> dict:
           f"{args.steps} timed steps of every case)")
     models = [case_model(c) for c in selected]
     sharing = None if args.no_sharing else CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE)
-    rounds, profile_seconds = [], []
+    rounds, profile_seconds, loads = [], [], []
     with tempfile.TemporaryDirectory(prefix="loom-sim-fidelity-") as tmp:
         decisions = measure_decisions(models, args.co_runners)
         print("  decisions: " + ", ".join(f"{c.name} {d * 1e3:.1f} ms" for c, d in zip(selected, decisions)))
@@ -507,7 +508,9 @@ def main(argv=None) -> dict:
                     profile_seconds.append(run_profiler(path, args.co_runners, args.profile_repeats, layers_only=k > 0))
                     print(f"  round {k + 1}: profiled in {profile_seconds[-1]:.0f} s -> {path}", flush=True)
                 steps = list(range(k * per_round + args.warmup, (k + 1) * per_round))
+                load_before = load_avg_1m()
                 measured = measure(group, selected, steps, args.warmup, f"round {k + 1}/{args.rounds}")
+                loads.append([load_before, load_avg_1m()])  # the machine's load around the steps
                 # loaded now, as a run loads its stored profile; the first round's file gives the
                 # communication and dispatcher fits to the later, layers-only ones
                 first = args.profile if args.profile is not None else Path(tmp) / "profile0.json"
@@ -530,7 +533,8 @@ def main(argv=None) -> dict:
             c = rd["cases"][i]
             row += [c["real_s"] * 1e3, c["predicted_s"] * 1e3, f"{(c['predicted_s'] - c['real_s']) / c['real_s']:+.1%}"]
         rows.append(row)
-    print("step time (ms; median of each round's timed steps), measured and predicted, per round")
+    print("step time (ms; median of each round's timed steps), measured and predicted, per round; the 1-minute load "
+          "average before and after each round's steps: " + ", ".join(f"r{k + 1} {a}-{b}" for k, (a, b) in enumerate(loads)))
     print(format_table(header, rows))
     print()
     def per_rank(i: int, key: str) -> str:  # median over rounds, per rank
@@ -605,11 +609,11 @@ def main(argv=None) -> dict:
         "core_sharing": None if args.no_sharing else {"cores": host_cores(), "ranks_per_host": WORLD_SIZE,
                                                       "model": "loom.sim.sharing (processor sharing, fixed point)"},
         "kind_errors_per_round": [{k: round(v, 4) for k, v in rd["kind_errors"].items()} for rd in rounds],
-        "rounds": [{"median_abs_rel_error": round(rd["median_abs_rel_error"], 4),
+        "rounds": [{"load_avg_1m_around_steps": load, "median_abs_rel_error": round(rd["median_abs_rel_error"], 4),
                     "action_median_abs_rel_error": round(rd["action_median_abs_rel_error"], 4),
                     "cpu_median_abs_rel_error": round(rd["cpu_median_abs_rel_error"], 4),
                     "cases": [{k: (round(v, 6) if isinstance(v, float) else v) for k, v in c.items()}
-                              for c in rd["cases"]]} for rd in rounds],
+                              for c in rd["cases"]]} for rd, load in zip(rounds, loads)],
         "simulator_speed": sim_info,
     }
     path = write_result(NAME, figures, config, machine_info(), args.out)
