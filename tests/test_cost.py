@@ -297,18 +297,43 @@ def test_tensor_parallel_halves_compute_and_adds_communication():
     for tp in (1, 2):
         plan = Plan([ModuleSpec("llm", tensor_parallel=tp)])
         costs[tp] = AnalyticCostModel(arch, plan, Cluster("H100", 8)).layer_costs("llm", 0, work)
+    link = comm.intra_node_link(Cluster("H100", 8))
     for one, two in zip(costs[1], costs[2]):
         assert one.forward_comm == 0 and one.backward_comm == 0
         if one.kind == "block":
             assert two.forward - two.forward_comm == pytest.approx(one.forward / 2)
             assert two.backward_weight == pytest.approx(one.backward_weight / 2)
             assert two.backward_input - two.backward_comm == pytest.approx(one.backward_input / 2)
-            # Megatron: two all-reduces of the T x hidden activation in forward, two in backward
-            link = comm.intra_node_link(Cluster("H100", 8))
-            assert two.forward_comm == pytest.approx(2 * comm.all_reduce_time(work.tokens * LLM_H * 2, 2, link))
+            # sequence parallelism: two all-gathers and two reduce-scatters of the T x hidden
+            # sequence per pass, which cost Megatron's two all-reduces in the ring model
+            sequence = work.tokens * LLM_H * 2
+            pair = comm.all_gather_time(sequence, 2, link) + comm.reduce_scatter_time(sequence, 2, link)
+            assert two.forward_comm == pytest.approx(2 * pair)
+            assert two.forward_comm == pytest.approx(2 * comm.all_reduce_time(sequence, 2, link))
             assert two.backward_comm == pytest.approx(two.forward_comm)
-        if one.kind == "head":
-            assert two.forward == pytest.approx(one.forward / 2) and two.backward_comm > 0
+        if one.kind == "head":  # input all-gathered from the sequence shards, its gradient reduce-scattered
+            assert two.forward - two.forward_comm == pytest.approx(one.forward / 2)
+            assert two.forward_comm == pytest.approx(comm.all_gather_time(work.tokens * LLM_H * 2, 2, link))
+            assert two.backward_comm == pytest.approx(comm.reduce_scatter_time(work.tokens * LLM_H * 2, 2, link))
+        if one.kind == "norm":  # sequence parallel: half the tokens per rank, no communication
+            assert two.forward == pytest.approx(one.forward / 2) and two.forward_comm == 0
+
+
+def test_tensor_parallel_encoder_splits_blocks_and_replicates_the_rest():
+    """An encoder under TP (no sequence parallelism, as loom.runtime.tensor_parallel runs it):
+    blocks all-reduce twice per pass; front-end, final norm and projector run replicated."""
+    arch = ModelArch({"vision": small_arch().modules["vision"], "llm": llm_module()})
+    work = Workload.of_lengths([64, 16])
+    costs = {tp: AnalyticCostModel(arch, Plan([ModuleSpec("vision", tensor_parallel=tp), ModuleSpec("llm")]),
+                                   Cluster("H100", 8)).layer_costs("vision", 0, work) for tp in (1, 2)}
+    link = comm.intra_node_link(Cluster("H100", 8))
+    for one, two in zip(costs[1], costs[2]):
+        if one.kind == "block":
+            assert two.forward_comm == pytest.approx(2 * comm.all_reduce_time(work.tokens * H * 2, 2, link))
+            assert two.forward - two.forward_comm < one.forward
+        else:
+            assert two.forward_comm == two.backward_comm == 0
+            assert two.forward == pytest.approx(one.forward) and two.backward_input == pytest.approx(one.backward_input)
 
 
 def test_context_parallel_splits_tokens_and_gathers_keys_and_values():

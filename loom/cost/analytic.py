@@ -11,10 +11,18 @@ and bytes of `loom.cost.flops`, on one rank of a stage with TP degree ``t`` and 
 - attention: FLOPs ``/ (t c) / (peak x efficiency)`` (heads split by TP, the load-balanced
   causal shards by CP);
 - embedding lookups and norms: bytes ``/ c / HBM bandwidth`` (replicated across TP);
-- TP communication (Megatron-LM, without sequence parallelism): a block all-reduces its
-  ``T/c x hidden`` activation twice in forward (after attention and after the MLP) and twice
-  in backward-input; the vocab-parallel embedding once in forward; the head's input gradient
-  once in backward-input; front-ends and projectors once per pass they run;
+- TP communication, as `loom.runtime.tensor_parallel` runs it. The LLM with sequence
+  parallelism (Korthikanti et al. 2023 §4.2.2): a block all-gathers its ``T/c x hidden``
+  sequence before attention and before the MLP and reduce-scatters after each (backward: the
+  same two pairs, reversed), which costs what Megatron's two all-reduces per pass cost in the
+  ring model; the vocabulary-parallel embedding all-reduces its output in forward and its
+  gradient is all-gathered back from the sequence shards in backward-input (the merge runs on
+  the full sequence); the head all-gathers its input in forward and reduce-scatters the input
+  gradient; norms and elementwise work run on ``T/t`` tokens (their HBM traffic ``/ t``); the
+  vocabulary-parallel loss's per-token scalars are left out. Encoders (no sequence
+  parallelism): a block all-reduces its activation twice in forward and twice in
+  backward-input; front-ends, final norms and projectors run replicated (whole compute, no
+  communication);
 - CP communication: a block all-gathers K and V (``T x 2 kv`` elements per TP shard) in
   forward, and in backward-input gathers them again and reduce-scatters their gradients;
 - ZeRO-3: every layer all-gathers its parameters over the ``data x context`` replicas before
@@ -225,7 +233,9 @@ class AnalyticCostModel(CostModel):
             out += self.layer_costs(module, s, work)
         return out
 
-    def _compute(self, layer: LayerArch, work: Workload, phase: str, tp: int, cp: int) -> float:
+    def _compute(self, layer: LayerArch, work: Workload, phase: str, tp: int, cp: int, sp: int = 1) -> float:
+        """``sp``: how many ways norms and elementwise work are split (the TP degree under
+        sequence parallelism, else 1)."""
         rate = self.spec.peak_bf16_flops * self.efficiency
         hbm = self.spec.hbm_bandwidth
         gemm = getattr(gemm_flops(layer, work), phase)
@@ -233,7 +243,7 @@ class AnalyticCostModel(CostModel):
         if gemm:
             t += max(gemm / (tp * cp) / rate, layer.gemm_weights / tp * self.dtype_bytes / hbm)
         t += getattr(attention_flops(layer, work), phase) / (tp * cp) / rate
-        t += getattr(memory_traffic(layer, work, self.dtype_bytes), phase) / cp / hbm
+        t += getattr(memory_traffic(layer, work, self.dtype_bytes), phase) / (cp * sp) / hbm
         return t
 
     def _layer_cost(self, layer: LayerArch, need: BackwardNeeds, work: Workload, spec: ModuleSpec, g: _Groups) -> LayerCost:
@@ -242,22 +252,27 @@ class AnalyticCostModel(CostModel):
         b, tp, cp = self.dtype_bytes, g.tp, g.cp
         tokens = work.tokens / cp
         forward_comm = backward_input_comm = 0.0
+        sequence_parallel = spec.name == LLM  # what loom.runtime.tensor_parallel runs
+        sp = tp if sequence_parallel else 1
+        if layer.kind not in ("block", "embedding", "head") and not sequence_parallel:
+            tp = 1  # an encoder's front-end, final norm and projector run replicated
         if tp > 1:
             activation = tokens * layer.hidden * b
-            output = layer.tokens_out(work.tokens) / cp * layer.out_width * b
             all_reduce = lambda n: comm.all_reduce_time(n, tp, g.tp_link)
-            if layer.kind == "block":
+            gather_and_scatter = lambda n: (comm.all_gather_time(n, tp, g.tp_link)
+                                            + comm.reduce_scatter_time(n, tp, g.tp_link))
+            if layer.kind == "block" and sequence_parallel:
+                forward_comm += 2 * gather_and_scatter(activation)
+                backward_input_comm += 2 * gather_and_scatter(activation)
+            elif layer.kind == "block":
                 forward_comm += 2 * all_reduce(activation)
                 backward_input_comm += 2 * all_reduce(activation)
             elif layer.kind == "embedding":
                 forward_comm += all_reduce(activation)
+                backward_input_comm += comm.all_gather_time(activation, tp, g.tp_link)
             elif layer.kind == "head":
-                backward_input_comm += all_reduce(activation)
-            elif layer.kind == "frontend":
-                forward_comm += all_reduce(output)
-            elif layer.kind == "projector":
-                forward_comm += all_reduce(output)
-                backward_input_comm += all_reduce(activation)
+                forward_comm += comm.all_gather_time(activation, tp, g.tp_link)
+                backward_input_comm += comm.reduce_scatter_time(activation, tp, g.tp_link)
         if cp > 1 and layer.kind == "block":
             kv = work.tokens * 2 * max(layer.kv_dim / tp, layer.kv_dim / layer.kv_heads) * b
             forward_comm += comm.all_gather_time(kv, cp, g.cp_link)
@@ -267,12 +282,12 @@ class AnalyticCostModel(CostModel):
             # FSDP2 gathers the fp32 shards (autocast casts after the gather)
             gather = comm.all_gather_time(layer.stored_params / tp * MASTER_BYTES, g.shards, g.dp_link)
 
-        forward_core = self._compute(layer, work, "forward", tp, cp) + forward_comm
+        forward_core = self._compute(layer, work, "forward", tp, cp, sp) + forward_comm
         backward_input = backward_weight = 0.0
         if need.input:
-            backward_input = self._compute(layer, work, "backward_input", tp, cp) + backward_input_comm
+            backward_input = self._compute(layer, work, "backward_input", tp, cp, sp) + backward_input_comm
         if need.weight:
-            backward_weight = self._compute(layer, work, "backward_weight", tp, cp)
+            backward_weight = self._compute(layer, work, "backward_weight", tp, cp, sp)
         recompute = 0.0
         if layer.kind == "block" and need.any:
             if spec.recompute == "full":
