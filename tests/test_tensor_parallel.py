@@ -121,3 +121,47 @@ def test_tensor_parallel_matches_single_process(case: str, tmp_path: Path) -> No
         vision = [res for res in results if res["module"] == "vision"]
         assert all(any(".projector." in n for n in res["grads"]) for res in vision)
         assert all(not any(".encoder." in n for n in res["grads"]) for res in vision)
+
+
+def _count_collectives(rank: int, world_size: int, out: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from loom.model.layers import Layer
+    from loom.model.zoo.llama import DecoderLayer, rope_tables
+    from loom.model.zoo.vision import EncoderBlock
+    from loom.runtime.tensor_parallel import llama_projection_styles, parallelize_encoder_layer, parallelize_llama_layer
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=32, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    block = DecoderLayer(config)
+    parallelize_llama_layer(Layer("model.layers.1", block, None), mesh, llama_projection_styles(block))
+    cos, sin = rope_tables(torch.arange(8)[None], 8, config.rope_theta)
+    encoder = EncoderBlock(32, 2, 4.0, 1e-6)
+    parallelize_encoder_layer(Layer("blocks.0", encoder, None), mesh)
+    runs = {"llm": lambda: block(torch.randn(2, 4, 32, requires_grad=True), cos, sin),  # a sequence shard of 8
+            "encoder": lambda: encoder(torch.randn(10, 32, requires_grad=True), [6, 4])}
+    counts = {}
+    for name, run in runs.items():
+        for phase in ("forward", "both"):
+            # CommDebugMode traces a backward only inside the context of its forward
+            mode = CommDebugMode()
+            with mode:
+                y = run()
+                if phase == "both":
+                    y.sum().backward()
+            counts[name, phase] = {str(k).split(".")[-1]: v for k, v in mode.get_comm_counts().items()}
+    torch.save(counts, Path(out) / f"counts{rank}.pt")
+
+
+def test_collectives_per_block_are_what_the_cost_model_prices(tmp_path: Path) -> None:
+    """The collectives a TP block issues (`CommDebugMode`) are those `loom.cost.analytic`
+    prices (tests/test_cost.py checks the prices): the LLM's block under sequence parallelism
+    all-gathers and reduce-scatters twice per pass, an encoder block all-reduces twice."""
+    run_local(_count_collectives, 2, str(tmp_path))
+    counts = torch.load(tmp_path / "counts0.pt", weights_only=True)
+    assert counts["llm", "forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert counts["llm", "both"] == {"all_gather_into_tensor": 4, "reduce_scatter_tensor": 4}
+    assert counts["encoder", "forward"] == {"all_reduce": 2}
+    assert counts["encoder", "both"] == {"all_reduce": 4}
