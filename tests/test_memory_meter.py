@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from loom.profile import memory_meter
 from loom.profile.memory_meter import MemoryMeter
 
 F32 = 4
@@ -70,10 +71,13 @@ def test_in_place_resize_is_seen():
     with MemoryMeter() as m:
         t = torch.empty(1000)
         t.untyped_storage().resize_(0)  # as FSDP2 frees an unsharded parameter
-        m.refresh()
         assert m.live_bytes == 0
-        t.untyped_storage().resize_(4000)
-        torch.ones(1000, out=t)  # an operator returns it: re-measured
+        t.untyped_storage().resize_(4000)  # and gathers it again
         assert m.live_bytes == 4000
-        assert m.peak_bytes == 4000
+        torch.ones(1000, out=t)  # an operator returning it: the same storage, counted once
+        assert m.live_bytes == 4000 and m.peak_bytes == 4000
+        m.refresh()
+        assert m.live_bytes == 4000
     m.close()
+    # outside every meter the storage method is PyTorch's own again
+    assert torch.UntypedStorage.resize_ is memory_meter._resize

@@ -14,8 +14,10 @@ storage it adds the storage's bytes to the live count and attaches a ``weakref.f
 storage's Python object, which PyTorch keeps alive exactly as long as the C++ storage, so the
 count drops when the storage is really freed. Storages that exist before the meter starts (the
 parameters, the optimizer's state) are added by `MemoryMeter.track` or `track_live` (all tensors
-the garbage collector can reach). A storage resized in place (FSDP2 frees its unsharded
-parameters that way) is re-measured whenever an operator returns it, and by `refresh`.
+the garbage collector can reach). A storage resized in place (FSDP2 frees and re-allocates its
+unsharded parameters with ``untyped_storage().resize_``, which no operator sees) is re-measured
+at the resize: while a meter is entered, ``UntypedStorage.resize_`` reports to it; also whenever
+an operator returns the storage, and by `refresh`.
 
 CUDA has this built in: use ``torch.cuda.max_memory_allocated`` there (`peak_allocated`).
 """
@@ -30,6 +32,17 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+
+_ACTIVE: list["MemoryMeter"] = []  # entered meters, innermost last
+_resize = torch.UntypedStorage.resize_  # the original, restored when the last meter exits
+
+
+def _metered_resize(storage: torch.UntypedStorage, size: int) -> Any:
+    out = _resize(storage, size)
+    for meter in _ACTIVE:
+        meter._see_storage(storage)
+    return out
 
 
 class MemoryMeter(TorchDispatchMode):
@@ -57,6 +70,11 @@ class MemoryMeter(TorchDispatchMode):
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a wrapper subclass (DTensor) has none of its own
+            return
+        self._see_storage(storage)
+
+    def _see_storage(self, storage: torch.UntypedStorage) -> None:
+        if storage.device.type != self.device:
             return
         key = id(storage)
         n = storage.nbytes()
@@ -103,6 +121,20 @@ class MemoryMeter(TorchDispatchMode):
         for entry in self._sizes.values():
             entry[1].detach()
         self._sizes.clear()
+
+    def __enter__(self) -> "MemoryMeter":
+        if not _ACTIVE:
+            torch.UntypedStorage.resize_ = _metered_resize  # type: ignore[method-assign]
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:
+                torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
