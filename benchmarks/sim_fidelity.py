@@ -44,9 +44,9 @@ same `make_layout`), each slot's workload per phase from the samples it holds
 dispatch priced by `loom.sim.dispatch` (the dispatcher's host work from the profile's fit; the
 metadata all-gather and the payload all-to-alls over the profile's message link measured with
 the sender waiting, ``latency_idle``, as every rank waits in those collectives; the decision at
-its time measured here before the steps, the median of repeated ``sample_costs`` +
-``make_layout`` calls on the gathered metadata), and the loss all-reduce that ends the step
-(one scalar over the world, `ProfiledCostModel.clip_time`'s pricing). The 4 ranks share this
+its CPU time measured here before each round's steps, the median of repeated ``sample_costs`` +
+``make_layout`` calls on the gathered metadata), and the loss all-reduce that ends the step (one
+scalar over the world, `ProfiledCostModel.clip_time`'s pricing). The 4 ranks share this
 machine's cores: the simulation prices that with `loom.sim.sharing.CoreSharing` (processor
 sharing), the profile being solo (``--no-sharing`` plays each rank on a core of its own).
 
@@ -245,12 +245,15 @@ def measure(group: WorkerGroup, selected: list[Case], steps: list[int], warmup: 
 # ---- 3. the simulation -------------------------------------------------------------------------
 def decision_seconds(cfg: TrainConfig, arch, metas: list[SampleMeta], repeats: int = 7) -> float:
     """The layout decision as every rank pays it (per-sample costs from the gathered metadata,
-    then `make_layout`), measured here: the median of ``repeats`` calls."""
+    then `make_layout`), measured here: the median CPU time (``time.process_time``, one thread)
+    of ``repeats`` calls. CPU time, as the profile measures the dispatcher's host work: what the
+    decision computes, whatever else runs on the machine; the simulator adds the ranks deciding
+    at once on shared cores (`CoreSharing.concurrent_stretch`)."""
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         make_layout(cfg.balance, cfg.plan, sample_costs(arch, metas), "packed" if cfg.data.pack_sequences else "padded")
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return statistics.median(times)
 
 
@@ -494,8 +497,6 @@ def main(argv=None) -> dict:
     sharing = None if args.no_sharing else CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE)
     rounds, profile_seconds, loads = [], [], []
     with tempfile.TemporaryDirectory(prefix="loom-sim-fidelity-") as tmp:
-        decisions = measure_decisions(models, args.co_runners)
-        print("  decisions: " + ", ".join(f"{c.name} {d * 1e3:.1f} ms" for c, d in zip(selected, decisions)))
         group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected])
         measured_rounds = []
         try:
@@ -507,6 +508,10 @@ def main(argv=None) -> dict:
                 if args.profile is None:
                     profile_seconds.append(run_profiler(path, args.co_runners, args.profile_repeats, layers_only=k > 0))
                     print(f"  round {k + 1}: profiled in {profile_seconds[-1]:.0f} s -> {path}", flush=True)
+                # the decision times too, measured before the round's steps
+                decisions = measure_decisions(models, args.co_runners)
+                print(f"  round {k + 1}: decisions " + ", ".join(f"{c.name} {d * 1e3:.1f} ms"
+                                                           for c, d in zip(selected, decisions)), flush=True)
                 steps = list(range(k * per_round + args.warmup, (k + 1) * per_round))
                 load_before = load_avg_1m()
                 measured = measure(group, selected, steps, args.warmup, f"round {k + 1}/{args.rounds}")
@@ -514,14 +519,14 @@ def main(argv=None) -> dict:
                 # loaded now, as a run loads its stored profile; the first round's file gives the
                 # communication and dispatcher fits to the later, layers-only ones
                 first = args.profile if args.profile is not None else Path(tmp) / "profile0.json"
-                measured_rounds.append((round_profile(path, first, models[0].model), steps, measured))
+                measured_rounds.append((round_profile(path, first, models[0].model), steps, measured, decisions))
             group.close()
         finally:
             for p in group.procs:
                 if p.is_alive():
                     p.terminate()
         print(f"  measured in {time.perf_counter() - t_start:.0f} s")
-        for profile, steps, measured in measured_rounds:
+        for profile, steps, measured, decisions in measured_rounds:
             rounds.append(compare_round(selected, models, measured, steps, profile, decisions, sharing))
 
     print()
@@ -603,7 +608,7 @@ def main(argv=None) -> dict:
         "dispatch_model": "loom.sim.dispatch: the dispatcher's host work from the profile's fit (loom.profile."
                           "dispatch, CPU time per rank, shared cores), ring all-gather of the metadata table and one "
                           "all-to-all per phase over the profiled idle-sender message link (latency_idle fit), "
-                          f"decision time measured before the steps with {args.co_runners} co-runners",
+                          f"decision CPU time measured before each round's steps with {args.co_runners} co-runners",
         "loss_all_reduce": "RankRun.step's scalar loss all-reduce after engine.step, added to the simulated "
                            "iteration (ProfiledCostModel.clip_time: the all-reduce fit carried to the world)",
         "core_sharing": None if args.no_sharing else {"cores": host_cores(), "ranks_per_host": WORLD_SIZE,
