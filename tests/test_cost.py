@@ -424,22 +424,24 @@ def test_memory_equals_the_hand_computed_values():
     assert cost.static_breakdown("llm", 1).params == 4 * (36992 + 64 + 6400) / 2
     assert cost.activation_memory("llm", 1, w) == (10 * (2 * 768 + 4 * 4 / 2 + 2 * 2 * 64 + (2 * 64 + 4 * 100 / 2))
                                                    + copy + 2 * 6400 / 2)  # the head's weight copy too
-    # one block's backward at a time: the SwiGLU's gradients, 3 ffn / TP elements per token
-    assert cost.transient_memory("llm", 0, w) == 10 * 2 * 3 * 128 / 2
+    # one block's backward at a time: the gradient of the down projection's input, 2 ffn / TP
+    # elements per token, and its weight's fp32 gradient, 4 bytes x h ffn / TP
+    mlp = 10 * 2 * 2 * 128 / 2 + 4 * 64 * 128 / 2
+    assert cost.transient_memory("llm", 0, w) == mlp
     # ... and on stage 1 the head's fp32 gradients of the log-probabilities and logits, if larger
-    assert cost.transient_memory("llm", 1, w) == 10 * max(2 * 3 * 128 / 2, 8 * 100 / 2)
+    assert cost.transient_memory("llm", 1, w) == max(mlp, 10 * 8 * 100 / 2)
     # selective recompute drops the attention core's log-sum-exp, live again for one block
     # (less than the MLP's gradients)
     plan.modules[0].recompute = "selective"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
     assert cost.activation_memory("llm", 0, w) == 10 * (2 * 768 + 2 * 64) + copy
-    assert cost.transient_memory("llm", 0, w) == 10 * 2 * 3 * 128 / 2
+    assert cost.transient_memory("llm", 0, w) == mlp
     # full recompute keeps each block's input only, and one block's full set (less its input)
     # with the MLP's gradients while recomputing
     plan.modules[0].recompute = "full"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
     assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64 + 10 * 2 * 64  # the weights are cast again when recomputed
-    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 768 + 4 * 4 / 2 - 2 * 64 + 2 * 3 * 128 / 2) + copy
+    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 768 + 4 * 4 / 2 - 2 * 64) + mlp + copy
     # ZeRO-3 shards the parameters too, ZeRO-2 the gradients
     plan.modules[0].zero_stage = 3
     m = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)

@@ -54,7 +54,7 @@ from loom.cost.memory import (
     OPTIMIZER_STATE_BYTES,
     StaticMemory,
     activation_bytes_per_token,
-    backward_working_bytes_per_token,
+    backward_working_bytes,
     static_memory,
     stage_output_bytes_per_token,
     weight_copy_bytes,
@@ -448,7 +448,7 @@ class AnalyticCostModel(CostModel):
         tokens = work.tokens / spec.context_parallel
         copies = spec.recompute == "full"  # the recomputed block casts its weights again
         return max(
-            (backward_working_bytes_per_token(l, spec.tensor_parallel, self.dtype_bytes, spec.recompute) * tokens
+            (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute)
              + (weight_copy_bytes(l, spec.tensor_parallel, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
              for l, need in self.stage_layers(module, stage) if need.any),
             default=0.0,

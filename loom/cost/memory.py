@@ -56,10 +56,11 @@ output width (`stage_output_bytes_per_token`). Activation recomputation
 - ``"none"``: all of the above.
 
 **Backward working set** (transient, one layer at a time, whatever the recompute mode): while
-a block back-propagates through its MLP, the gradients of the MLP's intermediates are live next
-to what it keeps, ``3 ffn`` elements per token for SwiGLU (of the product, of silu(gate) and
-of up), ``2 ffn`` for a GELU MLP; the head's backward holds the fp32 gradients of the
-log-probabilities and of the logits, ``8 vocab / t`` bytes (`backward_working_bytes_per_token`).
+a block back-propagates through its MLP's down projection, the gradient of that projection's
+input, ``2 ffn`` elements per token, and its weight's fp32 gradient, ``4 h ffn / t`` bytes (a
+new tensor before it is accumulated), are live next to what the block keeps; the head's backward
+holds the fp32 gradients of the log-probabilities and of the logits, ``8 vocab / t`` bytes per
+token (`backward_working_bytes`; both measured, ``tests/test_memory_model.py``).
 Under recompute the recomputed set adds to it.
 
 Other layers keep their inputs (`activation_bytes_per_token`).
@@ -191,24 +192,24 @@ def weight_copy_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) 
     return float(layer.gemm_weights) / tensor_parallel * dtype_bytes
 
 
-def backward_working_bytes_per_token(layer: LayerArch, tensor_parallel: int, dtype_bytes: int,
-                                     recompute: str = "none") -> float:
-    """What is live per token, beyond what the layer keeps, while ``layer`` back-propagates
-    (module docstring, "Backward working set"): a block's MLP gradients, plus under ``full``
-    recompute its whole recomputed set and under ``selective`` (at another moment of the
-    block's backward) its attention core's; the head's fp32 gradients of the log-probabilities
-    and logits; nothing for other layers."""
+def backward_working_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int, tokens: float,
+                           recompute: str = "none") -> float:
+    """What is live, beyond what the layer keeps, while ``layer`` back-propagates ``tokens``
+    tokens (module docstring, "Backward working set"): a block's MLP gradients and its down
+    projection's weight gradient, plus under ``full`` recompute its whole recomputed set and
+    under ``selective`` (at another moment of the block's backward) its attention core's; the
+    head's fp32 gradients of the log-probabilities and logits; nothing for other layers."""
     t = tensor_parallel
     if layer.kind == "head":
-        return 8.0 * layer.vocab / t
+        return 8.0 * layer.vocab / t * tokens
     if layer.kind != "block":
         return 0.0
-    mlp_grads = dtype_bytes * (3 if layer.gated_mlp else 2) * layer.ffn / t
+    mlp = 2 * dtype_bytes * layer.ffn / t * tokens + MASTER_BYTES * layer.hidden * layer.ffn / t
     if recompute == "full":  # the recomputed set, less the input the block kept
-        return activation_bytes_per_token(layer, t, "none", dtype_bytes) - dtype_bytes * layer.hidden + mlp_grads
+        return (activation_bytes_per_token(layer, t, "none", dtype_bytes) - dtype_bytes * layer.hidden) * tokens + mlp
     if recompute == "selective":
-        return max(mlp_grads, attention_core_bytes_per_token(layer, t))
-    return mlp_grads
+        return max(mlp, attention_core_bytes_per_token(layer, t) * tokens)
+    return mlp
 
 
 # ---- the plan-level check -----------------------------------------------------------------------
