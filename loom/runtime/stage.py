@@ -11,6 +11,7 @@ released to meta. Parameter names stay those of the full model.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -57,14 +58,20 @@ def trainable_stages(model: MultimodalModel, plan: Plan) -> dict[tuple[str, int]
 
 
 def build_stage(
-    model: MultimodalModel, plan: Plan, rank: int, release_others: bool = True, device: torch.device | str = "cpu"
+    model: MultimodalModel, plan: Plan, rank: int, release_others: bool = True, device: torch.device | str = "cpu",
+    shard_layer: Callable[[Layer], None] | None = None,
 ) -> Stage:
     """The stage ``rank`` runs, with its layers (and its module's context modules) on ``device``.
-    With ``release_others``, layers of other stages that hold values go to meta."""
+    With ``release_others``, layers of other stages that hold values go to meta. ``shard_layer``
+    (tensor parallelism: `loom.runtime.tensor_parallel.layer_sharder`) runs on each layer right
+    after it is materialised, so a rank holds at most one whole layer next to its shards."""
     module, stage, replica = plan.role_of(rank)
     start, end = plan.layers_of(module, stage)
-    model.materialise(module, device, start, end)
     layers = stage_layers(model, plan, module, stage)
+    for index, layer in zip(range(start, end), layers):
+        model.materialise(module, device, index, index + 1)
+        if shard_layer is not None:
+            shard_layer(layer)
     if release_others:
         held = {id(l.module) for l in layers}
         for name in plan.module_names:

@@ -38,7 +38,7 @@ single-process model's slices.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -210,22 +210,37 @@ def _is_hf_llama(llm: nn.Module) -> bool:
     return hf_adapter_for(llm) is not None
 
 
-def apply_tensor_parallel(model: MultimodalModel, stage: Stage, mesh: DeviceMesh | None) -> None:
-    """Split ``stage``'s layers over the unit's TP ``mesh`` (None: TP = 1, nothing to do) with
-    its model family's plan. Call after the stage is materialised, before recompute wrappers."""
+def layer_sharder(model: MultimodalModel, module: str, mesh: DeviceMesh | None) -> Callable[[Layer], None] | None:
+    """What splits one materialised layer of ``module`` over the unit's TP ``mesh`` with its
+    model family's plan (None: TP = 1, nothing to do); `loom.runtime.stage.build_stage` calls it
+    on each layer as soon as it has values. A layer is split once, however often it is passed."""
     if mesh is None:
-        return
+        return None
     degree = mesh.size()
-    if not supports_tensor_parallel(model, stage.module):
-        kind = type(model.llm if stage.module == LLM else model.encoders[stage.module].encoder).__name__
-        raise PlanError(f"plan.modules[{stage.module!r}].tensor_parallel = {degree}: loom has no TP plan for "
+    if not supports_tensor_parallel(model, module):
+        kind = type(model.llm if module == LLM else model.encoders[module].encoder).__name__
+        raise PlanError(f"plan.modules[{module!r}].tensor_parallel = {degree}: loom has no TP plan for "
                         f"{kind}; set tensor_parallel = 1 for it")
-    check_tp_degree(stage.module, degree, module_config(model, stage.module))
-    if stage.module == LLM:
-        projections = llama_projection_styles(model.llm)
-        for layer in stage.layers:
+    check_tp_degree(module, degree, module_config(model, module))
+    projections = llama_projection_styles(model.llm) if module == LLM else {}
+
+    def shard(layer: Layer) -> None:
+        if getattr(layer.module, "_loom_tp", False):
+            return
+        if module == LLM:
             parallelize_llama_layer(layer, mesh, projections)
-    else:
-        for layer in stage.layers:
+        else:
             parallelize_encoder_layer(layer, mesh)
+        layer.module._loom_tp = True
+    return shard
+
+
+def apply_tensor_parallel(model: MultimodalModel, stage: Stage, mesh: DeviceMesh | None) -> None:
+    """Split ``stage``'s layers over the unit's TP ``mesh`` (None: TP = 1, nothing to do), those
+    not split yet (`layer_sharder`). Call after the stage is materialised, before recompute
+    wrappers."""
+    shard = layer_sharder(model, stage.module, mesh)
+    if shard is not None:
+        for layer in stage.layers:
+            shard(layer)
 
