@@ -54,6 +54,9 @@ class ModuleSpec:
     tensor_parallel: int = 1
     context_parallel: int = 1
     zero_stage: int = 0  # optimizer-state (1), gradient (2) and parameter (3) sharding over DP
+    # ZeRO 2/3 hybrid sharding: the consecutive replicas one shard group spans (a divisor of
+    # data_parallel; None = data_parallel, plain sharding); the groups replicate each other
+    shard_degree: int | None = None
     recompute: str = "none"  # activation checkpointing: one of RECOMPUTE_MODES
 
     def __post_init__(self) -> None:
@@ -249,6 +252,9 @@ class Plan:
                     raise PlanError(f"{where}.{degree} = {getattr(m, degree)}: must be at least 1")
             if m.zero_stage not in (0, 1, 2, 3):
                 raise PlanError(f"{where}.zero_stage = {m.zero_stage}: choose 0, 1, 2 or 3")
+            if m.shard_degree is not None and (m.shard_degree < 1 or m.data_parallel % m.shard_degree):
+                raise PlanError(f"{where}.shard_degree = {m.shard_degree}: must divide data_parallel = "
+                                f"{m.data_parallel}; choose a divisor, or leave it unset to shard over every replica")
             n_layers = layer_counts[m.name]
             if m.num_stages > n_layers:
                 raise PlanError(
@@ -309,7 +315,7 @@ class Plan:
             raise PlanError("plan.modules must be a list of module specs ([[plan.modules]] in TOML)")
         specs = []
         spec_fields = {"name", "data_parallel", "num_stages", "stage_boundaries", "tensor_parallel",
-                       "context_parallel", "zero_stage", "recompute"}
+                       "context_parallel", "zero_stage", "recompute", "shard_degree"}
         for i, m in enumerate(mods):
             if not isinstance(m, dict) or "name" not in m:
                 raise PlanError(f"plan.modules[{i}] must be a table with a 'name'")
@@ -341,5 +347,7 @@ class Plan:
                       f'recompute = "{m.recompute}"']
             if m.stage_boundaries is not None:
                 lines.append(f"stage_boundaries = {list(m.stage_boundaries)}")
+            if m.shard_degree is not None:
+                lines.append(f"shard_degree = {m.shard_degree}")
             lines.append("")
         return "\n".join(lines)

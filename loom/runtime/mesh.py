@@ -70,3 +70,23 @@ def data_parallel_group(meshes: dict[str, DeviceMesh], plan: Plan, rank: int) ->
     if plan.spec(module).data_parallel == 1:
         return None
     return meshes[module].get_group("dp")
+
+
+HYBRID_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def build_hybrid_meshes(plan: Plan, device_type: str) -> dict[str, DeviceMesh]:
+    """For each module with hybrid sharding (``ModuleSpec.shard_degree`` below its
+    ``data_parallel``), a mesh over the same ranks as its `build_meshes` mesh with ``dp`` split
+    into ``(dp_replicate, dp_shard)``: consecutive replicas form a shard group (inside a node
+    under the plan's rank layout), the groups replicate. Collective like `build_meshes`: call on
+    every rank, in plan order; slice ``mesh["dp_replicate", "dp_shard"]`` on the module's ranks."""
+    out = {}
+    for m in plan.modules:
+        shard = m.shard_degree or m.data_parallel
+        if shard == m.data_parallel:
+            continue
+        pp, dp, cp, tp = plan.mesh_shape(m.name)
+        ranks = module_mesh_ranks(plan, m.name).reshape(pp, dp // shard, shard, cp, tp)
+        out[m.name] = DeviceMesh(device_type, ranks, mesh_dim_names=HYBRID_DIMS)
+    return out

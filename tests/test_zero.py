@@ -1,0 +1,121 @@
+"""ZeRO 1-3 and hybrid sharding (issue 9 point 5, `loom.runtime.zero`) against the single
+process, fp32 (docs/architecture.md principle 1): per case, the loss and every gradient (FSDP's
+sharded gradients gathered whole) without an optimizer, then the parameters after one
+optimizer step (SGD with momentum: the step is the gradient's scale, which Adam would hide),
+clipping included where the case sets a threshold below the batch's norm. One launch per world
+size runs several cases."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from loom.plan.plan import ModuleSpec, Plan
+from loom.runtime.engine import ParallelEngine
+from loom.runtime.local import run_local
+from loom.train.build import build_data, build_model
+from reference import assert_matches_reference, identity_step, reference_backward, save_rank
+from test_parallel_reference import GLOBAL_BATCH, SEED, _config
+
+LR, MOMENTUM = 0.5, 0.9
+MAX_NORM = 0.05  # below the batch's gradient norm (checked in the parent): clipping scales
+
+
+def _case(case: str):
+    """(config, max_grad_norm) of a case."""
+    if case.startswith("dp2_zero"):  # LLM only, one stage, 2 replicas
+        cfg = _config("llm_only_1f1b")
+        cfg.plan = Plan([ModuleSpec("llm", data_parallel=2, zero_stage=int(case[-1]))], num_microbatches=4)
+        return cfg, 0.0
+    if case == "hybrid_2x2":  # 4 replicas: 2 shard groups of 2
+        cfg = _config("llm_only_1f1b")
+        cfg.plan = Plan([ModuleSpec("llm", data_parallel=4, zero_stage=3, shard_degree=2)], num_microbatches=4)
+        return cfg, 0.0
+    if case == "pp2_dp2_zero3_clip":
+        cfg = _config("llm_only_1f1b")
+        cfg.plan = Plan([ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=3)], num_microbatches=4)
+        return cfg, MAX_NORM
+    if case == "frozen_encoder_zero3":  # vision encoder frozen, its projector trainable, both sharded
+        cfg = _config("multimodal_1f1b")
+        cfg.model = dataclasses.replace(cfg.model, audio=None, freeze=["vision.encoder"])
+        cfg.data = dataclasses.replace(cfg.data, demo=dataclasses.replace(cfg.data.demo, mix={"text": 0.3, "image": 0.7}))
+        cfg.plan = Plan([ModuleSpec("vision", data_parallel=2, zero_stage=3),
+                         ModuleSpec("llm", data_parallel=2, zero_stage=2)], num_microbatches=4)
+        return cfg, 0.0
+    raise KeyError(case)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor gathered whole (a collective over its mesh), a plain one as is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _worker(rank: int, world_size: int, cases: list[str], out: str) -> None:
+    for case in cases:
+        cfg, max_norm = _case(case)
+        tokenizer, dataset = build_data(cfg)
+        # gradients: no optimizer, so they stay for the check
+        model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
+        engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
+        _, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
+        named = engine.stage.named_parameters()
+        grads = {n: _whole(p.grad) for n, p in named.items() if p.grad is not None}
+        engine.close()
+        # one optimizer step (clipped where the case says)
+        model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
+        engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), _sgd, max_grad_norm=max_norm)
+        result, _ = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
+        params = {n: _whole(p.detach()).clone() for n, p in engine.stage.named_parameters().items()}
+        engine.close()
+        torch.save({"loss": loss, "grads": grads, "no_grad": sorted(n for n in named if n not in grads),
+                    "params": params, "grad_norm": result.grad_norm,
+                    "fsdp": any(isinstance(p, DTensor) for p in named.values())},
+                   Path(out) / f"{case}.rank{rank}.pt")
+
+
+def _check(case: str, world: int, out: Path) -> None:
+    cfg, max_norm = _case(case)
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED)
+    ref_loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
+    results = [torch.load(out / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
+    assert_matches_reference(results, model, ref_loss)
+    zero = {m.name: m.zero_stage for m in cfg.plan.modules}
+    if max(zero.values()) >= 2:
+        assert any(r["fsdp"] for r in results), f"{case}: no rank's parameters are FSDP-sharded"
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if max_norm:
+        norm = float(torch.nn.utils.clip_grad_norm_(trainable, max_norm))
+        assert norm > max_norm, f"{case}: the batch's gradient norm {norm} is not above the threshold"
+        for r, res in enumerate(results):
+            assert res["grad_norm"] == pytest.approx(norm, rel=1e-5), f"{case} rank {r} grad norm"
+    torch.optim.SGD(trainable, lr=LR, momentum=MOMENTUM).step()
+    ref = dict(model.named_parameters())
+    for r, res in enumerate(results):
+        for name, value in res["params"].items():
+            torch.testing.assert_close(value, ref[name].detach(), rtol=1e-4, atol=1e-6,
+                                       msg=lambda m: f"{case} rank {r} {name} after the step: {m}")
+
+
+@pytest.mark.multiprocess
+def test_zero_1_2_3_with_dp2_match_the_single_process(tmp_path: Path) -> None:
+    cases = ["dp2_zero1", "dp2_zero2", "dp2_zero3"]
+    run_local(_worker, 2, cases, str(tmp_path))
+    for case in cases:
+        _check(case, 2, tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_hybrid_pipelined_clipped_and_frozen_zero_match_the_single_process(tmp_path: Path) -> None:
+    cases = ["hybrid_2x2", "pp2_dp2_zero3_clip", "frozen_encoder_zero3"]
+    run_local(_worker, 4, cases, str(tmp_path))
+    for case in cases:
+        _check(case, 4, tmp_path)
