@@ -20,11 +20,12 @@ from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
 from loom.runtime.precision import Precision
 from loom.runtime.recompute import apply_recompute
-from loom.runtime.mesh import build_meshes, data_parallel_group
+from loom.runtime.mesh import build_hybrid_meshes, build_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stage, trainable_stages
 from loom.runtime.tensor_parallel import apply_tensor_parallel, check_tp_degree, module_config
 from loom.runtime.unit import UnitPlace
+from loom.runtime.zero import apply_zero, check_zero, zero_optimizer
 from loom.schedule.generators import build_schedule
 from loom.schedule.ir import Schedule
 from loom.schedule.validate import validate_schedule
@@ -59,12 +60,13 @@ class ParallelEngine:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:
-            if m.context_parallel > 1 or m.zero_stage:
+            if m.context_parallel > 1:
                 raise PlanError(
-                    f"plan.modules[{m.name!r}]: context_parallel and zero_stage "
-                    f"are modelled by the cost model and simulator but not yet executed by the runtime; "
-                    f"set them to 1 and 0 to train"
+                    f"plan.modules[{m.name!r}]: context_parallel "
+                    f"is modelled by the cost model and simulator but not yet executed by the runtime; "
+                    f"set it to 1 to train"
                 )
+            check_zero(m)  # loom.runtime.zero: ZeRO needs replicas, and no TP yet
             if m.tensor_parallel > 1:  # before any group is built: a bad degree fails on every rank alike
                 check_tp_degree(m.name, m.tensor_parallel, module_config(model, m.name))
         trainable = trainable_stages(model, plan)
@@ -72,15 +74,19 @@ class ParallelEngine:
         validate_schedule(schedule, plan)
         # every rank builds every module's mesh, in plan order (group creation is collective)
         meshes = build_meshes(plan, device.type)
+        hybrid = build_hybrid_meshes(plan, device.type)  # ZeRO hybrid sharding (loom.runtime.zero)
         stage = build_stage(model, plan, rank, release_others=release_others, device=device)
         unit = UnitPlace.of(plan, rank, meshes)  # the rank's pipeline unit (loom.runtime.unit)
         apply_tensor_parallel(model, stage, unit.tp_mesh)  # loom.runtime.tensor_parallel
         apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
         groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank)}
+        zero = apply_zero(stage, plan, meshes, hybrid)  # ZeRO 2/3: FSDP2 over the dp group (loom.runtime.zero)
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
+        if optimizer is not None and plan.spec(stage.module).zero_stage == 1:
+            optimizer = zero_optimizer(optimizer, params, groups[(stage.module, stage.stage)])
         executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer, max_grad_norm,
-                                    precision, unit)
+                                    precision, unit, zero)
         return cls(plan, schedule, stage, executor, optimizer, trainable, meshes=meshes)
 
     def microbatches_to_load(self) -> list[int]:

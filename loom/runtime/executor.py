@@ -49,6 +49,7 @@ from loom.runtime.precision import Precision
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, move_batch
 from loom.runtime.unit import UnitPlace, local_tensor, settle_gradients, sync_gradients
+from loom.runtime.zero import ZeroStage
 from loom.schedule.generators import backward_flow
 from loom.schedule.ir import Action, ActionKind, Schedule
 from loom.schedule.timeline import TimelineEvent
@@ -112,6 +113,7 @@ class ActionPlan:
     split: dict[int, list[tuple[int, ...]]]  # microbatch -> split-backward parts (encoder first stages)
     routed: bool  # some action names samples: the iteration needs a RowMap
     steps: bool = False  # the list has an OPTIMIZER_STEP (where clipping joins the norm's all-reduce)
+    last_backward: int = -1  # index of the last BACKWARD (where ZeRO 2/3 reduce: loom.runtime.zero)
 
 
 class _Iteration:
@@ -149,6 +151,7 @@ class PipelineExecutor:
         max_grad_norm: float = 0.0,
         precision: Precision | None = None,
         unit: UnitPlace | None = None,
+        zero: ZeroStage | None = None,
     ):
         self.model, self.plan, self.stage = model, plan, stage
         # run.dtype: autocast around forwards, stage outputs sent in bf16 (loom.runtime.precision)
@@ -158,6 +161,7 @@ class PipelineExecutor:
         # the rank's pipeline unit: which actions it runs and its peers' ranks (loom.runtime.unit)
         self.unit = unit if unit is not None else UnitPlace.of(plan, rank)
         self.me: StageId = (stage.module, stage.stage)
+        self.zero = zero  # ZeRO 2/3: FSDP reduces the stage's gradients in its last backward
         self.dp_group = dp_groups.get(self.me)
         self.needs_backward, self.grad_edges = backward_flow(plan, trainable)
         self.edge_ids = _edge_ids(plan)
@@ -266,7 +270,8 @@ class PipelineExecutor:
             split = {}
         plan = ActionPlan(actions, [self._handlers[a.kind] for a in actions], tags, [a.short() for a in actions],
                           backward_parts, last_send, split, any(a.samples is not None for a in actions),
-                          any(a.kind is ActionKind.OPTIMIZER_STEP for a in actions))
+                          any(a.kind is ActionKind.OPTIMIZER_STEP for a in actions),
+                          max((i for i, a in enumerate(actions) if a.kind is ActionKind.BACKWARD), default=-1))
         if len(self._plans) >= 64:
             self._plans.clear()
         self._plans[id(schedule)] = (schedule, plan)
@@ -363,6 +368,8 @@ class PipelineExecutor:
         grad, st.out_grad = (None if self.stage.computes_loss else st.out_grad), None
         st.backward_left -= 1
         last_part = st.backward_left == 0
+        if self.zero is not None:
+            self.zero.before_backward(i == it.plan.last_backward)
         # An output can be independent of everything trainable for one microbatch (a frozen LLM
         # stage whose microbatch has no image tokens to merge): then there is nothing to
         # propagate and the input gradient sent back is zero.
@@ -400,7 +407,8 @@ class PipelineExecutor:
             del it.states[j]
 
     def _grad_sync(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        self._sync_gradients()
+        if self.zero is None or not self.zero.shards_gradients:  # FSDP reduced them in backward
+            self._sync_gradients()
 
     def _optimizer_step(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         settle_gradients(self.stage.trainable_parameters())  # TP gradients in their parameters' placements
@@ -478,7 +486,10 @@ class PipelineExecutor:
         per iteration."""
         params = [p for p in self.stage.trainable_parameters() if p.grad is not None]
         # every TP shard once, a replicated parameter once per unit, the first replica only
-        local = self.unit.grad_norm_sq(params).to(self.device)
+        if self.zero is not None and self.zero.shards_gradients:  # every dp shard once (loom.runtime.zero)
+            local = self.zero.grad_norm_sq(params).to(self.device)
+        else:
+            local = self.unit.grad_norm_sq(params).to(self.device)
         dist.all_reduce(local)
         norm = local.sqrt()
         if params:
