@@ -81,3 +81,17 @@ def test_in_place_resize_is_seen():
     m.close()
     # outside every meter the storage method is PyTorch's own again
     assert torch.UntypedStorage.resize_ is memory_meter._resize
+
+
+def test_wrapper_subclasses_count_their_inner_tensors_only():
+    # a DTensor-like wrapper (its storage a placeholder): only the tensors it wraps hold bytes
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = torch.ones(100), torch.ones(100)
+    wrapped = TwoTensor(a, b)
+    with MemoryMeter() as m:
+        m.track([wrapped])
+        assert m.live_bytes == 0
+        m.track([a, b])
+        assert m.live_bytes == 2 * 100 * F32
+    m.close()

@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # what a tensor that is not a wrapper subclass has
 _ACTIVE: list["MemoryMeter"] = []  # entered meters, innermost last
 _resize = torch.UntypedStorage.resize_  # the original, restored when the last meter exits
 
@@ -66,6 +67,10 @@ class MemoryMeter(TorchDispatchMode):
 
     def _see(self, t: torch.Tensor) -> None:
         if t.device.type != self.device:
+            return
+        if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
+            # a wrapper subclass (DTensor): its storage is a placeholder of the global size;
+            # its local tensor is a tensor of its own, counted as such
             return
         try:
             storage = t.untyped_storage()
