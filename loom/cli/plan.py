@@ -23,6 +23,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(plan.to_toml())
     for m in plan.modules:
         print("mesh {}: ({}) = ({})".format(m.name, ", ".join(MESH_DIMS), ", ".join(map(str, plan.mesh_shape(m.name)))))
+        if m.zero_stage:  # loom.runtime.zero: who shards with whom
+            shard = m.shard_degree or m.data_parallel
+            print(f"zero {m.name}: ZeRO-{m.zero_stage} sharded over {shard} replicas"
+                  + (f", {m.data_parallel // shard} shard groups replicated (hybrid)" if shard < m.data_parallel else ""))
     for r in range(plan.world_size):
         c = plan.coordinate_of(r)
         print(f"rank {r} = {c.module} stage {c.stage} replica {c.replica}; "

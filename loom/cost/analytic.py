@@ -96,10 +96,14 @@ class _Groups:
 
     tp: int
     cp: int
-    shards: int  # data x context parallel: gradient reduction and ZeRO sharding
+    shards: int  # (a shard group of the) data x context parallel: gradient reduction and ZeRO sharding
     tp_link: comm.Link
     cp_link: comm.Link
-    dp_link: comm.Link
+    dp_link: comm.Link  # inside a shard group (all the replicas without hybrid sharding)
+    # hybrid sharding (ModuleSpec.shard_degree): shard groups that replicate each other, and the
+    # link between a shard's copies (gradients all-reduced across after the reduce-scatter inside)
+    replicas: int = 1
+    replicate_link: comm.Link | None = None
 
 
 class AnalyticCostModel(CostModel):
@@ -183,16 +187,19 @@ class AnalyticCostModel(CostModel):
             self.stage_layers(module, stage)  # checks the stage index
             spec = self.plan.spec(module)
             tp, cp, dp = spec.tensor_parallel, spec.context_parallel, spec.data_parallel
+            shard = spec.shard_degree or dp  # consecutive replicas one shard group spans
             rank = self.plan.rank_of
             self._groups[key] = _Groups(
                 tp=tp,
                 cp=cp,
-                shards=dp * cp,
+                shards=shard * cp,
                 tp_link=comm.link_for(self.cluster, [rank(module, stage, 0, tp=i) for i in range(tp)]),
                 cp_link=comm.link_for(self.cluster, [rank(module, stage, 0, cp=c) for c in range(cp)]),
                 dp_link=comm.link_for(
-                    self.cluster, [rank(module, stage, d, cp=c) for d in range(dp) for c in range(cp)]
+                    self.cluster, [rank(module, stage, d, cp=c) for d in range(shard) for c in range(cp)]
                 ),
+                replicas=dp // shard,
+                replicate_link=comm.link_for(self.cluster, [rank(module, stage, r) for r in range(0, dp, shard)]),
             )
         return self._groups[key]
 
@@ -384,12 +391,18 @@ class AnalyticCostModel(CostModel):
         """Ring all-reduce of the stage's trainable gradients (fp32, ``MASTER_BYTES`` each, per TP
         shard) over its data x context-parallel replicas; under ZeRO-1/2 a reduce-scatter of the
         gradients and an all-gather of the updated parameters, the same volume; under ZeRO-3 the
-        reduce-scatter only (parameters are gathered on demand in `stage_time`)."""
+        reduce-scatter only (parameters are gathered on demand in `stage_time`). Under hybrid
+        sharding (`loom.runtime.zero`, FSDP2's HSDP) that happens inside each shard group, then
+        each rank's gradient shard is all-reduced across the groups' copies of it."""
         g = self.groups(module, stage)
         nbytes = self._trainable_params(module, stage) * MASTER_BYTES
         if self.plan.spec(module).zero_stage >= 3:
-            return comm.reduce_scatter_time(nbytes, g.shards, g.dp_link)
-        return comm.all_reduce_time(nbytes, g.shards, g.dp_link)
+            inside = comm.reduce_scatter_time(nbytes, g.shards, g.dp_link)
+        else:
+            inside = comm.all_reduce_time(nbytes, g.shards, g.dp_link)
+        if g.replicas > 1:
+            inside += comm.all_reduce_time(nbytes / g.shards, g.replicas, g.replicate_link)
+        return inside
 
     def clip_time(self) -> float:
         """Gradient clipping's norm (``optim.max_grad_norm`` > 0, `loom.runtime.executor`): one
