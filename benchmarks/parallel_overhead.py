@@ -1,0 +1,245 @@
+"""Parallelism overhead: loom's production step against a plain PyTorch loop of the same
+technique (issue 9, Acceptance). Case ``fsdp``: ZeRO 3 with DP 2 against a ``fully_shard``
+training loop.
+
+Both sides train the same LLM-only zoo model (one stage, 2 data-parallel replicas, ZeRO 3) on 2
+gloo processes with one thread each: the same initial weights (same seed), the same global
+batches of fixed-length text samples (the run's seeded `GlobalBatchSampler`, the benchmark
+dataset of `benchmarks.pipeline_overhead`), each replica the same microbatches
+(`Plan.microbatches_of`), the same loss (summed token cross-entropy over the global batch's
+target-token count, gradients SUM-reduced), the same optimizer and LR schedule
+(`loom.train.rank.make_optimizer` / `make_lr_scheduler`, their steps inside the timed step).
+
+Each side does per step what its user does:
+- loom runs what `loom train` runs: `loom.train.rank.build_rank` from a `TrainConfig` with
+  ``zero_stage = 3``, stepping with `RankRun.step` (Dispatcher, ``engine.step``: FSDP2 per
+  layer via `loom.runtime.zero`, reduction on the last microbatch's backward, optimizer step;
+  LR scheduler; loss all-reduce);
+- plain: every rank builds the model, ``fully_shard``s each LLM layer
+  (``reshard_after_forward=True``, SUM reduction), and per step collates its microbatches, runs
+  forward and backward per microbatch with gradient sync on the last only, then the optimizer,
+  the LR scheduler and the loss all-reduce.
+
+The two sides run in their own pairs of fresh processes and take turns step by step (ABBA), as
+in `benchmarks.pipeline_overhead`; a timed step runs from a barrier to a barrier. The figure
+``fsdp_step_time_ratio`` is the median of the paired per-step ratios loom / plain with its IQR;
+lower is better, target at most 1.10. The first step's loss must agree between the sides.
+
+    python benchmarks/parallel_overhead.py [--only fsdp] [--steps 20 --warmup 3 --hidden 256 ...]
+
+Writes ``benchmarks/results/parallel_overhead.json`` (docs/architecture.md, "Benchmarks").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import WorkerGroup, format_table, median, peak_rss_mb, start_run, summarize, write_result
+from benchmarks.pipeline_overhead import TextDataset
+from loom.data.collate import collate, split_microbatches
+from loom.data.sampler import GlobalBatchSampler
+from loom.model.layers import run_layers
+from loom.model.multimodal import loss_sum
+from loom.model.zoo import LlamaConfig
+from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.train.build import build_model
+from loom.train.config import ModelConfig, TrainConfig
+from loom.train.rank import build_rank, make_lr_scheduler, make_optimizer
+
+NAME = "parallel_overhead"
+SIDES = ("loom", "plain")
+WORLD_SIZE = 2
+LOSS_RTOL = 1e-4
+TARGET = 1.10
+
+
+@dataclass
+class BenchConfig:
+    microbatches: int = 4  # per global batch (2 per replica)
+    microbatch_size: int = 2
+    seq_len: int = 128
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 8
+    kv_heads: int = 4
+    intermediate: int = 688
+    vocab: int = 512
+    lr: float = 1e-3
+    seed: int = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.microbatches * self.microbatch_size
+
+
+def train_config(cfg: BenchConfig, total_steps: int) -> TrainConfig:
+    """The run both sides train: an LLM-only zoo model, one stage, DP 2 with ZeRO 3."""
+    model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
+        num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
+    plan = Plan([ModuleSpec(LLM, data_parallel=WORLD_SIZE, zero_stage=3)], num_microbatches=cfg.microbatches)
+    train = TrainConfig(model=model, plan=plan)
+    train.run = replace(train.run, seed=cfg.seed, steps=total_steps)
+    train.optim = replace(train.optim, lr=cfg.lr)
+    train.data = replace(train.data, global_batch_size=cfg.global_batch)
+    return train.check()
+
+
+def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: list, replies) -> None:
+    warmup, total = cfg_dict.pop("_warmup"), cfg_dict.pop("_total")
+    cfg = BenchConfig(**cfg_dict)
+    train = train_config(cfg, total)
+    data = TextDataset(cfg)
+    num_targets = cfg.global_batch * (cfg.seq_len - 1)  # every position but the last predicts
+
+    if side == "loom":
+        run = build_rank(train, torch.device("cpu"), data=(data.tokenizer, data))
+
+        def step(i: int) -> float:
+            return run.step(i).loss
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        model = build_model(train.model, data.tokenizer, seed=train.run.seed)
+        train.plan.resolve(model.layer_counts(), WORLD_SIZE)
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        layers = model.module_layers(LLM)
+        for layer in layers:
+            fully_shard(layer.module, mesh=mesh, reshard_after_forward=True)
+            layer.module.set_gradient_divide_factor(1.0)  # SUM: the loss is already a global mean
+            layer.module.set_force_sum_reduction_for_comms(True)
+        optimizer = make_optimizer(train.optim)([p for l in layers for p in l.module.parameters()])
+        scheduler = make_lr_scheduler(train, optimizer)
+        sampler = GlobalBatchSampler(len(data), cfg.global_batch, seed=train.run.seed)  # the run's batches
+        mine = train.plan.microbatches_of(LLM, rank)
+
+        def step(i: int) -> float:
+            parts = split_microbatches([data[k] for k in sampler.batch(i)], cfg.microbatches)
+            total_loss = torch.zeros((), dtype=torch.float64)
+            for n, j in enumerate(mine):
+                last = n == len(mine) - 1
+                for layer in layers:
+                    layer.module.set_requires_gradient_sync(last, recurse=False)
+                    layer.module.set_is_last_backward(last)
+                batch = collate(parts[j], data.tokenizer, {})
+                logits = run_layers(layers, None, model.module_context(LLM, batch))
+                loss = loss_sum(logits, batch.labels) / num_targets
+                loss.backward()
+                total_loss += loss.detach()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            dist.all_reduce(total_loss)
+            return float(total_loss)
+
+    replies.put(("ready", rank))
+    while (i := commands[rank].get()) is not None:
+        dist.barrier()
+        start = time.perf_counter()
+        loss = step(i)
+        dist.barrier()
+        replies.put(("step", rank, i, time.perf_counter() - start, loss))
+    if side == "loom":
+        run.close()
+    replies.put(("done", rank, peak_rss_mb()))
+
+
+def run_fsdp(cfg: BenchConfig, steps: int, warmup: int) -> dict:
+    """Both sides, taking turns; their per-step times, losses and peak RSS."""
+    sides = {s: WorkerGroup(s, _worker, WORLD_SIZE, {**asdict(cfg), "_warmup": warmup, "_total": warmup + steps})
+             for s in SIDES}
+    times: dict[str, list[float]] = {s: [] for s in SIDES}
+    losses: dict[str, list[float]] = {s: [] for s in SIDES}
+    rss = {}
+    try:
+        for g in sides.values():
+            g.wait_ready()
+        for i in range(warmup + steps):
+            for s in (SIDES if i % 2 == 0 else SIDES[::-1]):  # ABBA: neither side always follows the other
+                got = sides[s].command(i)
+                losses[s].append(got[0][4])
+                if i >= warmup:
+                    times[s].append(max(r[3] for r in got))
+        for s, g in sides.items():
+            rss[s] = max(g.close())
+    finally:
+        for g in sides.values():
+            for p in g.procs:
+                if p.is_alive():
+                    p.terminate()
+    rel = abs(losses["loom"][0] - losses["plain"][0]) / max(abs(losses["plain"][0]), 1e-12)
+    print(f"  first-step loss: loom {losses['loom'][0]:.6f}, plain {losses['plain'][0]:.6f} (relative difference "
+          f"{rel:.2e})")
+    if rel > LOSS_RTOL:
+        raise SystemExit(f"[fsdp] loom and the plain loop compute different losses on the first step: the sides do "
+                         f"not do the same work, the timing would be meaningless")
+    return {"times": times, "ratios": [a / b for a, b in zip(times["loom"], times["plain"])], "rss": rss,
+            "first_step_loss": {s: losses[s][0] for s in SIDES}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--only", choices=["fsdp"], default=None, help="run one case (default: all)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side before them")
+    for f in fields(BenchConfig):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=None,
+                            help="override this field of the configuration")
+    parser.add_argument("--out", type=Path, default=None, help="results directory; default benchmarks/results")
+    args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 1:
+        parser.error("--steps and --warmup must be at least 1")
+    args.cfg = replace(BenchConfig(), **{f.name: getattr(args, f.name) for f in fields(BenchConfig)
+                                         if getattr(args, f.name) is not None})
+    if args.cfg.microbatches < WORLD_SIZE:
+        parser.error(f"--microbatches {args.cfg.microbatches}: each of the {WORLD_SIZE} replicas needs one")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    start_run()
+    cfg = args.cfg
+    print(f"{NAME} [fsdp]: loom ZeRO 3 (build_rank + RankRun.step) vs a plain fully_shard loop, DP 2, 2 gloo "
+          f"processes x 1 thread per side, {cfg.microbatches} microbatches x {cfg.microbatch_size} x {cfg.seq_len} "
+          f"tokens; {args.warmup} warmup + {args.steps} timed steps per side")
+    t0 = time.perf_counter()
+    run = run_fsdp(cfg, args.steps, args.warmup)
+    ratio = summarize(run["ratios"], "ratio", better="lower")
+    figures = {"fsdp_step_time_ratio": ratio,
+               "fsdp_loom_step_ms": summarize([t * 1e3 for t in run["times"]["loom"]], "ms", "lower", digits=2),
+               "fsdp_plain_step_ms": summarize([t * 1e3 for t in run["times"]["plain"]], "ms", "lower", digits=2)}
+    verdict = "within" if ratio["value"] <= TARGET else "ABOVE"
+    print(f"fsdp_step_time_ratio (loom / plain, paired median) = {ratio['value']:.3f}, IQR {ratio['spread']} "
+          f"({verdict} the target {TARGET:.2f})")
+    print(format_table(["side", "median step (ms)", "min step (ms)", "peak RSS (MB)"],
+                       [[s, median(run["times"][s]) * 1e3, min(run["times"][s]) * 1e3, run["rss"][s]] for s in SIDES]))
+    print(f"total {time.perf_counter() - t0:.0f} s")
+    config = {"world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "steps": args.steps,
+              "warmup": args.warmup, "fsdp": {**asdict(cfg), "zero_stage": 3, "target": TARGET,
+                                              "first_step_loss": run["first_step_loss"]},
+              "loom_path": "loom.train.rank.build_rank + RankRun.step (ZeRO 3 through loom.runtime.zero), as loom train",
+              "plain_path": "fully_shard per LLM layer (reshard_after_forward=True, SUM reduction), forward/backward "
+                            "per microbatch with gradient sync on the last, optimizer and LR scheduler steps, loss "
+                            "all-reduce",
+              "timing": "barrier to barrier per step; the sides take turns step by step; figure = median of the "
+                        "paired per-step ratios loom / plain, spread IQR"}
+    path = write_result(NAME, figures, config, results_dir=args.out)
+    print(f"wrote {path}")
+    return {"figures": figures, "config": config}
+
+
+if __name__ == "__main__":
+    main()
