@@ -23,7 +23,7 @@ from loom.runtime.recompute import apply_recompute
 from loom.runtime.mesh import build_hybrid_meshes, build_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stage, trainable_stages
-from loom.runtime.tensor_parallel import apply_tensor_parallel, check_tp_degree, module_config
+from loom.runtime.tensor_parallel import check_tp_degree, layer_sharder, module_config
 from loom.runtime.unit import UnitPlace
 from loom.runtime.zero import apply_zero, check_zero, zero_optimizer
 from loom.schedule.generators import build_schedule
@@ -75,9 +75,10 @@ class ParallelEngine:
         # every rank builds every module's mesh, in plan order (group creation is collective)
         meshes = build_meshes(plan, device.type)
         hybrid = build_hybrid_meshes(plan, device.type)  # ZeRO hybrid sharding (loom.runtime.zero)
-        stage = build_stage(model, plan, rank, release_others=release_others, device=device)
         unit = UnitPlace.of(plan, rank, meshes)  # the rank's pipeline unit (loom.runtime.unit)
-        apply_tensor_parallel(model, stage, unit.tp_mesh)  # loom.runtime.tensor_parallel
+        # each layer split over the unit's TP ranks as soon as it has values (loom.runtime.tensor_parallel)
+        stage = build_stage(model, plan, rank, release_others=release_others, device=device,
+                            shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
         apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
         groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank)}
         zero = apply_zero(stage, plan, meshes, hybrid)  # ZeRO 2/3: FSDP2 over the dp group (loom.runtime.zero)
