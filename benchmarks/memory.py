@@ -10,8 +10,8 @@ the LR scheduler, the loss all-reduce). The cases:
 
 - ``recompute = "none" | "selective" | "full"`` on a 2-stage 1F1B pipeline (so the two ranks
   hold different numbers of microbatches in flight);
-- ``zero_stage = 0 | 1 | 2 | 3`` at data-parallel degree 2 (one stage), when the runtime
-  executes ZeRO (``--cases`` names them; refused by the engine otherwise).
+- ``zero_stage = 0 | 1 | 2 | 3`` at data-parallel degree 2 (one stage; `loom.runtime.zero`:
+  ZeroRedundancyOptimizer for 1, FSDP2 ``fully_shard`` per layer for 2 and 3).
 
 **Measured**, per rank: the peak bytes of live tensors during one training step after the
 first (the first creates AdamW's moments, so the second is the steady state), counted by
@@ -29,7 +29,7 @@ Figure ``memory_model_median_abs_rel_error``: the median over cases and ranks of
 ``|predicted - measured| / measured``, spread the interquartile range over them; better lower,
 target at most 0.15.
 
-    python benchmarks/memory.py [--cases none,selective,full] [--layers 8 --hidden 512 ...]
+    python benchmarks/memory.py [--cases none,selective,full,zero0,zero1,zero2,zero3] [--layers 8 --hidden 512 ...]
 
 Writes ``benchmarks/results/memory.json`` (docs/benchmarks.md).
 """
@@ -104,7 +104,6 @@ CASES: dict[str, ModuleSpec] = {
     "zero2": ModuleSpec(LLM, data_parallel=2, zero_stage=2),
     "zero3": ModuleSpec(LLM, data_parallel=2, zero_stage=3),
 }
-RECOMPUTE_CASES = ("none", "selective", "full")
 
 
 def train_config(cfg: BenchConfig, spec: ModuleSpec) -> TrainConfig:
@@ -210,7 +209,7 @@ def predict(case: str, cfg: BenchConfig, step: int) -> list[float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--cases", default=",".join(RECOMPUTE_CASES),
+    parser.add_argument("--cases", default=",".join(CASES),
                         help=f"comma-separated cases among {', '.join(CASES)}")
     parser.add_argument("--steps", type=int, default=1, help="measured steps per case (after one unmeasured)")
     for f in fields(BenchConfig):

@@ -442,10 +442,25 @@ def test_memory_equals_the_hand_computed_values():
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
     assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64 + 10 * 2 * 64  # the weights are cast again when recomputed
     assert cost.transient_memory("llm", 0, w) == 10 * (2 * 768 + 4 * 4 / 2 - 2 * 64) + mlp + copy
-    # ZeRO-3 shards the parameters too, ZeRO-2 the gradients
+    # ZeRO-3 shards the parameters too; with 2 microbatches per replica the gradients
+    # accumulate unsharded until the last backward's reduce-scatter (loom.runtime.zero)
     plan.modules[0].zero_stage = 3
     m = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
+    assert (m.params, m.grads, m.optimizer) == (86784 / 2, 86784, 86784)
+    # one microbatch per replica: ZeRO-2 and -3 shard the gradients; ZeRO-2 holds the
+    # gathered parameters beside its shard
+    one = Plan([ModuleSpec("llm", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2, data_parallel=2,
+                           zero_stage=3)], num_microbatches=2)
+    m = AnalyticCostModel(arch, one, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
     assert (m.params, m.grads, m.optimizer) == (86784 / 2, 86784 / 2, 86784)
+    one.modules[0].zero_stage = 2
+    m = AnalyticCostModel(arch, one, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
+    assert (m.params, m.grads, m.optimizer) == (86784 * 1.5, 86784 / 2, 86784)
+    # ZeRO-3 gathers the largest layer (the block, 36992 parameters / TP 2) beside its shard
+    # and the all-gather's input (its shard, 1 / 2 of it), plus the block's backward working set
+    one.modules[0].zero_stage = 3
+    cost3 = AnalyticCostModel(arch, one, Cluster("A100-80GB", 8))
+    assert cost3.transient_memory("llm", 0, w) == 4 * 36992 / 2 * 1.5 + mlp
     # a frozen LLM with nothing trainable upstream: parameters only, no activations
     frozen = AnalyticCostModel(arch.with_freeze(["llm"]), plan, Cluster("A100-80GB", 8))
     assert frozen.static_breakdown("llm", 0).grads == frozen.static_breakdown("llm", 0).optimizer == 0

@@ -58,6 +58,7 @@ from loom.cost.memory import (
     static_memory,
     stage_output_bytes_per_token,
     weight_copy_bytes,
+    zero3_gather_bytes,
 )
 from loom.cost.model import CostModel, MicrobatchWork, Phase, StageKind, Workload
 from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
@@ -423,8 +424,10 @@ class AnalyticCostModel(CostModel):
     def static_breakdown(self, module: str, stage: int) -> StaticMemory:
         spec = self.plan.spec(module)
         layers = [l for l, _ in self.stage_layers(module, stage)]
+        # several microbatches per replica: loom's ZeRO-2/3 reduce-scatter only after the last
+        accumulates = max(len(self.plan.microbatches_of(module, r)) for r in range(spec.data_parallel)) > 1
         return static_memory(layers, spec.tensor_parallel, self.groups(module, stage).shards, spec.zero_stage,
-                             self.optimizer)
+                             self.optimizer, accumulates)
 
     def static_memory(self, module: str, stage: int) -> float:
         return self.static_breakdown(module, stage).total
@@ -460,10 +463,13 @@ class AnalyticCostModel(CostModel):
             return 0.0
         tokens = work.tokens / spec.context_parallel
         copies = spec.recompute == "full"  # the recomputed block casts its weights again
-        return max(
+        layers = self.stage_layers(module, stage)
+        gather = (zero3_gather_bytes([l for l, _ in layers], spec.tensor_parallel, self.groups(module, stage).shards)
+                  if spec.zero_stage >= 3 else 0.0)  # a layer's parameters gathered for its backward
+        return gather + max(
             (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute)
              + (weight_copy_bytes(l, spec.tensor_parallel, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
-             for l, need in self.stage_layers(module, stage) if need.any),
+             for l, need in layers if need.any),
             default=0.0,
         )
 

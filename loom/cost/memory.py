@@ -11,10 +11,20 @@ as autocast keeps them), per rank holding ``P`` parameters of which ``P_t`` are 
 tensor-parallel degree ``t`` and ``n = data_parallel x context_parallel`` replicas of the stage
 (ZeRO shards over both, as Megatron-LM's distributed optimizer does):
 
-- parameters ``4 P / t``, divided by ``n`` under ZeRO-3;
-- gradients ``4 P_t / t``, divided by ``n`` under ZeRO-2 and -3 (frozen parameters have none);
+- parameters ``4 P / t``, divided by ``n`` under ZeRO-3; under ZeRO-2 the gathered parameters
+  *and* the rank's shard, ``4 P / t (1 + 1 / n)`` (FSDP2 with ``reshard_after_forward=False``,
+  `loom.runtime.zero`, keeps the shard and holds the gathered copy from forward to backward);
+- gradients ``4 P_t / t``, divided by ``n`` under ZeRO-2 and -3 (frozen parameters have none),
+  but only when the replica runs one microbatch on the stage: loom reduce-scatters after the
+  stage's last backward of the iteration and accumulates the earlier microbatches' gradients
+  unsharded (``accumulates``), as ``torch.distributed.pipelining`` does;
 - optimizer states ``k P_t / t``, divided by ``n`` under ZeRO-1, -2, -3, with ``k = 8`` for Adam
   (first and second moments; the weights are their own master copy) and ``k = 0`` for plain SGD.
+
+Under ZeRO-3 a layer's parameters are gathered for its forward and again for its backward:
+the gathered layer and the all-gather's input (a copy of the rank's shard) are live at once,
+``4 W (1 + 1 / n) / t`` for the largest layer of ``W`` parameters (`zero3_gather_bytes`, in
+the transient working set; measured by ``benchmarks/memory.py``).
 
 **Activations** kept from a microbatch's forward until its backward, per token and per rank
 (tokens divided by the context-parallel degree), only for layers that run some backward
@@ -112,20 +122,34 @@ def static_memory(
     shards: int,
     zero_stage: int,
     optimizer: str,
+    accumulates: bool = False,
 ) -> StaticMemory:
     """Parameters, gradients and optimizer states of ``layers`` on one rank (module docstring);
-    ``shards`` is the number of replicas ZeRO shards over (data x context parallel)."""
+    ``shards`` is the number of replicas ZeRO shards over (data x context parallel);
+    ``accumulates``: the replica runs several microbatches on the stage, so ZeRO-2 and -3
+    gradients stay unsharded until the last backward."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer = {optimizer!r}: choose one of {list(OPTIMIZER_STATE_BYTES)}")
     stored = _stored_params(layers)
     total = sum(stored)
     trainable = sum(n for n, l in zip(stored, layers) if l.trainable)
     t = tensor_parallel
+    params = MASTER_BYTES * total / t
+    if zero_stage >= 3:
+        params /= shards
+    elif zero_stage == 2:
+        params *= 1 + 1 / shards  # the gathered parameters beside the rank's shard
     return StaticMemory(
-        params=MASTER_BYTES * total / t / (shards if zero_stage >= 3 else 1),
-        grads=MASTER_BYTES * trainable / t / (shards if zero_stage >= 2 else 1),
+        params=params,
+        grads=MASTER_BYTES * trainable / t / (shards if zero_stage >= 2 and not accumulates else 1),
         optimizer=OPTIMIZER_STATE_BYTES[optimizer] * trainable / t / (shards if zero_stage >= 1 else 1),
     )
+
+
+def zero3_gather_bytes(layers: Sequence[LayerArch], tensor_parallel: int, shards: int) -> float:
+    """What gathering the largest of ``layers`` holds at once under ZeRO-3 (module docstring)."""
+    largest = max(_stored_params(layers), default=0)
+    return MASTER_BYTES * largest * (1 + 1 / shards) / tensor_parallel
 
 
 def _stored_params(layers: Sequence[LayerArch]) -> list[int]:
