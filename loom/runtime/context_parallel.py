@@ -1,0 +1,140 @@
+"""Context-parallel attention as in Cornstarch (cornstarch.md §3.3.6): the all-gather key/value
+algorithm with each rank's local bitfield-attention-mask rows, skipping the tiles the mask
+makes empty.
+
+Each context-parallel (CP) rank holds the tokens `loom.balance.context.distribute_tokens` gave
+it (whole blocks, ascending); its queries are those tokens' queries. Keys and values are
+all-gathered over the CP group into gather order (rank 0's tokens first, §3.3.6), so every
+rank's rows of the mask are `local_mask(bam, dist, rank)`: the BAM decoded at global positions,
+whatever the permutation. The gather is autograd-correct: its backward sums every rank's
+gradient of the gathered keys and values and hands each rank its own slice (a reduce-scatter;
+on gloo, which has none, an all-reduce and a slice, the same values).
+
+Block skipping (§3.3.1, §3.3.6): the rank's query blocks are attended one at a time against
+only the key blocks whose tile is not ``EMPTY`` (`local_block_mask`); a ``FULL`` set of tiles
+needs no mask. The work per query block is then its count of non-empty key blocks, the
+workload LPT balanced (§3.3.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from loom.balance.context import ContextDistribution, local_block_mask, local_mask
+from loom.data.bam import EMPTY, FULL, BitfieldMask
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather ``[..., n_rank, d]`` slices of unequal lengths along dim -2 into
+    ``[..., sum(sizes), d]`` (rank order); backward: the sum over ranks of the gathered
+    gradient, each rank's own slice (reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, sizes: tuple[int, ...], rank: int, group) -> torch.Tensor:
+        ctx.sizes, ctx.rank, ctx.group = sizes, rank, group
+        width = max(sizes)
+        padded = F.pad(x, (0, 0, 0, width - x.shape[-2])).contiguous()
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[..., :n, :] for p, n in zip(parts, sizes)], dim=-2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sizes, rank, group = ctx.sizes, ctx.rank, ctx.group
+        starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+        if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: same values
+            total = grad.contiguous().clone()
+            dist.all_reduce(total, group=group)
+            out = total[..., starts[rank]:starts[rank + 1], :]
+        else:
+            width = max(sizes)
+            stacked = torch.stack([
+                F.pad(grad[..., starts[r]:starts[r + 1], :], (0, 0, 0, width - sizes[r])) for r in range(len(sizes))
+            ]).contiguous()
+            out = torch.empty_like(stacked[0])
+            dist.reduce_scatter(out, list(stacked.unbind(0)), group=group)
+            out = out[..., :sizes[rank], :]
+        return out.contiguous(), None, None, None
+
+
+def gather_sequence(x: torch.Tensor, sizes: Sequence[int], group=None) -> torch.Tensor:
+    """Every CP rank's ``x`` (``[..., sizes[rank], d]``) concatenated along dim -2 in rank order."""
+    rank = dist.get_rank(group)
+    if x.shape[-2] != sizes[rank]:
+        raise ValueError(f"this rank holds {x.shape[-2]} tokens but sizes[{rank}] = {sizes[rank]}")
+    return _GatherSequence.apply(x, tuple(int(n) for n in sizes), rank, group)
+
+
+@dataclass
+class RankContext:
+    """What one CP rank needs to attend: its tokens (global positions, ascending), every
+    rank's token count (the gather's sizes), its mask rows against the gathered keys
+    ``[rows, n, T]`` (one per batch row, or one for all), and per local query block the
+    gathered key positions (indices into gather order) of its non-empty tiles, with whether
+    they are all ``FULL`` (no mask needed)."""
+
+    rank: int
+    tokens: torch.Tensor  # int64 [n]
+    sizes: tuple[int, ...]
+    mask: torch.Tensor  # bool [rows, n, T]
+    query_blocks: list[tuple[int, int]]  # local [start, stop) of each query block
+    key_index: list[torch.Tensor]  # int64 gathered key indices per query block
+    full: list[bool]
+    group: object = None
+
+
+def rank_context(bams: BitfieldMask | Sequence[BitfieldMask], distribution: ContextDistribution, rank: int,
+                 group=None) -> RankContext:
+    """Rank ``rank``'s `RankContext` for rows ``bams`` (one BAM per batch row, all of the
+    distribution's length; a tile is skipped only where it is empty in every row)."""
+    rows = [bams] if isinstance(bams, BitfieldMask) else list(bams)
+    d = distribution
+    tokens = d.tokens_on(rank)
+    sizes = tuple(len(d.tokens_on(r)) for r in range(d.cp))
+    mask = np.stack([local_mask(b, d, rank) for b in rows])
+    tiles = np.stack([local_block_mask(b, d, rank) for b in rows])  # [rows, my blocks, key blocks]
+    nonempty = (tiles != EMPTY).any(axis=0)
+    all_full = (tiles == FULL).all(axis=0)
+    key_blocks = d.key_blocks()
+    # gathered index of each key block's first token (blocks keep their tokens contiguous)
+    block_len = np.array([min(d.block, d.length - b * d.block) for b in key_blocks])
+    block_start = np.concatenate([[0], np.cumsum(block_len)[:-1]])
+    query_blocks, key_index, full = [], [], []
+    start = 0
+    for i, b in enumerate(d.blocks_on(rank)):
+        n = min(d.block, d.length - b * d.block)
+        query_blocks.append((start, start + n))
+        start += n
+        cols = np.flatnonzero(nonempty[i])
+        idx = np.concatenate([np.arange(block_start[c], block_start[c] + block_len[c]) for c in cols]) if len(cols) else np.zeros(0, np.int64)
+        key_index.append(torch.from_numpy(idx.astype(np.int64)))
+        full.append(bool(all_full[i, cols].all()) if len(cols) else False)
+    return RankContext(rank, torch.from_numpy(tokens.astype(np.int64)), sizes, torch.from_numpy(mask),
+                       query_blocks, key_index, full, group)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rc: RankContext) -> torch.Tensor:
+    """Attention of this rank's queries ``[B, H, n, d]`` over every rank's keys and values
+    (``[B, H_kv, n, d]`` each, this rank's tokens; grouped-query heads repeated after the
+    gather, so the gather moves only the key/value heads). Returns ``[B, H, n, d]``."""
+    k = gather_sequence(k, rc.sizes, rc.group)
+    v = gather_sequence(v, rc.sizes, rc.group)
+    repeats = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(repeats, dim=1)
+    v = v.repeat_interleave(repeats, dim=1)
+    if q.shape[-2] == 0:  # the hash may give a rank no block: nothing to attend, still in the graph
+        return q * 0 + (k.sum() + v.sum()) * 0
+    mask = rc.mask.to(q.device)
+    outs = []
+    for (start, stop), idx, full in zip(rc.query_blocks, rc.key_index, rc.full):
+        idx = idx.to(q.device)
+        kb, vb = k.index_select(2, idx), v.index_select(2, idx)
+        m = None if full else mask[:, None, start:stop].index_select(3, idx)  # [rows, 1, nq, nk]
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], kb, vb, attn_mask=m))
+    return torch.cat(outs, dim=2)
