@@ -88,6 +88,15 @@ class RankContext:
     full: list[bool]
     group: object = None
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`cp_attention` with this context: the hook the zoo Llama calls
+        (``inputs["context_parallel"]``, `LlamaForCausalLM.context`)."""
+        return cp_attention(q, k, v, self)
+
+    def select(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of a full-row tensor (labels, hidden states): they follow the tokens."""
+        return t.index_select(dim, self.tokens.to(t.device))
+
 
 def rank_context(bams: BitfieldMask | Sequence[BitfieldMask], distribution: ContextDistribution, rank: int,
                  group=None) -> RankContext:

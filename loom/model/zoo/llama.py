@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -110,7 +110,8 @@ class Attention(nn.Module):
         self.core = AttentionCore()  # no parameters; a seam for selective recompute
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
         b, length, _ = x.shape
         # heads as -1: under tensor parallelism a rank holds only its share of the heads
@@ -118,6 +119,8 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if attend is not None:  # context parallelism: the runtime's attention (k/v heads unrepeated)
+            return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(b, length, -1))
         # Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
         repeats = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeats, dim=1)
@@ -153,15 +156,16 @@ class DecoderLayer(nn.Module):
         self.mlp = FeedForward(config)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[int] | None = None,
+        attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, segments, attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 def _run_decoder_layer(layer: DecoderLayer, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
     # Call the module (not .forward) so that hooks applied from outside (FSDP, ...) fire.
-    return layer(x, ctx["rope_cos"], ctx["rope_sin"], ctx.get("segments"))
+    return layer(x, ctx["rope_cos"], ctx["rope_sin"], ctx.get("segments"), ctx.get("attend"))
 
 
 class LlamaModel(nn.Module):
@@ -227,7 +231,12 @@ class LlamaForCausalLM(nn.Module):
         """Input ids, position ids ``[B, L]`` and the RoPE tables built from them.
 
         With ``"segments"`` (sample lengths summing to ``L``, ``B = 1``) the row holds several
-        packed samples: positions restart at every sample and attention stays inside each."""
+        packed samples: positions restart at every sample and attention stays inside each.
+
+        With ``"context_parallel"`` (the runtime's per-rank context: ``tokens``, the rank's
+        global positions, and ``attend(q, k, v)``, e.g. `loom.runtime.context_parallel.
+        RankContext`) the full row's ids and positions are cut to the rank's tokens and every
+        block attends through ``attend``."""
         input_ids: torch.Tensor = inputs["input_ids"]
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; expected [batch, length]")
@@ -250,10 +259,19 @@ class LlamaForCausalLM(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(length, device=input_ids.device)
         position_ids = position_ids.to(input_ids.device).expand(batch, length)
+        cp = inputs.get("context_parallel")
+        if cp is not None:
+            # Context parallelism (cornstarch.md §3.3.6): this rank runs only its tokens of the
+            # row; their positions (RoPE) are the row's, and attention is the runtime's, whose
+            # mask already keeps packed samples apart.
+            tokens = cp.tokens.to(input_ids.device)
+            input_ids, position_ids, segments = input_ids[:, tokens], position_ids[:, tokens], None
         cos, sin = rope_tables(position_ids, self.hidden_size // self.config.num_heads, self.config.rope_theta)
         ctx = {"input_ids": input_ids, "position_ids": position_ids, "rope_cos": cos, "rope_sin": sin}
         if segments is not None:
             ctx["segments"] = segments
+        if cp is not None:
+            ctx["attend"] = cp.attend
         return ctx
 
     def layers(self) -> list[Layer]:
