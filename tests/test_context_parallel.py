@@ -89,3 +89,19 @@ def test_block_skipping_attends_only_nonempty_tiles() -> None:
     assert attended < bam.length * bam.length / 2  # fewer than half the dense pairs
     # the image's diagonal tile (rows 8..11 are image tokens that see columns 8..11) is FULL
     assert any(rc.full for rank in range(2) for rc in [rank_context(bam, d, rank)])
+
+
+def test_select_features_merges_like_the_full_row() -> None:
+    from loom.runtime.context_parallel import select_features
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        bams = random_rows(rng, int(rng.integers(1, 3)))
+        d = distribute_tokens(bams, 2, 3 if bams[0].length >= 6 else 1, method=str(rng.choice(["lpt", "random"])), seed=1)
+        placeholders = torch.from_numpy(np.stack([b.kind == 1 for b in bams]))  # the vision tokens
+        feats = torch.randn(int(placeholders.sum()), 4)
+        full = torch.zeros(len(bams), bams[0].length, 4).masked_scatter(placeholders[..., None], feats)
+        for rank in range(2):
+            tok = torch.from_numpy(d.tokens_on(rank))
+            cut = torch.zeros(len(bams), len(tok), 4).masked_scatter(
+                placeholders[:, tok][..., None], select_features(placeholders, feats, tok))
+            torch.testing.assert_close(cut, full[:, tok])

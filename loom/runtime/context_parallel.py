@@ -147,3 +147,18 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rc: RankCont
         m = None if full else mask[:, None, start:stop].index_select(3, idx)  # [rows, 1, nq, nk]
         outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], kb, vb, attn_mask=m))
     return torch.cat(outs, dim=2)
+
+
+def select_features(placeholder_mask: torch.Tensor, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The rows of an encoder's projected tokens ``features`` (``[N, H]``, one per True of
+    ``placeholder_mask`` ``[B, L]`` in row-major order, what `MultimodalModel.merge` scatters)
+    whose placeholders are among this CP rank's ``tokens``, in the order the rank's cut of the
+    row meets them: merging them into the rank's tokens equals merging all into the full row and
+    then cutting it. Their gradient is this rank's share; the full encoder gradient is the sum
+    over the CP group."""
+    if int(placeholder_mask.sum()) != features.shape[0]:
+        raise ValueError(f"the placeholders count {int(placeholder_mask.sum())} tokens but the encoder gave "
+                         f"{features.shape[0]}; pass the full row's placeholder mask and features")
+    slot = torch.cumsum(placeholder_mask.flatten().long(), 0).view_as(placeholder_mask) - 1  # feature row per position
+    mine = placeholder_mask[:, tokens]
+    return features.index_select(0, slot[:, tokens][mine])
