@@ -46,6 +46,10 @@ def _case(case: str):
         cfg.plan = Plan([ModuleSpec("vision", data_parallel=2, zero_stage=3),
                          ModuleSpec("llm", data_parallel=2, zero_stage=2)], num_microbatches=4)
         return cfg, 0.0
+    if case == "frozen_stage_zero3":  # the whole vision module frozen: its stage forwards only (no_grad)
+        cfg, _ = _case("frozen_encoder_zero3")
+        cfg.model = dataclasses.replace(cfg.model, freeze=["vision"])
+        return cfg, 0.0
     raise KeyError(case)
 
 
@@ -88,6 +92,9 @@ def _check(case: str, world: int, out: Path) -> None:
     ref_loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
     results = [torch.load(out / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
     assert_matches_reference(results, model, ref_loss)
+    if case == "frozen_stage_zero3":
+        assert not any(p.requires_grad for n, p in model.named_parameters() if n.startswith("vision")), \
+            "the vision module should be frozen whole"
     zero = {m.name: m.zero_stage for m in cfg.plan.modules}
     if max(zero.values()) >= 2:
         assert any(r["fsdp"] for r in results), f"{case}: no rank's parameters are FSDP-sharded"
@@ -115,7 +122,7 @@ def test_zero_1_2_3_with_dp2_match_the_single_process(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_hybrid_pipelined_clipped_and_frozen_zero_match_the_single_process(tmp_path: Path) -> None:
-    cases = ["hybrid_2x2", "pp2_dp2_zero3_clip", "frozen_encoder_zero3"]
+    cases = ["hybrid_2x2", "pp2_dp2_zero3_clip", "frozen_encoder_zero3", "frozen_stage_zero3"]
     run_local(_worker, 4, cases, str(tmp_path))
     for case in cases:
         _check(case, 4, tmp_path)
