@@ -1,6 +1,6 @@
 """Parallelism overhead: loom's production step against a plain PyTorch loop of the same
 technique (issue 9, Acceptance). Case ``fsdp``: ZeRO 3 with DP 2 against a ``fully_shard``
-training loop.
+training loop. Case ``tp``: TP 2 (sequence parallel) against a ``parallelize_module`` loop.
 
 Both sides train the same LLM-only zoo model (one stage, 2 data-parallel replicas, ZeRO 3) on 2
 gloo processes with one thread each: the same initial weights (same seed), the same global
@@ -20,12 +20,24 @@ Each side does per step what its user does:
   forward and backward per microbatch with gradient sync on the last only, then the optimizer,
   the LR scheduler and the loss all-reduce.
 
-The two sides run in their own pairs of fresh processes and take turns step by step (ABBA), as
-in `benchmarks.pipeline_overhead`; a timed step runs from a barrier to a barrier. The figure
-``fsdp_step_time_ratio`` is the median of the paired per-step ratios loom / plain with its IQR;
-lower is better, target at most 1.10. The first step's loss must agree between the sides.
+Case ``tp`` trains the same model and data with one unit of 2 ranks (``tensor_parallel = 2``, no
+data parallelism: both ranks run every microbatch):
+- loom: ``build_rank`` + ``RankRun.step`` as above, TP through `loom.runtime.tensor_parallel`
+  (each stage layer split as it is materialised, the loss under ``loss_parallel``);
+- plain: every rank builds the model and applies ``parallelize_module`` itself to the LLM with
+  the same plan written out (`plain_tp_plan`: q/k/v/gate/up column-wise, o/down row-wise onto
+  the sequence, norms ``SequenceParallel``, the embedding vocabulary-parallel, the head
+  column-wise with vocabulary-sharded logits), then per step runs forward and backward per
+  microbatch, the loss and its backward under ``loss_parallel``, the optimizer and the LR
+  scheduler.
 
-    python benchmarks/parallel_overhead.py [--only fsdp] [--steps 20 --warmup 3 --hidden 256 ...]
+The two sides run in their own pairs of fresh processes and take turns step by step (ABBA), as
+in `benchmarks.pipeline_overhead`; a timed step runs from a barrier to a barrier. The figures
+``fsdp_step_time_ratio`` and ``tp_step_time_ratio`` are the medians of the paired per-step
+ratios loom / plain with their IQR; lower is better, target at most 1.10 each. The first step's
+loss must agree between the sides.
+
+    python benchmarks/parallel_overhead.py [--only fsdp|tp] [--steps 20 --warmup 3 --hidden 256 ...]
 
 Writes ``benchmarks/results/parallel_overhead.json`` (docs/architecture.md, "Benchmarks").
 """
@@ -44,7 +56,15 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import WorkerGroup, format_table, median, peak_rss_mb, start_run, summarize, write_result
+from benchmarks.common import (
+    WorkerGroup,
+    format_table,
+    median,
+    peak_rss_mb,
+    start_run,
+    summarize,
+    write_result,
+)
 from benchmarks.pipeline_overhead import TextDataset
 from loom.data.collate import collate, split_microbatches
 from loom.data.sampler import GlobalBatchSampler
@@ -61,6 +81,7 @@ SIDES = ("loom", "plain")
 WORLD_SIZE = 2
 LOSS_RTOL = 1e-4
 TARGET = 1.10
+CASES = ("fsdp", "tp")
 
 
 @dataclass
@@ -82,12 +103,15 @@ class BenchConfig:
         return self.microbatches * self.microbatch_size
 
 
-def train_config(cfg: BenchConfig, total_steps: int) -> TrainConfig:
-    """The run both sides train: an LLM-only zoo model, one stage, DP 2 with ZeRO 3."""
+def train_config(cfg: BenchConfig, total_steps: int, case: str = "fsdp") -> TrainConfig:
+    """The run both sides train: an LLM-only zoo model, one stage, on 2 ranks: DP 2 with ZeRO 3
+    (case ``fsdp``) or TP 2 (case ``tp``)."""
     model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
         num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
-    plan = Plan([ModuleSpec(LLM, data_parallel=WORLD_SIZE, zero_stage=3)], num_microbatches=cfg.microbatches)
+    spec = (ModuleSpec(LLM, data_parallel=WORLD_SIZE, zero_stage=3) if case == "fsdp"
+            else ModuleSpec(LLM, tensor_parallel=WORLD_SIZE))
+    plan = Plan([spec], num_microbatches=cfg.microbatches)
     train = TrainConfig(model=model, plan=plan)
     train.run = replace(train.run, seed=cfg.seed, steps=total_steps)
     train.optim = replace(train.optim, lr=cfg.lr)
@@ -95,10 +119,39 @@ def train_config(cfg: BenchConfig, total_steps: int) -> TrainConfig:
     return train.check()
 
 
+def plain_tp_plan() -> dict:
+    """The TP plan with sequence parallelism for the zoo Llama, as a user writes it for
+    ``parallelize_module`` on the whole LLM (the plan `loom.runtime.tensor_parallel` applies)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    blocks = "model.layers.*."
+    gather = {"self_attn": 5, "mlp": 1}  # positional inputs: the hidden states first
+    plan = {"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "model.norm": SequenceParallel(),
+            "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)}
+    for sub, n in gather.items():
+        plan[blocks + sub] = PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (n - 1),
+                                                desired_input_layouts=(Replicate(),) + (None,) * (n - 1))
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        plan[blocks + norm] = SequenceParallel()
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        plan[blocks + proj] = ColwiseParallel()
+    for proj in ("self_attn.o_proj", "mlp.down_proj"):
+        plan[blocks + proj] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
 def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: list, replies) -> None:
-    warmup, total = cfg_dict.pop("_warmup"), cfg_dict.pop("_total")
+    cfg_dict.pop("_warmup")  # the parent decides which steps are timed
+    total, case = cfg_dict.pop("_total"), cfg_dict.pop("_case")
     cfg = BenchConfig(**cfg_dict)
-    train = train_config(cfg, total)
+    train = train_config(cfg, total, case)
     data = TextDataset(cfg)
     num_targets = cfg.global_batch * (cfg.seq_len - 1)  # every position but the last predicts
 
@@ -107,6 +160,34 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
 
         def step(i: int) -> float:
             return run.step(i).loss
+    elif case == "tp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+        model = build_model(train.model, data.tokenizer, seed=train.run.seed)
+        train.plan.resolve(model.layer_counts(), WORLD_SIZE)
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        parallelize_module(model.llm, mesh, plain_tp_plan())
+        layers = model.module_layers(LLM)
+        optimizer = make_optimizer(train.optim)([p for l in layers for p in l.module.parameters()])
+        scheduler = make_lr_scheduler(train, optimizer)
+        sampler = GlobalBatchSampler(len(data), cfg.global_batch, seed=train.run.seed)
+
+        def step(i: int) -> float:
+            parts = split_microbatches([data[k] for k in sampler.batch(i)], cfg.microbatches)
+            total_loss = torch.zeros((), dtype=torch.float64)
+            for part in parts:  # one unit, no data parallelism: every rank runs every microbatch
+                batch = collate(part, data.tokenizer, {})
+                logits = run_layers(layers, None, model.module_context(LLM, batch))
+                with loss_parallel():  # vocabulary-sharded logits: the loss and its backward
+                    loss = loss_sum(logits, batch.labels) / num_targets
+                    loss.backward()
+                total_loss += (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            return float(total_loss)  # every rank holds the full (replicated) loss
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -155,9 +236,10 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
     replies.put(("done", rank, peak_rss_mb()))
 
 
-def run_fsdp(cfg: BenchConfig, steps: int, warmup: int) -> dict:
-    """Both sides, taking turns; their per-step times, losses and peak RSS."""
-    sides = {s: WorkerGroup(s, _worker, WORLD_SIZE, {**asdict(cfg), "_warmup": warmup, "_total": warmup + steps})
+def run_case(case: str, cfg: BenchConfig, steps: int, warmup: int) -> dict:
+    """Both sides of ``case``, taking turns; their per-step times, losses and peak RSS."""
+    sides = {s: WorkerGroup(s, _worker, WORLD_SIZE, {**asdict(cfg), "_warmup": warmup, "_total": warmup + steps,
+                                                    "_case": case})
              for s in SIDES}
     times: dict[str, list[float]] = {s: [] for s in SIDES}
     losses: dict[str, list[float]] = {s: [] for s in SIDES}
@@ -182,7 +264,7 @@ def run_fsdp(cfg: BenchConfig, steps: int, warmup: int) -> dict:
     print(f"  first-step loss: loom {losses['loom'][0]:.6f}, plain {losses['plain'][0]:.6f} (relative difference "
           f"{rel:.2e})")
     if rel > LOSS_RTOL:
-        raise SystemExit(f"[fsdp] loom and the plain loop compute different losses on the first step: the sides do "
+        raise SystemExit(f"[{case}] loom and the plain loop compute different losses on the first step: the sides do "
                          f"not do the same work, the timing would be meaningless")
     return {"times": times, "ratios": [a / b for a, b in zip(times["loom"], times["plain"])], "rss": rss,
             "first_step_loss": {s: losses[s][0] for s in SIDES}}
@@ -191,7 +273,7 @@ def run_fsdp(cfg: BenchConfig, steps: int, warmup: int) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--only", choices=["fsdp"], default=None, help="run one case (default: all)")
+    parser.add_argument("--only", choices=list(CASES), default=None, help="run one case (default: all)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per side")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per side before them")
     for f in fields(BenchConfig):
@@ -208,34 +290,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+DESCRIPTION = {
+    "fsdp": ("loom ZeRO 3 (build_rank + RankRun.step) vs a plain fully_shard loop, DP 2",
+             ("fully_shard per LLM layer (reshard_after_forward=True, SUM reduction), forward/backward per "
+              "microbatch with gradient sync on the last, optimizer and LR scheduler steps, loss all-reduce")),
+    "tp": ("loom TP 2 with sequence parallelism (build_rank + RankRun.step) vs a plain parallelize_module loop",
+           ("parallelize_module on the LLM with plain_tp_plan (q/k/v/gate/up column-wise, o/down row-wise onto the "
+            "sequence, SequenceParallel norms, vocabulary-parallel embedding and head), forward/backward per "
+            "microbatch with the loss under loss_parallel, optimizer and LR scheduler steps")),
+}
+EXTRA = {"fsdp": {"zero_stage": 3}, "tp": {"tensor_parallel": WORLD_SIZE, "sequence_parallel": True}}
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     start_run()
     cfg = args.cfg
-    print(f"{NAME} [fsdp]: loom ZeRO 3 (build_rank + RankRun.step) vs a plain fully_shard loop, DP 2, 2 gloo "
-          f"processes x 1 thread per side, {cfg.microbatches} microbatches x {cfg.microbatch_size} x {cfg.seq_len} "
-          f"tokens; {args.warmup} warmup + {args.steps} timed steps per side")
     t0 = time.perf_counter()
-    run = run_fsdp(cfg, args.steps, args.warmup)
-    ratio = summarize(run["ratios"], "ratio", better="lower")
-    figures = {"fsdp_step_time_ratio": ratio,
-               "fsdp_loom_step_ms": summarize([t * 1e3 for t in run["times"]["loom"]], "ms", "lower", digits=2),
-               "fsdp_plain_step_ms": summarize([t * 1e3 for t in run["times"]["plain"]], "ms", "lower", digits=2)}
-    verdict = "within" if ratio["value"] <= TARGET else "ABOVE"
-    print(f"fsdp_step_time_ratio (loom / plain, paired median) = {ratio['value']:.3f}, IQR {ratio['spread']} "
-          f"({verdict} the target {TARGET:.2f})")
-    print(format_table(["side", "median step (ms)", "min step (ms)", "peak RSS (MB)"],
-                       [[s, median(run["times"][s]) * 1e3, min(run["times"][s]) * 1e3, run["rss"][s]] for s in SIDES]))
+    figures: dict = {}
+    config: dict = {"world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "steps": args.steps,
+                    "warmup": args.warmup,
+                    "loom_path": "loom.train.rank.build_rank + RankRun.step (ZeRO 3 through loom.runtime.zero, TP "
+                                 "through loom.runtime.tensor_parallel), as loom train",
+                    "timing": "barrier to barrier per step; the sides take turns step by step; figure = median of "
+                              "the paired per-step ratios loom / plain, spread IQR"}
+    for case in ([args.only] if args.only else CASES):
+        what, plain_path = DESCRIPTION[case]
+        print(f"{NAME} [{case}]: {what}, 2 gloo processes x 1 thread per side, {cfg.microbatches} microbatches x "
+              f"{cfg.microbatch_size} x {cfg.seq_len} tokens; {args.warmup} warmup + {args.steps} timed steps per side")
+        run = run_case(case, cfg, args.steps, args.warmup)
+        ratio = summarize(run["ratios"], "ratio", better="lower")
+        figures[f"{case}_step_time_ratio"] = ratio
+        for s in SIDES:
+            figures[f"{case}_{s}_step_ms"] = summarize([t * 1e3 for t in run["times"][s]], "ms", "lower", digits=2)
+        verdict = "within" if ratio["value"] <= TARGET else "ABOVE"
+        print(f"{case}_step_time_ratio (loom / plain, paired median) = {ratio['value']:.3f}, IQR {ratio['spread']} "
+              f"({verdict} the target {TARGET:.2f})")
+        print(format_table(["side", "median step (ms)", "min step (ms)", "peak RSS (MB)"],
+                           [[s, median(run["times"][s]) * 1e3, min(run["times"][s]) * 1e3, run["rss"][s]]
+                            for s in SIDES]))
+        config[case] = {**asdict(cfg), **EXTRA[case], "target": TARGET, "first_step_loss": run["first_step_loss"],
+                        "plain_path": plain_path}
     print(f"total {time.perf_counter() - t0:.0f} s")
-    config = {"world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "steps": args.steps,
-              "warmup": args.warmup, "fsdp": {**asdict(cfg), "zero_stage": 3, "target": TARGET,
-                                              "first_step_loss": run["first_step_loss"]},
-              "loom_path": "loom.train.rank.build_rank + RankRun.step (ZeRO 3 through loom.runtime.zero), as loom train",
-              "plain_path": "fully_shard per LLM layer (reshard_after_forward=True, SUM reduction), forward/backward "
-                            "per microbatch with gradient sync on the last, optimizer and LR scheduler steps, loss "
-                            "all-reduce",
-              "timing": "barrier to barrier per step; the sides take turns step by step; figure = median of the "
-                        "paired per-step ratios loom / plain, spread IQR"}
     path = write_result(NAME, figures, config, results_dir=args.out)
     print(f"wrote {path}")
     return {"figures": figures, "config": config}
