@@ -16,6 +16,8 @@ from typing import Any, Sequence
 import torch
 import torch.multiprocessing as mp
 
+from loom.data.sample import Sample, SampleMeta
+from loom.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from loom.runtime.local import start_local
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -220,3 +222,25 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+# ---- data ----------------------------------------------------------------------------------
+class TextDataset:
+    """``batches`` global batches of text samples of exactly ``cfg.seq_len`` token ids (BOS,
+    random words, EOS; ``cfg`` gives ``vocab``, ``seed``, ``global_batch`` and ``seq_len``): a
+    random-access dataset, as the `Dispatcher` reads one."""
+
+    def __init__(self, cfg: Any, batches: int):
+        words = [f"w{i}" for i in range(cfg.vocab - len(SPECIAL_TOKENS))]
+        self.tokenizer = Tokenizer(words)
+        gen = torch.Generator().manual_seed(cfg.seed + 1)
+        self.samples = []
+        for i in range(batches * cfg.global_batch):
+            picks = torch.randint(0, len(words), (cfg.seq_len - 2,), generator=gen).tolist()
+            self.samples.append(Sample(SampleMeta(i, cfg.seq_len, segments=("text",)), " ".join(words[w] for w in picks)))
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> Sample:
+        return self.samples[index]

@@ -47,16 +47,15 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 
 import torch
 
-from benchmarks.common import WorkerGroup, figure, format_table, median, peak_rss_mb, spread_of, start_run, write_result
+from benchmarks.common import TextDataset, WorkerGroup, figure, format_table, median, peak_rss_mb, spread_of, start_run, write_result
 from loom.balance.policy import make_layout, sample_costs
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch_from_model import arch_from_model
 from loom.cost.hardware import Cluster
 from loom.cost.memory import DTYPE_BYTES
 from loom.cost.workload import sample_work
-from loom.data.sample import Sample, SampleMeta
 from loom.data.sampler import GlobalBatchSampler
-from loom.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from loom.data.tokenizer import SPECIAL_TOKENS
 from loom.model.zoo import LlamaConfig
 from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.profile.memory_meter import MemoryMeter
@@ -119,24 +118,6 @@ def train_config(cfg: BenchConfig, spec: ModuleSpec) -> TrainConfig:
     return train.check()
 
 
-class TextDataset:
-    """``BATCHES`` global batches of text samples of exactly ``seq_len`` token ids."""
-
-    def __init__(self, cfg: BenchConfig):
-        words = [f"w{i}" for i in range(cfg.vocab - len(SPECIAL_TOKENS))]
-        self.tokenizer = Tokenizer(words)
-        gen = torch.Generator().manual_seed(cfg.seed + 1)
-        self.samples = []
-        for i in range(BATCHES * cfg.global_batch):
-            picks = torch.randint(0, len(words), (cfg.seq_len - 2,), generator=gen).tolist()
-            self.samples.append(Sample(SampleMeta(i, cfg.seq_len, segments=("text",)),
-                                       " ".join(words[w] for w in picks)))
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> Sample:
-        return self.samples[index]
 
 
 # ---- measured ------------------------------------------------------------------------------
@@ -145,7 +126,7 @@ def _worker(rank: int, world_size: int, case: str, cfg_dict: dict, commands: lis
     that step, under a `MemoryMeter` when ``measure``, and reply with its peak live bytes."""
     cfg = BenchConfig(**cfg_dict)
     train = train_config(cfg, CASES[case])
-    data = TextDataset(cfg)
+    data = TextDataset(cfg, BATCHES)
     run = build_rank(train, torch.device("cpu"), data=(data.tokenizer, data))
     replies.put(("ready", rank))
     while (command := commands[rank].get()) is not None:
@@ -186,7 +167,7 @@ def predict(case: str, cfg: BenchConfig, step: int) -> list[float]:
     """Per rank: the simulator's peak memory of the rank's pipeline unit for step ``step``,
     as ``loom simulate`` computes it (module docstring)."""
     train = train_config(cfg, CASES[case])
-    data = TextDataset(cfg)
+    data = TextDataset(cfg, BATCHES)
     model = build_model(train.model, data.tokenizer, seed=train.run.seed, device="meta")
     plan = train.plan.resolve(model.layer_counts(), WORLD_SIZE)
     arch = arch_from_model(model)

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import (
+    TextDataset,
     WorkerGroup,
     format_table,
     median,
@@ -65,7 +66,6 @@ from benchmarks.common import (
     summarize,
     write_result,
 )
-from benchmarks.pipeline_overhead import TextDataset
 from loom.data.collate import collate, split_microbatches
 from loom.data.sampler import GlobalBatchSampler
 from loom.model.layers import run_layers
@@ -82,6 +82,7 @@ WORLD_SIZE = 2
 LOSS_RTOL = 1e-4
 TARGET = 1.10
 CASES = ("fsdp", "tp")
+BATCHES = 4  # the dataset holds this many global batches; the run's sampler draws from it
 
 
 @dataclass
@@ -152,7 +153,7 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
     total, case = cfg_dict.pop("_total"), cfg_dict.pop("_case")
     cfg = BenchConfig(**cfg_dict)
     train = train_config(cfg, total, case)
-    data = TextDataset(cfg)
+    data = TextDataset(cfg, BATCHES)
     num_targets = cfg.global_batch * (cfg.seq_len - 1)  # every position but the last predicts
 
     if side == "loom":

@@ -52,10 +52,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import (WorkerGroup, figure, format_table, median, peak_rss_mb, start_run, summarize,
+from benchmarks.common import (TextDataset, WorkerGroup, figure, format_table, median, peak_rss_mb, start_run, summarize,
                                write_result)
 from loom.data.collate import collate, split_microbatches
-from loom.data.sample import Batch, Sample, SampleMeta
+from loom.data.sample import Batch
 from loom.data.sampler import GlobalBatchSampler
 from loom.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from loom.model.layers import Layer, run_layers
@@ -126,24 +126,6 @@ def build_model(train: TrainConfig, tokenizer: Tokenizer) -> MultimodalModel:
     return model
 
 
-class TextDataset:
-    """``BATCHES`` global batches of text samples of exactly ``seq_len`` token ids (BOS, random
-    words, EOS): a random-access dataset, as the `Dispatcher` reads one."""
-
-    def __init__(self, cfg: BenchConfig):
-        words = [f"w{i}" for i in range(cfg.vocab - len(SPECIAL_TOKENS))]
-        self.tokenizer = Tokenizer(words)
-        gen = torch.Generator().manual_seed(cfg.seed + 1)
-        self.samples = []
-        for i in range(BATCHES * cfg.global_batch):
-            picks = torch.randint(0, len(words), (cfg.seq_len - 2,), generator=gen).tolist()
-            self.samples.append(Sample(SampleMeta(i, cfg.seq_len, segments=("text",)), " ".join(words[w] for w in picks)))
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> Sample:
-        return self.samples[index]
 
 
 
@@ -202,7 +184,7 @@ def _worker(rank: int, world_size: int, side: str, cfg_dict: dict, commands: lis
     warmup, total = cfg_dict.pop("_warmup"), cfg_dict.pop("_total")
     cfg = BenchConfig(**cfg_dict)
     train = train_config(cfg, total)
-    data = TextDataset(cfg)
+    data = TextDataset(cfg, BATCHES)
     num_targets = cfg.global_batch * (cfg.seq_len - 1)  # every position but the last predicts
 
     if side == "loom":
@@ -278,7 +260,7 @@ class Side(WorkerGroup):
 def run_config(name: str, cfg: BenchConfig, steps: int, warmup: int, profile: Path | None) -> dict:
     """Both sides of one configuration, taking turns; returns their per-step times and more."""
     train = train_config(cfg, warmup + steps)
-    model = build_model(train, TextDataset(cfg).tokenizer)
+    model = build_model(train, TextDataset(cfg, BATCHES).tokenizer)
     bounds = train.plan.spec(LLM).stage_boundaries
     params = sum(p.numel() for p in model.parameters())
     del model

@@ -591,7 +591,7 @@ def main(argv=None) -> dict:
         "sim_seconds_1024gpu_64mb": figure(sim_s, "s", "lower", *spread_of(sim_info["all_seconds"])),
     }
     config = {
-        "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "rounds": args.rounds,
+        "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "num_rounds": args.rounds,
         "timed_steps_per_round": args.steps, "warmup_steps_per_round": args.warmup,
         "config": "configs/demo.toml with each case's overrides",
         "path": "build_rank + RankRun.step, as loom/train/main.py (Dispatcher.dispatch, ParallelEngine.step with "

@@ -11,7 +11,11 @@ import torch
 import torch.distributed as dist
 
 from loom.data.collate import collate, split_microbatches, target_count
-from loom.train.build import token_counters
+from loom.data.sampler import GlobalBatchSampler
+from loom.runtime.precision import Precision
+from loom.train.build import build_data, build_model, token_counters
+from loom.train.config import TrainConfig
+from loom.train.rank import make_lr_scheduler, make_optimizer
 
 
 def save_rank(path: Path, loss: float, named_parameters: dict[str, torch.nn.Parameter], **extra: Any) -> None:
@@ -70,3 +74,35 @@ def reference_backward(model, dataset, tokenizer, batch_size: int) -> float:
     loss = model.loss(collate([dataset[i] for i in indices], tokenizer, token_counters(model)), targets)
     loss.backward()
     return float(loss.detach())
+
+
+def single_process_losses(cfg: TrainConfig) -> list[float]:
+    """The single-process run of ``cfg`` under its precision rule (`Precision.autocast` around
+    the forward, fp32 parameters and AdamW, ``clip_grad_norm_``): the same model, sampler,
+    optimizer and LR schedule as every rank of a parallel run."""
+    precision = Precision(cfg.run.dtype, "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        tokenizer, dataset = build_data(cfg)
+        model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+        counts = token_counters(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = make_optimizer(cfg.optim)(params)
+        scheduler = make_lr_scheduler(cfg, optimizer)
+        sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
+        losses = []
+        for step in range(cfg.run.steps):
+            batch = collate([dataset[i] for i in sampler.batch(step)], tokenizer, counts)
+            with precision.autocast():
+                loss = model.loss(batch)
+            loss.backward()
+            if cfg.optim.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            losses.append(float(loss.detach()))
+    finally:
+        torch.set_num_threads(threads)
+    return losses

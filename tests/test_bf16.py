@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from loom.data.collate import collate
-from loom.data.sampler import GlobalBatchSampler
 from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.local import run_local
 from loom.runtime.precision import Precision
-from loom.train.build import build_data, build_model, token_counters
+from loom.train.build import build_data, build_model
 from loom.train.config import ConfigError, RunConfig, TrainConfig
-from loom.train.rank import build_rank, make_lr_scheduler, make_optimizer
+from loom.train.rank import build_rank
+from reference import single_process_losses
 from test_parallel_reference import _config
 
 STEPS = 20
@@ -77,36 +76,6 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     run.close()
 
 
-def reference_losses(cfg: TrainConfig) -> list[float]:
-    """The single-process run of ``cfg`` under its precision rule (`Precision.autocast` around
-    the forward, fp32 parameters and AdamW, ``clip_grad_norm_``): the same model, sampler,
-    optimizer and LR schedule as every rank of a parallel run."""
-    precision = Precision(cfg.run.dtype, "cpu")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tokenizer, dataset = build_data(cfg)
-        model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
-        counts = token_counters(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = make_optimizer(cfg.optim)(params)
-        scheduler = make_lr_scheduler(cfg, optimizer)
-        sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
-        losses = []
-        for step in range(cfg.run.steps):
-            batch = collate([dataset[i] for i in sampler.batch(step)], tokenizer, counts)
-            with precision.autocast():
-                loss = model.loss(batch)
-            loss.backward()
-            if cfg.optim.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            losses.append(float(loss.detach()))
-    finally:
-        torch.set_num_threads(threads)
-    return losses
 
 
 @pytest.mark.multiprocess
@@ -115,7 +84,7 @@ def test_bf16_pipeline_follows_single_process_bf16_within_2_percent(tmp_path: Pa
     world = cfg.plan.resolve(build_model(cfg.model, build_data(cfg)[0], device="meta").layer_counts()).world_size
     run_local(_worker, world, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
-    ref = reference_losses(cfg)
+    ref = single_process_losses(cfg)
     losses = results[0]["losses"]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref)]
     print(f"bf16 pipeline vs single-process bf16: max per-step relative loss difference {max(rel):.4%} "

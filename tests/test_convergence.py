@@ -9,11 +9,8 @@ from pathlib import Path
 
 import torch
 
-from loom.data.collate import collate
-from loom.data.sampler import GlobalBatchSampler
-from loom.train.build import build_data, build_model, token_counters
 from loom.train.config import load_config
-from loom.train.rank import make_lr_scheduler, make_optimizer
+from reference import single_process_losses
 
 DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 STEPS = 20
@@ -24,27 +21,7 @@ TARGET = 0.7  # final loss at most this fraction of the first
 def test_demo_model_loss_falls_to_at_most_0_7_of_its_start():
     cfg = load_config(DEMO, [f"run.steps={STEPS}", f"data.global_batch_size={BATCH}"])
     torch.manual_seed(cfg.run.seed)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        tokenizer, dataset = build_data(cfg)
-        model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
-        counts = token_counters(model)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = make_optimizer(cfg.optim)(params)
-        scheduler = make_lr_scheduler(cfg, optimizer)
-        sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
-        losses = []
-        for step in range(STEPS):
-            batch = collate([dataset[i] for i in sampler.batch(step)], tokenizer, counts)
-            loss = model.loss(batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            scheduler.step()
-            losses.append(loss.item())
-    finally:
-        torch.set_num_threads(threads)
+    losses = single_process_losses(cfg)
     assert all(torch.isfinite(torch.tensor(losses))), losses
     # the end: the mean of the last 5 steps (different batches), so one easy batch cannot pass it
     end = sum(losses[-5:]) / 5

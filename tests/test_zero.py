@@ -18,7 +18,7 @@ from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
 from loom.train.build import build_data, build_model
-from reference import assert_matches_reference, identity_step, reference_backward, save_rank
+from reference import assert_matches_reference, identity_step, reference_backward
 from test_parallel_reference import GLOBAL_BATCH, SEED, _config
 
 LR, MOMENTUM = 0.5, 0.9
