@@ -54,14 +54,16 @@ def global_batch(dataset, batch_size: int) -> tuple[list[int], int]:
     return indices, sum(target_count(dataset.meta(i)) for i in indices)
 
 
-def identity_step(engine, model, dataset, tokenizer, batch_size: int, step: int = 0):
+def identity_step(engine, model, dataset, tokenizer, batch_size: int, step: int = 0, pack: bool = False):
     """One ``engine.step`` of this rank's microbatches of `global_batch` under the unbalanced
-    layout (what the `Dispatcher` gives under policy "none"); returns the step result and the
-    loss summed over the ranks (the global batch's loss)."""
+    layout (what the `Dispatcher` gives under policy "none"; ``pack``: each microbatch one
+    packed row, as ``data.pack_sequences``); returns the step result and the loss summed over
+    the ranks (the global batch's loss)."""
     indices, targets = global_batch(dataset, batch_size)
     parts = split_microbatches(indices, engine.plan.num_microbatches)
     counters = token_counters(model)
-    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters) for j in engine.microbatches_to_load()}
+    batches = {j: collate([dataset[i] for i in parts[j]], tokenizer, counters, pack=pack)
+               for j in engine.microbatches_to_load()}
     result = engine.step(batches, targets, step, layout=engine.identity_layout(batch_size))
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)

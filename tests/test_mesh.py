@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from loom.plan.plan import MESH_DIMS, ModuleSpec, Plan, PlanError
 from loom.runtime.local import run_local
-from loom.runtime.mesh import build_meshes, data_parallel_group, module_mesh_ranks
+from loom.runtime.mesh import build_meshes, build_replica_meshes, data_parallel_group, module_mesh_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def _mesh_worker(rank: int, world_size: int, out: str) -> None:
         own = meshes[mine.module]
         # every named dimension is there, size-1 ones included, as a group over the right ranks
         dims = {dim: dist.get_process_group_ranks(own.get_group(dim)) for dim in MESH_DIMS}
-        group = data_parallel_group(meshes, plan, rank)
+        group = data_parallel_group(meshes, plan, rank, build_replica_meshes(plan, "cpu"))
         total = torch.tensor([float(rank)])
         if group is not None:
             dist.all_reduce(total, group=group)
@@ -91,7 +91,9 @@ def test_meshes_match_the_plan_on_gloo(tmp_path):
                 "tp": [plan.rank_of(mod, s, d, tp=x, cp=cp) for x in range(spec.tensor_parallel)],
             }
             assert res["dims"] == along, (case, rank)
-            replicas = along["dp"]
+            # gradients sync over the replicas, and over dp x cp under context parallelism
+            replicas = [plan.rank_of(mod, s, x, tp=tp, cp=y) for x in range(spec.data_parallel)
+                        for y in range(spec.context_parallel)]
             assert res["dp_group"] == (replicas if len(replicas) > 1 else None)
             assert res["dp_sum"] == float(sum(replicas)), (case, rank)
 

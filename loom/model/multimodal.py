@@ -261,8 +261,13 @@ class MultimodalModel(nn.Module):
             else:
                 module.to(device)
 
-    def module_context(self, name: str, batch: "Batch") -> dict[str, Any]:
-        """Everything module ``name``'s layers need from the microbatch besides the activation."""
+    def module_context(self, name: str, batch: "Batch", context_parallel: Any = None) -> dict[str, Any]:
+        """Everything module ``name``'s layers need from the microbatch besides the activation.
+
+        ``context_parallel`` (the LLM only: the runtime's per-rank context, with ``tokens``, the
+        rank's positions of the row, and ``attend``) cuts the LLM's inputs to the rank's tokens,
+        placeholder masks included: the merge then takes the encoder tokens of those
+        placeholders only (the runtime selects them, `loom.runtime.context_parallel`)."""
         if name != "llm":
             enc = self.encoders[name]
             inputs = batch.modality_inputs.get(name)
@@ -281,6 +286,14 @@ class MultimodalModel(nn.Module):
         inputs = {"input_ids": masked}
         if getattr(batch, "segments", None) is not None:
             inputs["segments"] = batch.segments  # packed samples: the LLM keeps them apart
+        if context_parallel is not None:
+            adapter = adapter_for(self.llm)
+            if not getattr(adapter, "supports_context_parallel", False):
+                raise ValueError(f"{type(adapter).__name__} does not run context parallelism (its context() has no "
+                                 f"'context_parallel' input); set plan.modules['llm'].context_parallel = 1")
+            inputs["context_parallel"] = context_parallel
+            tokens = context_parallel.tokens.to(ids.device)
+            masks = {n: m[:, tokens] for n, m in masks.items()}
         ctx = adapter_for(self.llm).context(inputs)
         ctx["placeholder_masks"] = masks
         return ctx

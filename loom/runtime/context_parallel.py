@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from loom.balance.context import ContextDistribution, local_block_mask, local_mask
-from loom.data.bam import EMPTY, FULL, BitfieldMask
+from loom.balance.context import ContextDistribution, distribute_tokens, local_block_mask, local_mask
+from loom.data.bam import EMPTY, FULL, TEXT, BitfieldMask, Span, bitfield_mask
+from loom.plan.plan import LLM, ModuleSpec, PlanError
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -162,3 +163,72 @@ def select_features(placeholder_mask: torch.Tensor, features: torch.Tensor, toke
     slot = torch.cumsum(placeholder_mask.flatten().long(), 0).view_as(placeholder_mask) - 1  # feature row per position
     mine = placeholder_mask[:, tokens]
     return features.index_select(0, slot[:, tokens][mine])
+
+
+def check_context_parallel(spec: ModuleSpec) -> None:
+    """Refuse a context-parallel setting the runtime cannot execute (before any group is built):
+    CP is the LLM's (cornstarch.md §3.3: encoders' items are short and run whole), and not yet
+    combined with TP or ZeRO on the same module."""
+    cp = spec.context_parallel
+    if cp == 1:
+        return
+    where = f"plan.modules[{spec.name!r}]"
+    if spec.name != LLM:
+        raise PlanError(f"{where}.context_parallel = {cp}: context parallelism splits the LLM's rows; an encoder's "
+                        f"items run whole on a rank. Set it to 1 (use data_parallel or tensor_parallel instead)")
+    for field, value in (("tensor_parallel", spec.tensor_parallel), ("zero_stage", spec.zero_stage)):
+        if value not in (0, 1):
+            raise PlanError(f"{where}.context_parallel = {cp} with {field} = {value}: context parallelism is not "
+                            f"executed together with {field} on one module yet; set one of them to its default")
+
+
+MAX_BLOCK = 128  # tokens per CP block on long rows: an attention kernel's tile (cornstarch.md §3.3.2)
+BLOCKS_PER_RANK = 4  # on short rows, blocks shrink so that each rank gets about this many to balance
+
+
+def cp_block(length: int, cp: int) -> int:
+    """The block size of a row of ``length`` tokens over ``cp`` ranks: `MAX_BLOCK`, or smaller
+    where the row has fewer than `BLOCKS_PER_RANK` such blocks per rank (LPT needs several
+    blocks per rank to balance; every rank computes the same size from the same metadata)."""
+    return max(1, min(MAX_BLOCK, length // (BLOCKS_PER_RANK * cp)))
+
+
+def row_spans(ids: torch.Tensor, segments: Sequence[int] | None, placeholder_ids: dict[str, int]) -> list[list[Span]]:
+    """The samples of one LLM row ``ids`` (``[L]``) as spans: text runs, and runs of an encoder's
+    placeholder id (one span per run: adjacent items of one modality merge, which the causal
+    mask the runtime uses does not distinguish). ``segments`` (a packed row's sample lengths)
+    splits the row into samples; without them the whole row, right padding included, is one
+    sample, so its mask is the single-process model's causal mask over the row."""
+    kind = np.zeros(ids.shape[0], dtype=np.int64)
+    names = [TEXT]
+    for name, pid in placeholder_ids.items():
+        names.append(name)
+        kind[(ids == pid).cpu().numpy()] = len(names) - 1
+    bounds = np.cumsum([0, *(segments if segments is not None else [ids.shape[0]])])
+    samples = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        k = kind[lo:hi]
+        cuts = np.flatnonzero(np.diff(k)) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [hi - lo]])
+        samples.append([Span(names[k[a]], int(b - a)) for a, b in zip(starts, ends)])
+    return samples
+
+
+def microbatch_context(input_ids: torch.Tensor, segments: Sequence[int] | None, placeholder_ids: dict[str, int],
+                       cp: int, rank: int, group=None) -> RankContext:
+    """CP rank ``rank``'s `RankContext` for an LLM microbatch (``input_ids`` ``[B, L]``, packed
+    ``segments`` or None) as the runtime runs it (cornstarch.md §3.3): one BAM per row with the
+    LLM's own mask (``item_attention="causal"``: causal inside each packed sample, what the
+    single-process model computes), blocks of `cp_block` tokens distributed by LPT over their
+    workloads (§3.3.3, summed over the rows), every rank computing the same split from the
+    same metadata, so nothing is exchanged."""
+    length = int(input_ids.shape[1])
+    if length < cp:
+        raise ValueError(f"context_parallel = {cp} but a microbatch's LLM rows have {length} tokens: every CP rank "
+                         f"needs at least one token; lower plan.modules['llm'].context_parallel or use longer rows")
+    modalities = tuple(placeholder_ids)
+    bams = [bitfield_mask(row_spans(row, segments, placeholder_ids), modalities=modalities, item_attention="causal")
+            for row in input_ids]
+    distribution = distribute_tokens(bams, cp, cp_block(length, cp), method="lpt")
+    return rank_context(bams, distribution, rank, group)

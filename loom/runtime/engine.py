@@ -20,7 +20,8 @@ from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
 from loom.runtime.precision import Precision
 from loom.runtime.recompute import apply_recompute
-from loom.runtime.mesh import build_hybrid_meshes, build_meshes, data_parallel_group
+from loom.runtime.context_parallel import check_context_parallel
+from loom.runtime.mesh import build_hybrid_meshes, build_meshes, build_replica_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stage, trainable_stages
 from loom.runtime.tensor_parallel import check_tp_degree, layer_sharder, module_config
@@ -60,12 +61,7 @@ class ParallelEngine:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:
-            if m.context_parallel > 1:
-                raise PlanError(
-                    f"plan.modules[{m.name!r}]: context_parallel "
-                    f"is modelled by the cost model and simulator but not yet executed by the runtime; "
-                    f"set it to 1 to train"
-                )
+            check_context_parallel(m)  # loom.runtime.context_parallel: the LLM's, alone on its module
             check_zero(m)  # loom.runtime.zero: ZeRO needs replicas, and no TP yet
             if m.tensor_parallel > 1:  # before any group is built: a bad degree fails on every rank alike
                 check_tp_degree(m.name, m.tensor_parallel, module_config(model, m.name))
@@ -75,12 +71,13 @@ class ParallelEngine:
         # every rank builds every module's mesh, in plan order (group creation is collective)
         meshes = build_meshes(plan, device.type)
         hybrid = build_hybrid_meshes(plan, device.type)  # ZeRO hybrid sharding (loom.runtime.zero)
+        replicas = build_replica_meshes(plan, device.type)  # dp x cp gradient groups (context parallelism)
         unit = UnitPlace.of(plan, rank, meshes)  # the rank's pipeline unit (loom.runtime.unit)
         # each layer split over the unit's TP ranks as soon as it has values (loom.runtime.tensor_parallel)
         stage = build_stage(model, plan, rank, release_others=release_others, device=device,
                             shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
         apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
-        groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank)}
+        groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank, replicas)}
         zero = apply_zero(stage, plan, meshes, hybrid)  # ZeRO 2/3: FSDP2 over the dp group (loom.runtime.zero)
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None

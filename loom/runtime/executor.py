@@ -45,6 +45,7 @@ from loom.model.layers import run_layers
 from loom.model.multimodal import MultimodalModel, loss_sum
 from loom.plan.plan import LLM, Plan
 from loom.runtime.comm import P2PCommunicator
+from loom.runtime.context_parallel import RankContext, microbatch_context, select_features
 from loom.runtime.precision import Precision
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, move_batch
@@ -119,7 +120,7 @@ class ActionPlan:
 class _Iteration:
     """The state of the iteration being run (handlers read and update it)."""
 
-    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total", "grad_norm")
+    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total", "grad_norm", "cp")
 
     def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
                  loss_total: torch.Tensor):
@@ -127,6 +128,7 @@ class _Iteration:
         self.states: dict[int, MicrobatchState] = {}
         self.loss_total = loss_total
         self.grad_norm: float | None = None
+        self.cp: dict[int, RankContext] = {}  # per LLM microbatch, this rank's CP context
 
     def state(self, j: int) -> MicrobatchState:
         st = self.states.get(j)
@@ -182,6 +184,8 @@ class PipelineExecutor:
         # messages keep their header
         self._act_shapes: dict[tuple[StageId, StageId, int], _ActShape | None] = {}
         self._grad_mode = self.needs_backward[self.me]
+        # the last iteration's CP context per LLM microbatch (context parallelism; for inspection)
+        self.cp_contexts: dict[int, RankContext] = {}
 
     # ---- one iteration -------------------------------------------------------------------
     def run(
@@ -224,6 +228,7 @@ class PipelineExecutor:
         if self.max_grad_norm > 0 and not plan.steps:  # no optimizer step here: join the norm now
             it.grad_norm = self._clip_gradients()
         self.comm.wait_sends()
+        self.cp_contexts = it.cp
         return StepResult(float(it.loss_total), self.rank, step, plan, times, it.grad_norm)
 
     def close(self) -> None:
@@ -300,7 +305,7 @@ class PipelineExecutor:
         if st.batch is None:
             st.batch = move_batch(self._microbatch(it.microbatches, j), self.device)
             if split is None:  # a split microbatch builds one context per part
-                st.context = self.model.module_context(self.stage.module, st.batch)
+                st.context = self.model.module_context(self.stage.module, st.batch, self._cp_context(it, j))
         with self.precision.autocast():
             if self._grad_mode:
                 out = self._run_forward(it, j, st, split)
@@ -314,11 +319,17 @@ class PipelineExecutor:
             st.parts = [self.precision.message(p) for p in self._forward_parts(st.batch, j, split, it.rows)]
             out = torch.cat(st.parts)
         else:
-            x = self.precision.stage_input(self._stage_input(st.inputs, j, it.rows))
-            out = run_layers(self.stage.layers, x, st.context)
+            x = self._stage_input(st.inputs, j, it.rows)
+            rc = self._cp_context(it, j)
+            if rc is not None and self.stage.is_first:  # the encoder tokens of this rank's placeholders
+                x = {m: select_features(st.batch.input_ids == self.model.placeholder_ids[m], f, rc.tokens)
+                     for m, f in x.items()}
+            out = run_layers(self.stage.layers, self.precision.stage_input(x), st.context)
         if self.stage.computes_loss:  # loss_sum upcasts the logits: the loss is fp32
+            rc = self._cp_context(it, j)
+            labels = st.batch.labels if rc is None else rc.select(st.batch.labels)  # labels follow the tokens
             with self.unit.loss_context():  # vocabulary-parallel under TP: the loss is replicated
-                out = self.unit.loss_value(loss_sum(out, st.batch.labels)) / it.num_targets
+                out = self.unit.loss_value(loss_sum(out, labels)) / it.num_targets
             if self.unit.reports_loss:
                 it.loss_total += out.detach()
             return out
@@ -400,6 +411,10 @@ class PipelineExecutor:
         key = (a.peer_module, a.other_microbatch)
         x = st.inputs.pop(key)
         g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
+        if self.unit.cp_group is not None and a.peer_module != self.stage.module:
+            # each CP rank merged the encoder tokens of its own placeholders: the whole
+            # gradient is the sum over the CP group (cornstarch.md §3.3.6), sent by the leader
+            dist.all_reduce(g, group=self.unit.cp_group)
         for peer in self.unit.destinations(a.peer):  # the peer sent x: it knows the shape
             self.comm.send(g, peer, tag, header=False)
         self.comm.release_completed()
@@ -428,7 +443,8 @@ class PipelineExecutor:
         if src[0] == LLM:
             st = it.states.get(src_mb)
             batch = st.batch if st is not None and st.batch is not None else self._microbatch(it.microbatches, src_mb)
-            return tuple(batch.input_ids.shape)
+            rc = self._cp_context(it, src_mb)  # under CP, this rank's tokens of the rows
+            return tuple(batch.input_ids.shape) if rc is None else (batch.input_ids.shape[0], rc.tokens.numel())
         if dst[0] == LLM and it.rows is not None:
             tokens = it.rows.tokens[src[0]]
             members = samples if samples is not None else it.rows.layout.slot(src[0], src_mb)
@@ -470,6 +486,20 @@ class PipelineExecutor:
             order.extend(members)
         rows.set_order(module, j, order)
         return outs
+
+    def _cp_context(self, it: _Iteration, j: int) -> RankContext | None:
+        """This rank's `RankContext` of LLM microbatch ``j`` under context parallelism (None
+        otherwise): built from the microbatch's metadata once per iteration, the same on every
+        stage of the unit's CP rank, so activations between LLM stages keep its tokens."""
+        if self.unit.cp_group is None or self.stage.module != LLM:
+            return None
+        rc = it.cp.get(j)
+        if rc is None:
+            batch = self._microbatch(it.microbatches, j)
+            placeholders = {n: i for n, i in self.model.placeholder_ids.items() if n in self.model.encoders}
+            rc = it.cp[j] = microbatch_context(batch.input_ids, batch.segments, placeholders,
+                                               self.unit.cp_size, self.unit.context, self.unit.cp_group)
+        return rc
 
     def _microbatch(self, microbatches: dict[int, Batch], j: int) -> Batch:
         if j not in microbatches:

@@ -63,13 +63,41 @@ def check_meshes(plan: Plan, meshes: dict[str, DeviceMesh], rank: int) -> None:
                             f"places it at {expected}")
 
 
-def data_parallel_group(meshes: dict[str, DeviceMesh], plan: Plan, rank: int) -> dist.ProcessGroup | None:
-    """The group over ``rank``'s data-parallel replicas (the ``dp`` dimension of its module's
-    mesh), or None when its module has one replica (nothing to synchronise)."""
+def data_parallel_group(meshes: dict[str, DeviceMesh], plan: Plan, rank: int,
+                        replicas: dict[str, DeviceMesh] | None = None) -> dist.ProcessGroup | None:
+    """The group ``rank``'s stage synchronises gradients over: its data-parallel replicas (the
+    ``dp`` dimension of its module's mesh), or, under context parallelism, the ``dp_cp`` group of
+    `build_replica_meshes` (CP ranks each hold their tokens' share of the gradient); None when
+    there is nothing to synchronise."""
     module = plan.coordinate_of(rank).module
-    if plan.spec(module).data_parallel == 1:
+    spec = plan.spec(module)
+    if spec.context_parallel > 1:
+        if replicas is None or module not in replicas:
+            raise MeshError(f"module {module!r} has context_parallel = {spec.context_parallel}: pass the meshes of "
+                            f"build_replica_meshes as replicas=")
+        return replicas[module].get_group("dp_cp")
+    if spec.data_parallel == 1:
         return None
     return meshes[module].get_group("dp")
+
+
+REPLICA_DIMS = ("pp", "dp_cp", "tp")
+
+
+def build_replica_meshes(plan: Plan, device_type: str) -> dict[str, DeviceMesh]:
+    """For each module with context parallelism, a mesh over the same ranks with ``dp`` and ``cp``
+    flattened into ``dp_cp`` (contiguous under the rank layout): the group of a stage's ranks that
+    hold the same parameters (or TP shards) and partial gradients. Built as a mesh of its own, on
+    every rank in plan order (group creation is collective), rather than by ``_flatten`` on the
+    module's ranks only."""
+    out = {}
+    for m in plan.modules:
+        if m.context_parallel == 1:
+            continue
+        pp, dp, cp, tp = plan.mesh_shape(m.name)
+        ranks = module_mesh_ranks(plan, m.name).reshape(pp, dp * cp, tp)
+        out[m.name] = DeviceMesh(device_type, ranks, mesh_dim_names=REPLICA_DIMS)
+    return out
 
 
 HYBRID_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")

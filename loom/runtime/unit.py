@@ -126,7 +126,8 @@ class UnitPlace:
 
     @property
     def reports_loss(self) -> bool:
-        return self.is_leader
+        """TP ranks share one (replicated) loss; CP ranks each hold their tokens' share."""
+        return self.tensor == 0
 
     @property
     def tp_group(self) -> dist.ProcessGroup | None:
@@ -216,7 +217,8 @@ class UnitPlace:
         only; 0 on replicas other than the first (they hold the same gradients after the sync).
         Per-parameter norms first, as ``clip_grad_norm_`` does (after `settle_gradients`)."""
         settle_gradients(params)
-        sharded = [local_tensor(p.grad.detach()) for p in params if is_sharded(p)]
+        # CP ranks hold the same shards after the dp x cp sync: count the first CP rank's
+        sharded = [local_tensor(p.grad.detach()) for p in params if is_sharded(p)] if self.context == 0 else []
         whole = [local_tensor(p.grad.detach()) for p in params if not is_sharded(p)] if self.is_leader else []
         grads = sharded + whole
         if not grads or self.replica != 0:

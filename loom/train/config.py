@@ -25,6 +25,7 @@ from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 from loom.plan.overrides import ConfigError, build_dataclass, parse_override, set_dotted, typed_value
 from loom.plan.plan import ModuleSpec, Plan, PlanError
 from loom.runtime.tensor_parallel import check_tp_degree
+from loom.runtime.context_parallel import check_context_parallel
 from loom.runtime.zero import check_zero
 
 __all__ = ["ConfigError", "TrainConfig", "config_to_toml", "load_config", "parse_override", "typed_value"]
@@ -185,13 +186,8 @@ class TrainConfig:
         except BalanceError as e:
             raise ConfigError(str(e)) from e
         for m in self.plan.modules:
-            if m.context_parallel != 1:
-                raise ConfigError(
-                    f"plan.modules[{m.name!r}].context_parallel = {_shown(m.context_parallel)}: context_parallel "
-                    f"is modelled by the cost model and simulator but not yet "
-                    f"executed by the runtime; set it to 1 to train (loom simulate prices it)"
-                )
-            try:  # ZeRO the runtime can execute (loom.runtime.zero)
+            try:  # context parallelism and ZeRO the runtime can execute (loom.runtime.context_parallel, .zero)
+                check_context_parallel(m)
                 check_zero(m)
             except PlanError as e:
                 raise ConfigError(str(e)) from e

@@ -193,6 +193,8 @@ class LlamaForCausalLM(nn.Module):
     and an adapted HF model are interchangeable, state dicts included.
     """
 
+    supports_context_parallel = True  # context() takes the runtime's "context_parallel" (below)
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.config = config
