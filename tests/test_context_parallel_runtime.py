@@ -27,12 +27,12 @@ from loom.data.demo import DemoConfig
 from loom.model.zoo import LlamaConfig, VisionConfig
 from loom.model.zoo.audio import AudioConfig
 from loom.plan.plan import ModuleSpec, Plan
+from loom.runtime.context_parallel import cp_block, microbatch_context, row_spans
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
 from loom.train.build import build_data, build_model
 from loom.train.config import ModelConfig, TrainConfig
 
-pytestmark = pytest.mark.multiprocess
 
 GLOBAL_BATCH = 8
 SEED = 7
@@ -76,6 +76,7 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         engine.close()
 
 
+@pytest.mark.multiprocess
 def test_context_parallel_matches_single_process(tmp_path: Path) -> None:
     run_local(_worker, WORLD, str(tmp_path))
     for case, (llm, pack, clip) in CASES.items():
@@ -103,3 +104,19 @@ def test_context_parallel_matches_single_process(tmp_path: Path) -> None:
                 assert len(sizes) == cp and min(sizes) > 0, (case, j, sizes)
                 for c, res in enumerate(ranks):
                     assert res["cp"][j] == (c, sizes[c], sizes), (case, unit, j, c, res["cp"][j])
+
+
+def test_rows_shorter_than_the_cp_degree_are_refused_naming_the_field() -> None:
+    ids = torch.tensor([[5, 9, 9]])
+    with pytest.raises(ValueError, match=r"plan.modules\['llm'\].context_parallel = 4 but a microbatch's LLM rows "
+                                         r"have 3 tokens"):
+        microbatch_context(ids, None, {"vision": 9}, cp=4, rank=0)
+
+
+def test_row_spans_follow_placeholders_and_packed_samples() -> None:
+    ids = torch.tensor([1, 2, 9, 9, 9, 3, 4, 8, 8, 5])
+    assert [[(s.kind, s.length) for s in sample] for sample in row_spans(ids, [6, 4], {"vision": 9, "audio": 8})] == [
+        [("text", 2), ("vision", 3), ("text", 1)], [("text", 1), ("audio", 2), ("text", 1)]]
+    assert len(row_spans(ids, None, {"vision": 9})) == 1  # unpacked: the row, padding included, is one sample
+    # blocks: 128 tokens on long rows, smaller on short ones so each rank gets several
+    assert cp_block(100_000, 8) == 128 and cp_block(64, 2) == 8 and cp_block(3, 2) == 1

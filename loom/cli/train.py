@@ -94,7 +94,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = cfg.plan.world_size
     cmd = torchrun_command(cfg, config_path, run_dir)
     print(f"loom: {world} processes, plan " + ", ".join(
-        f"{m.name} {m.num_stages} stage(s) x dp {m.data_parallel}" for m in cfg.plan.modules)
+        f"{m.name} {m.num_stages} stage(s) x dp {m.data_parallel}"
+        + "".join(f" x {k} {v}" for k, v in (("cp", m.context_parallel), ("tp", m.tensor_parallel)) if v > 1)
+        for m in cfg.plan.modules)
         + f", {cfg.plan.num_microbatches} microbatches, {cfg.plan.schedule}; run dir {run_dir}", flush=True)
     if args.dry_run:
         if holds_run(run_dir):

@@ -176,8 +176,8 @@ def check_context_parallel(spec: ModuleSpec) -> None:
     if spec.name != LLM:
         raise PlanError(f"{where}.context_parallel = {cp}: context parallelism splits the LLM's rows; an encoder's "
                         f"items run whole on a rank. Set it to 1 (use data_parallel or tensor_parallel instead)")
-    for field, value in (("tensor_parallel", spec.tensor_parallel), ("zero_stage", spec.zero_stage)):
-        if value not in (0, 1):
+    for field, value, default in (("tensor_parallel", spec.tensor_parallel, 1), ("zero_stage", spec.zero_stage, 0)):
+        if value != default:
             raise PlanError(f"{where}.context_parallel = {cp} with {field} = {value}: context parallelism is not "
                             f"executed together with {field} on one module yet; set one of them to its default")
 
@@ -225,8 +225,9 @@ def microbatch_context(input_ids: torch.Tensor, segments: Sequence[int] | None, 
     same metadata, so nothing is exchanged."""
     length = int(input_ids.shape[1])
     if length < cp:
-        raise ValueError(f"context_parallel = {cp} but a microbatch's LLM rows have {length} tokens: every CP rank "
-                         f"needs at least one token; lower plan.modules['llm'].context_parallel or use longer rows")
+        raise ValueError(f"plan.modules['llm'].context_parallel = {cp} but a microbatch's LLM rows have {length} "
+                         f"tokens: every CP rank needs at least one; lower context_parallel, pack the rows "
+                         f"(data.pack_sequences = true) or use longer samples")
     modalities = tuple(placeholder_ids)
     bams = [bitfield_mask(row_spans(row, segments, placeholder_ids), modalities=modalities, item_attention="causal")
             for row in input_ids]
