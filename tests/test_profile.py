@@ -20,7 +20,7 @@ from loom.cost.profile_fit import LinearFit, evaluate
 from loom.cost.profiled import ProfiledCostModel
 from loom.data.tokenizer import Tokenizer
 from loom.model.zoo import LlamaConfig, VisionConfig
-from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 from loom.profile import check_settings, profile_model
 from loom.train.build import build_model
 from loom.train.config import ModelConfig
@@ -75,6 +75,9 @@ def test_profile_of_another_model_is_refused_with_a_clear_error(quick_profile: P
         prof.check_matches(tiny_model(vision=False))
     # the same model passes
     ProfiledCostModel(prof, tiny_model(), plan)
+    # a profile cannot price context parallelism's all-gather: refused, naming the field
+    with pytest.raises(PlanError, match=r"plan.modules\['llm'\].context_parallel = 2: a profile times"):
+        ProfiledCostModel(prof, tiny_model(), Plan([ModuleSpec("vision"), ModuleSpec(LLM, context_parallel=2)]))
 
 
 def test_bad_profile_files_are_clear_errors(quick_profile: Profile, tmp_path: Path):

@@ -63,6 +63,11 @@ class ProfiledCostModel(CostModel):
         if plan is None:
             raise ValueError("ProfiledCostModel needs the plan whose stages it costs")
         self.plan = plan.resolve(profile.layer_counts())
+        for m in self.plan.modules:  # a profile has no CP collective to price the key/value all-gather with
+            if m.context_parallel > 1:
+                raise PlanError(f"plan.modules[{m.name!r}].context_parallel = {m.context_parallel}: a profile times "
+                                f"layers on one rank, not context parallelism's key/value all-gather; price the plan "
+                                f"with the analytic cost model (no profile) or set context_parallel = 1")
 
     def _trainable_flags(self, trainable: TrainableSpec | None) -> dict[str, list[bool]]:
         counts = self.profile.layer_counts()
