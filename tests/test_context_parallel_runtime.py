@@ -8,8 +8,9 @@ One launch of 6 gloo processes (a vision rank, an audio rank, 4 LLM ranks), one 
 - ``cp2_pp2``: LLM PP 2 x CP 2 on packed rows (images and clips inside text, several samples
   per row): activations stay token-sharded between LLM stages (CP rank i to CP rank i), labels
   follow the tokens, the encoders' token gradients are summed over the CP group before they go
-  back; gradient clipping active (the norm counts each parameter once);
-- ``cp4``: LLM CP 4 on packed rows;
+  back; gradient clipping active (the norm counts each parameter once); full recompute;
+- ``cp4``: LLM CP 4 on packed rows; selective recompute (the CP attention core, its gather
+  included, reruns in the backward);
 - ``cp2_dp2``: LLM DP 2 x CP 2 on right-padded rows (one row per sample): gradients sum over
   the dp x cp group.
 """
@@ -39,8 +40,8 @@ SEED = 7
 WORLD = 6
 MAX_NORM = 0.05  # below the batch's gradient norm (checked): clipping scales the gradients
 CASES = {  # LLM spec, packed rows, clipping
-    "cp2_pp2": (ModuleSpec("llm", num_stages=2, context_parallel=2), True, MAX_NORM),
-    "cp4": (ModuleSpec("llm", context_parallel=4), True, 0.0),
+    "cp2_pp2": (ModuleSpec("llm", num_stages=2, context_parallel=2, recompute="full"), True, MAX_NORM),
+    "cp4": (ModuleSpec("llm", context_parallel=4, recompute="selective"), True, 0.0),
     "cp2_dp2": (ModuleSpec("llm", data_parallel=2, context_parallel=2), False, 0.0),
 }
 

@@ -345,6 +345,14 @@ def test_context_parallel_splits_tokens_and_gathers_keys_and_values():
     link = comm.intra_node_link(Cluster("H100", 8))
     kv_bytes = 8192 * 2 * 32 * 2  # K and V: tokens x 2 x kv_dim x 2 bytes
     assert two.forward_comm == pytest.approx(comm.all_gather_time(kv_bytes, 2, link))
+    # the backward of the gather is a reduce-scatter (the gathered keys and values are kept)
+    assert two.backward_comm == pytest.approx(comm.reduce_scatter_time(kv_bytes, 2, link))
+    # selective recompute reruns the CP attention core, its gather included
+    sel = AnalyticCostModel(arch, Plan([ModuleSpec("llm", context_parallel=2, recompute="selective")]),
+                            Cluster("H100", 8)).layer_costs("llm", 0, work)[1]
+    gather = comm.all_gather_time(kv_bytes, 2, link)
+    assert sel.backward_comm == pytest.approx(comm.reduce_scatter_time(kv_bytes, 2, link) + gather)
+    assert sel.recompute > gather
     assert two.forward - two.forward_comm == pytest.approx(one.forward / 2)
 
 

@@ -281,10 +281,14 @@ class AnalyticCostModel(CostModel):
             elif layer.kind == "head":
                 forward_comm += comm.all_gather_time(activation, tp, g.tp_link)
                 backward_input_comm += comm.reduce_scatter_time(activation, tp, g.tp_link)
+        kv_gather = 0.0
         if cp > 1 and layer.kind == "block":
             kv = work.tokens * 2 * max(layer.kv_dim / tp, layer.kv_dim / layer.kv_heads) * b
-            forward_comm += comm.all_gather_time(kv, cp, g.cp_link)
-            backward_input_comm += comm.all_gather_time(kv, cp, g.cp_link) + comm.reduce_scatter_time(kv, cp, g.cp_link)
+            # loom.runtime.context_parallel: the gathered keys and values stay for the backward,
+            # whose gather gradient is one reduce-scatter (recompute gathers again: below)
+            kv_gather = comm.all_gather_time(kv, cp, g.cp_link)
+            forward_comm += kv_gather
+            backward_input_comm += comm.reduce_scatter_time(kv, cp, g.cp_link)
         gather = 0.0
         if spec.zero_stage >= 3:
             # FSDP2 gathers the fp32 shards (autocast casts after the gather)
@@ -300,8 +304,9 @@ class AnalyticCostModel(CostModel):
         if layer.kind == "block" and need.any:
             if spec.recompute == "full":
                 recompute = forward_core
-            elif spec.recompute == "selective":  # the attention core only: no GEMMs, no communication
-                recompute = attention_flops(layer, work).forward / (tp * cp) / (self.spec.peak_bf16_flops * self.efficiency)
+            elif spec.recompute == "selective":  # the attention core only: no GEMMs; under CP its gather
+                recompute = (attention_flops(layer, work).forward / (tp * cp) / (self.spec.peak_bf16_flops * self.efficiency)
+                             + kv_gather)
         backward_gather = gather if need.any else 0.0
         # the parameters are gathered once for the layer's whole backward, at its first part
         if need.input:
@@ -309,7 +314,8 @@ class AnalyticCostModel(CostModel):
         else:
             backward_weight += backward_gather
         backward_comm = ((backward_input_comm if need.input else 0.0) + backward_gather
-                         + (forward_comm if recompute and spec.recompute == "full" else 0.0))
+                         + (forward_comm if recompute and spec.recompute == "full" else 0.0)
+                         + (kv_gather if recompute and spec.recompute == "selective" else 0.0))
         return LayerCost(
             name=layer.name,
             kind=layer.kind,
@@ -441,16 +447,17 @@ class AnalyticCostModel(CostModel):
         if tokens <= 0:
             return 0.0
         t = spec.tensor_parallel
+        sp = module == LLM  # sequence parallelism under TP, as loom.runtime.tensor_parallel runs it
         layers = self.stage_layers(module, stage)
         kept = sum(
-            activation_bytes_per_token(l, t, spec.recompute, self.dtype_bytes) * tokens
+            activation_bytes_per_token(l, t, spec.recompute, self.dtype_bytes, sp) * tokens
             + (0.0 if l.kind == "block" and spec.recompute == "full" else weight_copy_bytes(l, t, self.dtype_bytes))
             for l, need in layers
             if need.any
         )
         last, need = layers[-1]
         if need.any and not (module == LLM and stage == spec.num_stages - 1):  # the LLM's last computes the loss
-            kept += stage_output_bytes_per_token(last, self.dtype_bytes) * tokens
+            kept += stage_output_bytes_per_token(last, self.dtype_bytes, t if sp else 1) * tokens
         return kept
 
     def transient_memory(self, module: str, stage: int, work: Workload) -> float:
@@ -467,7 +474,7 @@ class AnalyticCostModel(CostModel):
         gather = (zero3_gather_bytes([l for l, _ in layers], spec.tensor_parallel, self.groups(module, stage).shards)
                   if spec.zero_stage >= 3 else 0.0)  # a layer's parameters gathered for its backward
         return gather + max(
-            (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute)
+            (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute, module == LLM)
              + (weight_copy_bytes(l, spec.tensor_parallel, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
              for l, need in layers if need.any),
             default=0.0,

@@ -4,6 +4,8 @@ model and the balancers assume)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -56,7 +58,10 @@ class AttentionCore(nn.Module):
     dense sequence per batch row; otherwise `segment_attention` over a packed sequence."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int] | None,
-                causal: bool) -> torch.Tensor:
+                causal: bool, attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                ) -> torch.Tensor:
+        if attend is not None:  # context parallelism: the runtime's attention (its mask, its gather)
+            return attend(q, k, v)
         if lengths is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         return segment_attention(q, k, v, lengths, causal=causal)

@@ -120,7 +120,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, length, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if attend is not None:  # context parallelism: the runtime's attention (k/v heads unrepeated)
-            return self.o_proj(attend(q, k, v).transpose(1, 2).reshape(b, length, -1))
+            return self.o_proj(self.core(q, k, v, None, True, attend).transpose(1, 2).reshape(b, length, -1))
         # Grouped-query attention: each key/value head serves num_heads / num_kv_heads query heads.
         repeats = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(repeats, dim=1)
