@@ -121,3 +121,19 @@ def test_row_spans_follow_placeholders_and_packed_samples() -> None:
     assert len(row_spans(ids, None, {"vision": 9})) == 1  # unpacked: the row, padding included, is one sample
     # blocks: 128 tokens on long rows, smaller on short ones so each rank gets several
     assert cp_block(100_000, 8) == 128 and cp_block(64, 2) == 8 and cp_block(3, 2) == 1
+
+
+def test_an_llm_without_a_cp_attention_hook_is_refused_before_any_group() -> None:
+    transformers = pytest.importorskip("transformers")
+    from loom.model.multimodal import MultimodalModel
+    from loom.plan.plan import PlanError
+    from loom.runtime.context_parallel import check_context_parallel
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        model = MultimodalModel({}, transformers.LlamaForCausalLM(config), {})
+    with pytest.raises(PlanError, match=r"plan.modules\['llm'\].context_parallel = 2: the LLM \(LlamaForCausalLM\) "
+                                        r"has no context-parallel attention hook"):
+        check_context_parallel(ModuleSpec("llm", context_parallel=2), model)
+    check_context_parallel(ModuleSpec("llm"), model)  # CP 1 needs no hook

@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from loom.balance.context import ContextDistribution, distribute_tokens, local_block_mask, local_mask
 from loom.data.bam import EMPTY, FULL, TEXT, BitfieldMask, Span, bitfield_mask
+from loom.model.adapter import adapter_for
+from loom.model.multimodal import MultimodalModel
 from loom.plan.plan import LLM, ModuleSpec, PlanError
 
 
@@ -165,10 +167,11 @@ def select_features(placeholder_mask: torch.Tensor, features: torch.Tensor, toke
     return features.index_select(0, slot[:, tokens][mine])
 
 
-def check_context_parallel(spec: ModuleSpec) -> None:
+def check_context_parallel(spec: ModuleSpec, model: MultimodalModel | None = None) -> None:
     """Refuse a context-parallel setting the runtime cannot execute (before any group is built):
-    CP is the LLM's (cornstarch.md §3.3: encoders' items are short and run whole), and not yet
-    combined with TP or ZeRO on the same module."""
+    CP is the LLM's (cornstarch.md §3.3: encoders' items are short and run whole), not yet
+    combined with TP or ZeRO on the same module, and needs an LLM whose context takes the
+    runtime's attention (``supports_context_parallel``: the zoo Llama)."""
     cp = spec.context_parallel
     if cp == 1:
         return
@@ -180,6 +183,9 @@ def check_context_parallel(spec: ModuleSpec) -> None:
         if value != default:
             raise PlanError(f"{where}.context_parallel = {cp} with {field} = {value}: context parallelism is not "
                             f"executed together with {field} on one module yet; set one of them to its default")
+    if model is not None and not getattr(adapter_for(model.llm), "supports_context_parallel", False):
+        raise PlanError(f"{where}.context_parallel = {cp}: the LLM ({type(model.llm).__name__}) has no context-parallel "
+                        f"attention hook (only the zoo Llama has one); set context_parallel = 1")
 
 
 MAX_BLOCK = 128  # tokens per CP block on long rows: an attention kernel's tile (cornstarch.md §3.3.2)

@@ -61,7 +61,7 @@ class ParallelEngine:
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:
-            check_context_parallel(m)  # loom.runtime.context_parallel: the LLM's, alone on its module
+            check_context_parallel(m, model)  # loom.runtime.context_parallel: the LLM's, alone on its module
             check_zero(m)  # loom.runtime.zero: ZeRO needs replicas, and no TP yet
             if m.tensor_parallel > 1:  # before any group is built: a bad degree fails on every rank alike
                 check_tp_degree(m.name, m.tensor_parallel, module_config(model, m.name))
