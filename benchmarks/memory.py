@@ -11,7 +11,10 @@ the LR scheduler, the loss all-reduce). The cases:
 - ``recompute = "none" | "selective" | "full"`` on a 2-stage 1F1B pipeline (so the two ranks
   hold different numbers of microbatches in flight);
 - ``zero_stage = 0 | 1 | 2 | 3`` at data-parallel degree 2 (one stage; `loom.runtime.zero`:
-  ZeroRedundancyOptimizer for 1, FSDP2 ``fully_shard`` per layer for 2 and 3).
+  ZeroRedundancyOptimizer for 1, FSDP2 ``fully_shard`` per layer for 2 and 3);
+- ``tp2`` and ``tp2_full``: tensor-parallel degree 2 (one stage), with the sequence
+  parallelism the runtime always runs the LLM's TP with (`loom.runtime.tensor_parallel`), under
+  recompute ``"none"`` and ``"full"`` (which keeps each block's input sequence shard).
 
 **Measured**, per rank: the peak bytes of live tensors during one training step after the
 first (the first creates AdamW's moments, so the second is the steady state), counted by
@@ -29,7 +32,7 @@ Figure ``memory_model_median_abs_rel_error``: the median over cases and ranks of
 ``|predicted - measured| / measured``, spread the interquartile range over them; better lower,
 target at most 0.15.
 
-    python benchmarks/memory.py [--cases none,selective,full,zero0,zero1,zero2,zero3] [--layers 8 --hidden 512 ...]
+    python benchmarks/memory.py [--cases none,selective,full,zero0,zero1,zero2,zero3,tp2,tp2_full] [--layers 8 ...]
 
 Writes ``benchmarks/results/memory.json`` (docs/benchmarks.md).
 """
@@ -102,6 +105,8 @@ CASES: dict[str, ModuleSpec] = {
     "zero1": ModuleSpec(LLM, data_parallel=2, zero_stage=1),
     "zero2": ModuleSpec(LLM, data_parallel=2, zero_stage=2),
     "zero3": ModuleSpec(LLM, data_parallel=2, zero_stage=3),
+    "tp2": ModuleSpec(LLM, tensor_parallel=2),
+    "tp2_full": ModuleSpec(LLM, tensor_parallel=2, recompute="full"),
 }
 
 
@@ -226,7 +231,8 @@ def main(argv: list[str] | None = None) -> dict:
         predicted = predict(case, cfg, 1)
         spec = CASES[case]
         per_case[case] = {"plan": {"data_parallel": spec.data_parallel, "num_stages": spec.num_stages,
-                                   "zero_stage": spec.zero_stage, "recompute": spec.recompute},
+                                   "tensor_parallel": spec.tensor_parallel, "zero_stage": spec.zero_stage,
+                                   "recompute": spec.recompute},
                           "ranks": []}
         for r in range(WORLD_SIZE):
             measured = max(step[r] for step in got["peak"])  # the steps' peaks agree to a few bytes

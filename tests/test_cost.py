@@ -416,21 +416,23 @@ def test_memory_equals_the_hand_computed_values():
     assert m.grads == 4 * 43392 / 2
     assert m.optimizer == 8 * 43392 / 2 / 2  # Adam m, v; TP 2, ZeRO-1 over DP 2
     assert cost.static_memory("llm", 0) == 86784 + 86784 + 86784
-    # activations per token of the block, in elements: two RMSNorms' input, x / rms(x) and
-    # output, 6h replicated, + (4q (Q, K and V repeated to the query heads, the output) + 4 ffn)
-    # / TP = 384 + (256 + 512) / 2 = 768, times 2 bytes, plus the attention core's fp32
-    # log-sum-exp per head, 4 * 4 heads / TP 2 bytes; the embedding keeps nothing; stage 0's
-    # output (2h bytes) stays until its gradient comes back
+    # activations per token of the block, in elements, under the LLM's sequence parallelism
+    # (loom.runtime.tensor_parallel): two RMSNorms' input and x / rms(x) on the rank's half of
+    # the sequence and their outputs all-gathered whole, 2 (2h / TP + h) = 256, + (4q (Q, K and
+    # V repeated to the query heads, the output) + 4 ffn) / TP = (256 + 512) / 2 = 384, so 640,
+    # times 2 bytes, plus the attention core's fp32 log-sum-exp per head, 4 * 4 heads / TP 2
+    # bytes; the embedding keeps nothing; stage 0's output, a sequence shard (2h / TP bytes),
+    # stays until its gradient comes back
     w = Workload.of_lengths([10])
     # and, under bf16, the copy of the block's GEMM weights its backward keeps: 2 bytes x
     # (q 64*64 + k, v 2 * 64*32 + o 64*64 + SwiGLU 3*64*128 = 36864) / TP 2
     copy = 2 * 36864 / 2
-    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 768 + 4 * 4 / 2 + 2 * 64) + copy
-    # stage 1 = block 36992 + norm 64 + head 6400; the head keeps its input (2h bytes) and the
-    # fp32 log-softmax of its vocab shard (4 * 100 / 2 bytes), the RMSNorm its input and
-    # x / rms(x) (its output is the head's input: 2 * 2h bytes)
+    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 640 + 4 * 4 / 2 + 2 * 64 / 2) + copy
+    # stage 1 = block 36992 + norm 64 + head 6400; the head keeps its gathered input (2h bytes)
+    # and the fp32 log-softmax of its vocab shard (4 * 100 / 2 bytes), the RMSNorm its input and
+    # x / rms(x) on its sequence shard (its output is the head's input: 2 * 2h / TP bytes)
     assert cost.static_breakdown("llm", 1).params == 4 * (36992 + 64 + 6400) / 2
-    assert cost.activation_memory("llm", 1, w) == (10 * (2 * 768 + 4 * 4 / 2 + 2 * 2 * 64 + (2 * 64 + 4 * 100 / 2))
+    assert cost.activation_memory("llm", 1, w) == (10 * (2 * 640 + 4 * 4 / 2 + 2 * 2 * 64 / 2 + (2 * 64 + 4 * 100 / 2))
                                                    + copy + 2 * 6400 / 2)  # the head's weight copy too
     # one block's backward at a time: the gradient of the down projection's input, 2 ffn / TP
     # elements per token, and its weight's fp32 gradient, 4 bytes x h ffn / TP
@@ -442,14 +444,14 @@ def test_memory_equals_the_hand_computed_values():
     # (less than the MLP's gradients)
     plan.modules[0].recompute = "selective"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
-    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 768 + 2 * 64) + copy
+    assert cost.activation_memory("llm", 0, w) == 10 * (2 * 640 + 2 * 64 / 2) + copy
     assert cost.transient_memory("llm", 0, w) == mlp
-    # full recompute keeps each block's input only, and one block's full set (less its input)
-    # with the MLP's gradients while recomputing
+    # full recompute keeps each block's input only (a sequence shard), and one block's full set
+    # (less its input) with the MLP's gradients while recomputing
     plan.modules[0].recompute = "full"
     cost = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8))
-    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64 + 10 * 2 * 64  # the weights are cast again when recomputed
-    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 768 + 4 * 4 / 2 - 2 * 64) + mlp + copy
+    assert cost.activation_memory("llm", 0, w) == 10 * 2 * 64 / 2 + 10 * 2 * 64 / 2  # the weights are cast again when recomputed
+    assert cost.transient_memory("llm", 0, w) == 10 * (2 * 640 + 4 * 4 / 2 - 2 * 64 / 2) + mlp + copy
     # ZeRO-3 shards the parameters too; with 2 microbatches per replica the gradients
     # accumulate unsharded until the last backward's reduce-scatter (loom.runtime.zero)
     plan.modules[0].zero_stage = 3

@@ -91,7 +91,13 @@ def test_wrapper_subclasses_count_their_inner_tensors_only():
     wrapped = TwoTensor(a, b)
     with MemoryMeter() as m:
         m.track([wrapped])
-        assert m.live_bytes == 0
-        m.track([a, b])
+        assert m.live_bytes == 2 * 100 * F32
+        m.track([a, b])  # the same storages: counted once
+        assert m.live_bytes == 2 * 100 * F32
+        # an operator on the wrapper: its new inner tensors are made inside the subclass's own
+        # dispatch, out of the mode's sight (a sequence-parallel norm's output), yet counted
+        doubled = wrapped * 2
+        assert m.live_bytes == 4 * 100 * F32
+        del doubled
         assert m.live_bytes == 2 * 100 * F32
     m.close()

@@ -447,16 +447,17 @@ class AnalyticCostModel(CostModel):
         if tokens <= 0:
             return 0.0
         t = spec.tensor_parallel
+        sp = module == LLM  # sequence parallelism under TP, as loom.runtime.tensor_parallel runs it
         layers = self.stage_layers(module, stage)
         kept = sum(
-            activation_bytes_per_token(l, t, spec.recompute, self.dtype_bytes) * tokens
+            activation_bytes_per_token(l, t, spec.recompute, self.dtype_bytes, sp) * tokens
             + (0.0 if l.kind == "block" and spec.recompute == "full" else weight_copy_bytes(l, t, self.dtype_bytes))
             for l, need in layers
             if need.any
         )
         last, need = layers[-1]
         if need.any and not (module == LLM and stage == spec.num_stages - 1):  # the LLM's last computes the loss
-            kept += stage_output_bytes_per_token(last, self.dtype_bytes) * tokens
+            kept += stage_output_bytes_per_token(last, self.dtype_bytes, t if sp else 1) * tokens
         return kept
 
     def transient_memory(self, module: str, stage: int, work: Workload) -> float:
@@ -473,7 +474,7 @@ class AnalyticCostModel(CostModel):
         gather = (zero3_gather_bytes([l for l, _ in layers], spec.tensor_parallel, self.groups(module, stage).shards)
                   if spec.zero_stage >= 3 else 0.0)  # a layer's parameters gathered for its backward
         return gather + max(
-            (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute)
+            (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute, module == LLM)
              + (weight_copy_bytes(l, spec.tensor_parallel, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
              for l, need in layers if need.any),
             default=0.0,

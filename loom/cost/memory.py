@@ -36,7 +36,7 @@ per token (16-bit, with dropout, without FlashAttention) we take *with* FlashAtt
 attention and gated MLPs, and counted as loom's blocks (the zoo's and Hugging Face's) really
 keep them, which `benchmarks/memory.py` measures tensor by tensor. In elements per token:
 
-- replicated across TP (Megatron without sequence parallelism), per norm: a LayerNorm keeps
+- replicated across TP (Megatron without sequence parallelism; with it, below), per norm: a LayerNorm keeps
   its input and its output (the next projection's input), ``2 h``; an RMSNorm also its
   normalised input before the weight's scale (``x / rms(x)``, which the scale's backward
   reads), ``3 h``; two norms per block;
@@ -51,9 +51,19 @@ keep them, which `benchmarks/memory.py` measures tensor by tensor. In elements p
 
 so ``b (2 n h + (4 q + m) / t) + 4 a / t`` with ``n`` the norm's count: about ``32 h`` bytes
 for GPT-3 (LayerNorm, ``q = h``, ``ffn = 4h``) against Korthikanti's ``34 h`` with dropout
-masks. A stage that hands its output on to a later stage also keeps that output until its
-gradient comes back (the executor holds it for the backward): ``b`` times the last layer's
-output width (`stage_output_bytes_per_token`). Activation recomputation
+masks. **Sequence parallelism** (the LLM under TP, as `loom.runtime.tensor_parallel` runs it;
+Korthikanti §4.2.2): between the projections every rank holds its ``1 / t`` of the sequence,
+so a norm keeps its input and internals sharded, and only its output, all-gathered to the
+whole sequence for the column-parallel projections that keep it for their weights' gradient,
+is whole: ``(n - h) / t + h`` elements per norm (`sp_norm_kept_elements`; an RMSNorm ``2 h /
+t + h``). The final norm keeps its sharded part, the head its gathered input (and the
+vocabulary-parallel loss its ``4 vocab / t`` bytes of log-softmax); a block under ``"full"``
+recompute keeps its sequence shard, ``b h / t``; a stage's output passed on is a shard too.
+Encoders' TP has no sequence parallelism: their norms are replicated. (Measured per block by
+`MemoryMeter` on a 2-rank group, ``tests/test_memory_model.py``; the memory benchmark's
+``tp2`` cases check it end to end.) A stage that hands its output on to a later stage also
+keeps that output until its gradient comes back (the executor holds it for the backward):
+``b`` times the last layer's output width (`stage_output_bytes_per_token`). Activation recomputation
 (``ModuleSpec.recompute``) changes what a block keeps:
 
 - ``"full"``: only its input, ``b h``; one block's full set is live again while it is
@@ -171,16 +181,28 @@ def norm_kept_elements(norm: str, hidden: int) -> int:
     return (3 if norm == "rmsnorm" else 2) * hidden
 
 
-def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute: str, dtype_bytes: int) -> float:
+def sp_norm_kept_elements(norm: str, hidden: int, tensor_parallel: int) -> float:
+    """Elements per token of the full sequence a norm keeps under sequence parallelism (module
+    docstring, "Sequence parallelism"): its input and internals on the rank's ``1 / t`` of the
+    tokens, and its output all-gathered to the whole sequence, which the next projection keeps."""
+    return (norm_kept_elements(norm, hidden) - hidden) / tensor_parallel + hidden
+
+
+def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute: str, dtype_bytes: int,
+                               sequence_parallel: bool = False) -> float:
     """Bytes one input token of ``layer`` keeps until the backward (module docstring), on a
-    rank of a ``tensor_parallel``-way group, under ``recompute`` ("none", "selective", "full")."""
+    rank of a ``tensor_parallel``-way group, under ``recompute`` ("none", "selective", "full");
+    ``sequence_parallel``: the LLM's layout under TP (`loom.runtime.tensor_parallel`), where
+    what lies between the projections is sharded over the sequence."""
     b, h, t = dtype_bytes, layer.hidden, tensor_parallel
+    sp = sequence_parallel and t > 1
     if layer.kind == "block":
         if recompute == "full":
-            return b * h
+            return b * h / (t if sp else 1)  # the block's input: a sequence shard under SP
         mlp = (4 if layer.gated_mlp else 2) * layer.ffn
+        norms = 2 * (sp_norm_kept_elements(layer.norm, h, t) if sp else norm_kept_elements(layer.norm, h))
         # Q, K, V and the output as the core receives them: K and V repeated to the query heads
-        kept = b * (2 * norm_kept_elements(layer.norm, h) + (4 * layer.q_dim + mlp) / t)
+        kept = b * (norms + (4 * layer.q_dim + mlp) / t)
         return kept if recompute == "selective" else kept + attention_core_bytes_per_token(layer, t)
     if layer.kind == "frontend":
         if layer.frontend == "patch":
@@ -188,9 +210,11 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
         # mel frames, conv1 output and its GELU, conv2 output, per output token
         return b * (layer.stride * layer.in_channels + 2 * layer.stride * h + h)
     if layer.kind == "norm":
-        return b * (norm_kept_elements(layer.norm, h) - h)  # its output is the next layer's input
+        # its output is the next layer's input (the head's, all-gathered under SP)
+        return b * (norm_kept_elements(layer.norm, h) - h) / (t if sp else 1)
     if layer.kind == "head":
-        # its input, and the fp32 log-softmax of the (vocab-parallel) logits the loss keeps
+        # its input (all-gathered to the whole sequence under SP), and the fp32 log-softmax of
+        # the (vocab-parallel) logits the loss keeps
         return b * h + 4 * layer.vocab / t
     if layer.kind == "projector":
         if layer.projector == "linear":
@@ -201,10 +225,12 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
     return 0.0  # embedding: keeps only the token ids
 
 
-def stage_output_bytes_per_token(layer: LayerArch, dtype_bytes: int) -> float:
+def stage_output_bytes_per_token(layer: LayerArch, dtype_bytes: int, sequence_shards: int = 1) -> float:
     """What a stage whose last layer is ``layer`` holds per input token of its output until the
-    output's gradient comes back (module docstring): the output, in the compute dtype."""
-    return dtype_bytes * layer.out_width / (layer.merge if layer.kind == "projector" else 1)
+    output's gradient comes back (module docstring): the output, in the compute dtype, on the
+    rank's ``1 / sequence_shards`` of the sequence (the TP degree under sequence parallelism:
+    consecutive LLM stages pass their shards on, `loom.runtime.unit`)."""
+    return dtype_bytes * layer.out_width / (layer.merge if layer.kind == "projector" else 1) / sequence_shards
 
 
 def weight_copy_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) -> float:
@@ -217,7 +243,7 @@ def weight_copy_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) 
 
 
 def backward_working_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int, tokens: float,
-                           recompute: str = "none") -> float:
+                           recompute: str = "none", sequence_parallel: bool = False) -> float:
     """What is live, beyond what the layer keeps, while ``layer`` back-propagates ``tokens``
     tokens (module docstring, "Backward working set"): a block's MLP gradients and its down
     projection's weight gradient, plus under ``full`` recompute its whole recomputed set and
@@ -230,7 +256,8 @@ def backward_working_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: 
         return 0.0
     mlp = 2 * dtype_bytes * layer.ffn / t * tokens + MASTER_BYTES * layer.hidden * layer.ffn / t
     if recompute == "full":  # the recomputed set, less the input the block kept
-        return (activation_bytes_per_token(layer, t, "none", dtype_bytes) - dtype_bytes * layer.hidden) * tokens + mlp
+        return (activation_bytes_per_token(layer, t, "none", dtype_bytes, sequence_parallel)
+                - activation_bytes_per_token(layer, t, "full", dtype_bytes, sequence_parallel)) * tokens + mlp
     if recompute == "selective":
         return max(mlp, attention_core_bytes_per_token(layer, t) * tokens)
     return mlp

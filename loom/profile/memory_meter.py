@@ -17,7 +17,9 @@ parameters, the optimizer's state) are added by `MemoryMeter.track` or `track_li
 the garbage collector can reach). A storage resized in place (FSDP2 frees and re-allocates its
 unsharded parameters with ``untyped_storage().resize_``, which no operator sees) is re-measured
 at the resize: while a meter is entered, ``UntypedStorage.resize_`` reports to it; also whenever
-an operator returns the storage, and by `refresh`.
+an operator returns the storage, and by `refresh`. A wrapper subclass (DTensor) holds no bytes of
+its own: its inner tensors (``__tensor_flatten__``) are counted, since the ones its own dispatch
+creates (a sequence-parallel norm's output) never pass through this mode as plain tensors.
 
 CUDA has this built in: use ``torch.cuda.max_memory_allocated`` there (`peak_allocated`).
 """
@@ -70,7 +72,14 @@ class MemoryMeter(TorchDispatchMode):
             return
         if type(t).__torch_dispatch__ is not _PLAIN_DISPATCH:
             # a wrapper subclass (DTensor): its storage is a placeholder of the global size;
-            # its local tensor is a tensor of its own, counted as such
+            # count its inner tensors, which the subclass's own dispatch creates out of this
+            # mode's sight (a sequence-parallel norm's sharded output exists only inside one)
+            flatten = getattr(t, "__tensor_flatten__", None)
+            if flatten is not None:
+                for name in flatten()[0]:
+                    inner = getattr(t, name)
+                    if isinstance(inner, torch.Tensor):
+                        self._see(inner)
             return
         try:
             storage = t.untyped_storage()
