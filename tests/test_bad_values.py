@@ -27,8 +27,6 @@ TRAIN = [
     (["plan.modules.llm.tensor_parallel=4"], "plan.modules['llm'].tensor_parallel = 4 does not divide the key/value heads"),
     (["plan.modules.vision.tensor_parallel=8"], "plan.modules['vision'].tensor_parallel = 8 does not divide"),
     (["plan.modules.vision.context_parallel=2"], "plan.modules['vision'].context_parallel = 2"),
-    (["plan.modules.llm.context_parallel=2", "plan.modules.llm.tensor_parallel=2"],
-     "plan.modules['llm'].context_parallel = 2 with tensor_parallel = 2"),
     (["plan.modules.llm.context_parallel=2", "plan.modules.llm.data_parallel=2", "plan.modules.llm.zero_stage=1"],
      "plan.modules['llm'].context_parallel = 2 with zero_stage = 1"),
     (["plan.modules.llm.zero_stage=1"], "plan.modules['llm'].zero_stage = 1 with data_parallel = 1"),

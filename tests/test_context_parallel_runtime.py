@@ -12,7 +12,10 @@ One launch of 6 gloo processes (a vision rank, an audio rank, 4 LLM ranks), one 
 - ``cp4``: LLM CP 4 on packed rows; selective recompute (the CP attention core, its gather
   included, reruns in the backward);
 - ``cp2_dp2``: LLM DP 2 x CP 2 on right-padded rows (one row per sample): gradients sum over
-  the dp x cp group.
+  the dp x cp group;
+- ``tp2_cp2``: LLM TP 2 x CP 2 on packed rows, with sequence parallelism inside each CP rank's
+  tokens (blocks a multiple of the TP degree, rows padded to whole blocks); clipping active (TP
+  shards counted once, not once per CP rank).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.tensor import DTensor
 from reference import assert_matches_reference, identity_step, reference_backward
 
 from loom.data.demo import DemoConfig
@@ -43,6 +47,7 @@ CASES = {  # LLM spec, packed rows, clipping
     "cp2_pp2": (ModuleSpec("llm", num_stages=2, context_parallel=2, recompute="full"), True, MAX_NORM),
     "cp4": (ModuleSpec("llm", context_parallel=4, recompute="selective"), True, 0.0),
     "cp2_dp2": (ModuleSpec("llm", data_parallel=2, context_parallel=2), False, 0.0),
+    "tp2_cp2": (ModuleSpec("llm", tensor_parallel=2, context_parallel=2), True, MAX_NORM),
 }
 
 
@@ -69,7 +74,10 @@ def _worker(rank: int, world_size: int, out: str) -> None:
         engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), max_grad_norm=clip)
         result, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH, pack=pack)
         named = engine.stage.named_parameters()
-        torch.save({"loss": loss, "grads": {n: p.grad.clone() for n, p in named.items() if p.grad is not None},
+        # TP shards gathered whole (a collective over the TP group: every rank of it, same order)
+        grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
+                 for n, p in named.items() if p.grad is not None}
+        torch.save({"loss": loss, "grads": grads,
                     "no_grad": sorted(n for n, p in named.items() if p.grad is None),
                     "grad_norm": result.grad_norm, "module": engine.stage.module,
                     "cp": {j: (rc.rank, rc.tokens.numel(), rc.sizes) for j, rc in engine.executor.cp_contexts.items()}},
@@ -97,14 +105,16 @@ def test_context_parallel_matches_single_process(tmp_path: Path) -> None:
         # and every rank of the unit agrees on the sizes (one split from the same metadata)
         llm_ranks = [res for res in results if res["module"] == "llm"]
         assert len(llm_ranks) == 4, case
-        cp = llm.context_parallel
-        for unit in range(4 // cp):
-            ranks = llm_ranks[unit * cp:(unit + 1) * cp]
+        cp, size = llm.context_parallel, llm.context_parallel * llm.tensor_parallel
+        for unit in range(4 // size):
+            ranks = llm_ranks[unit * size:(unit + 1) * size]  # CP-major, then TP (the rank layout)
             assert ranks[0]["cp"], f"{case}: LLM unit {unit} ran no CP microbatch"
             for j, (_, _, sizes) in ranks[0]["cp"].items():
                 assert len(sizes) == cp and min(sizes) > 0, (case, j, sizes)
-                for c, res in enumerate(ranks):
-                    assert res["cp"][j] == (c, sizes[c], sizes), (case, unit, j, c, res["cp"][j])
+                assert all(n % llm.tensor_parallel == 0 for n in sizes), (case, j, sizes)  # even SP shards
+                for i, res in enumerate(ranks):
+                    c = i // llm.tensor_parallel
+                    assert res["cp"][j] == (c, sizes[c], sizes), (case, unit, j, i, res["cp"][j])
 
 
 def test_rows_shorter_than_the_cp_degree_are_refused_naming_the_field() -> None:

@@ -170,8 +170,8 @@ def select_features(placeholder_mask: torch.Tensor, features: torch.Tensor, toke
 def check_context_parallel(spec: ModuleSpec, model: MultimodalModel | None = None) -> None:
     """Refuse a context-parallel setting the runtime cannot execute (before any group is built):
     CP is the LLM's (cornstarch.md §3.3: encoders' items are short and run whole), not yet
-    combined with TP or ZeRO on the same module, and needs an LLM whose context takes the
-    runtime's attention (``supports_context_parallel``: the zoo Llama)."""
+    combined with ZeRO on the same module, and needs an LLM whose context takes the runtime's
+    attention (``supports_context_parallel``: the zoo Llama)."""
     cp = spec.context_parallel
     if cp == 1:
         return
@@ -179,10 +179,9 @@ def check_context_parallel(spec: ModuleSpec, model: MultimodalModel | None = Non
     if spec.name != LLM:
         raise PlanError(f"{where}.context_parallel = {cp}: context parallelism splits the LLM's rows; an encoder's "
                         f"items run whole on a rank. Set it to 1 (use data_parallel or tensor_parallel instead)")
-    for field, value, default in (("tensor_parallel", spec.tensor_parallel, 1), ("zero_stage", spec.zero_stage, 0)):
-        if value != default:
-            raise PlanError(f"{where}.context_parallel = {cp} with {field} = {value}: context parallelism is not "
-                            f"executed together with {field} on one module yet; set one of them to its default")
+    if spec.zero_stage:
+        raise PlanError(f"{where}.context_parallel = {cp} with zero_stage = {spec.zero_stage}: context parallelism "
+                        f"is not executed together with ZeRO on one module yet; set one of them to its default")
     if model is not None and not getattr(adapter_for(model.llm), "supports_context_parallel", False):
         raise PlanError(f"{where}.context_parallel = {cp}: the LLM ({type(model.llm).__name__}) has no context-parallel "
                         f"attention hook (only the zoo Llama has one); set context_parallel = 1")
@@ -192,11 +191,14 @@ MAX_BLOCK = 128  # tokens per CP block on long rows: an attention kernel's tile 
 BLOCKS_PER_RANK = 4  # on short rows, blocks shrink so that each rank gets about this many to balance
 
 
-def cp_block(length: int, cp: int) -> int:
+def cp_block(length: int, cp: int, multiple: int = 1) -> int:
     """The block size of a row of ``length`` tokens over ``cp`` ranks: `MAX_BLOCK`, or smaller
     where the row has fewer than `BLOCKS_PER_RANK` such blocks per rank (LPT needs several
-    blocks per rank to balance; every rank computes the same size from the same metadata)."""
-    return max(1, min(MAX_BLOCK, length // (BLOCKS_PER_RANK * cp)))
+    blocks per rank to balance; every rank computes the same size from the same metadata),
+    rounded up to a multiple of ``multiple`` (the TP degree: sequence parallelism shards a CP
+    rank's tokens evenly)."""
+    block = max(1, min(MAX_BLOCK, length // (BLOCKS_PER_RANK * cp)))
+    return -(-block // multiple) * multiple
 
 
 def row_spans(ids: torch.Tensor, segments: Sequence[int] | None, placeholder_ids: dict[str, int]) -> list[list[Span]]:
@@ -222,13 +224,14 @@ def row_spans(ids: torch.Tensor, segments: Sequence[int] | None, placeholder_ids
 
 
 def microbatch_context(input_ids: torch.Tensor, segments: Sequence[int] | None, placeholder_ids: dict[str, int],
-                       cp: int, rank: int, group=None) -> RankContext:
+                       cp: int, rank: int, group=None, block: int | None = None) -> RankContext:
     """CP rank ``rank``'s `RankContext` for an LLM microbatch (``input_ids`` ``[B, L]``, packed
     ``segments`` or None) as the runtime runs it (cornstarch.md §3.3): one BAM per row with the
     LLM's own mask (``item_attention="causal"``: causal inside each packed sample, what the
     single-process model computes), blocks of `cp_block` tokens distributed by LPT over their
     workloads (§3.3.3, summed over the rows), every rank computing the same split from the
-    same metadata, so nothing is exchanged."""
+    same metadata, so nothing is exchanged. ``block`` overrides the block size (the unit fixes
+    it before padding rows to whole blocks: `UnitPlace.prepare_microbatches`)."""
     length = int(input_ids.shape[1])
     if length < cp:
         raise ValueError(f"plan.modules['llm'].context_parallel = {cp} but a microbatch's LLM rows have {length} "
@@ -237,5 +240,5 @@ def microbatch_context(input_ids: torch.Tensor, segments: Sequence[int] | None, 
     modalities = tuple(placeholder_ids)
     bams = [bitfield_mask(row_spans(row, segments, placeholder_ids), modalities=modalities, item_attention="causal")
             for row in input_ids]
-    distribution = distribute_tokens(bams, cp, cp_block(length, cp), method="lpt")
+    distribution = distribute_tokens(bams, cp, block or cp_block(length, cp), method="lpt")
     return rank_context(bams, distribution, rank, group)

@@ -120,15 +120,17 @@ class ActionPlan:
 class _Iteration:
     """The state of the iteration being run (handlers read and update it)."""
 
-    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total", "grad_norm", "cp")
+    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total", "grad_norm", "cp",
+                 "cp_blocks")
 
     def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
-                 loss_total: torch.Tensor):
+                 loss_total: torch.Tensor, cp_blocks: dict[int, int] | None = None):
         self.plan, self.microbatches, self.num_targets, self.rows = plan, microbatches, num_targets, rows
         self.states: dict[int, MicrobatchState] = {}
         self.loss_total = loss_total
         self.grad_norm: float | None = None
         self.cp: dict[int, RankContext] = {}  # per LLM microbatch, this rank's CP context
+        self.cp_blocks = cp_blocks or {}  # per LLM microbatch, its CP block size (UnitPlace.prepare_microbatches)
 
     def state(self, j: int) -> MicrobatchState:
         st = self.states.get(j)
@@ -207,13 +209,13 @@ class PipelineExecutor:
         shows when kernels ran, not when they were queued; turn it off for steps whose
         timeline is not kept, so the host can run ahead."""
         plan = self.action_plan(schedule)
-        microbatches = self.unit.prepare_microbatches(microbatches, self.model.placeholder_ids)
+        microbatches, cp_blocks = self.unit.prepare_microbatches(microbatches, self.model.placeholder_ids)
         if plan.routed and rows is None:
             raise ValueError(f"rank {self.rank}: this schedule routes encoder rows by sample; pass the layout's RowMap "
                              f"as rows= (Dispatched.rows)")
         # the loss is summed on the device: no host sync per microbatch
         it = _Iteration(plan, microbatches, num_targets, rows,
-                        torch.zeros((), dtype=torch.float64, device=self.device))
+                        torch.zeros((), dtype=torch.float64, device=self.device), cp_blocks)
         sync = exact_timing and self.device.type == "cuda"
         compute = (ActionKind.FORWARD, ActionKind.BACKWARD)
         times: list[float] = []
@@ -497,8 +499,8 @@ class PipelineExecutor:
         if rc is None:
             batch = self._microbatch(it.microbatches, j)
             placeholders = {n: i for n, i in self.model.placeholder_ids.items() if n in self.model.encoders}
-            rc = it.cp[j] = microbatch_context(batch.input_ids, batch.segments, placeholders,
-                                               self.unit.cp_size, self.unit.context, self.unit.cp_group)
+            rc = it.cp[j] = microbatch_context(batch.input_ids, batch.segments, placeholders, self.unit.cp_size,
+                                               self.unit.context, self.unit.cp_group, it.cp_blocks.get(j))
         return rc
 
     def _microbatch(self, microbatches: dict[int, Batch], j: int) -> Batch:

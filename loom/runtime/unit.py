@@ -11,7 +11,9 @@ Schedules (the IR) address units, so the contract of a unit of several ranks is:
 - **Microbatches.** The `Dispatcher` delivers a unit's payloads to its leader; the engine
   shares the leader's microbatches with the unit (`UnitPlace.share_microbatches`: over the TP
   group, then over each CP group) before the actions run, and the executor pads the LLM's to
-  `UnitPlace.sequence_multiple` (`prepare_microbatches`); context parallelism extends both.
+  `UnitPlace.sequence_multiple` (`prepare_microbatches`); under context parallelism it also
+  fixes each LLM microbatch's CP block size (with TP, a multiple of the TP degree, the rows
+  padded to whole blocks, so every CP rank's tokens shard evenly over TP).
 - **Messages between units** (`UnitPlace.destinations`, `UnitPlace.source`; the same rule for
   activations forward and gradients backward, with the roles swapped):
 
@@ -58,6 +60,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from loom.data.sample import Batch
 from loom.model.multimodal import IGNORE_INDEX
 from loom.plan.plan import LLM, Plan
+from loom.runtime.context_parallel import cp_block
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -171,12 +174,23 @@ class UnitPlace:
         (sequence parallelism shards it evenly); 1 elsewhere."""
         return self.tp_size if self.module == LLM else 1
 
-    def prepare_microbatches(self, microbatches: dict[int, Batch], placeholder_ids: dict[str, int]) -> dict[int, Batch]:
-        """The microbatches as this unit runs them: right-padded to `sequence_multiple`."""
+    def prepare_microbatches(self, microbatches: dict[int, Batch],
+                             placeholder_ids: dict[str, int]) -> tuple[dict[int, Batch], dict[int, int]]:
+        """The microbatches as this unit runs them, and the CP block size of each (LLM units under
+        context parallelism; empty otherwise). Without CP the LLM's rows are right-padded to
+        `sequence_multiple`; under CP each row's block is `cp_block` of its length, a multiple of
+        the TP degree, and with TP the rows are padded to whole blocks (every CP rank then holds
+        whole blocks, a multiple of the TP degree)."""
+        if self.module == LLM and self.cp_size > 1:
+            blocks, out = {}, {}
+            for j, b in microbatches.items():
+                blocks[j] = cp_block(b.input_ids.shape[1], self.cp_size, self.tp_size)
+                out[j] = pad_microbatch(b, blocks[j], placeholder_ids) if self.tp_size > 1 else b
+            return out, blocks
         multiple = self.sequence_multiple
         if multiple == 1:
-            return microbatches
-        return {j: pad_microbatch(b, multiple, placeholder_ids) for j, b in microbatches.items()}
+            return microbatches, {}
+        return {j: pad_microbatch(b, multiple, placeholder_ids) for j, b in microbatches.items()}, {}
 
     def share_microbatches(self, microbatches: dict[int, Batch]) -> dict[int, Batch]:
         """The unit leader's microbatches on every rank of the unit (the `Dispatcher` delivers a
