@@ -1,18 +1,24 @@
-"""Hybrid sharding in the cost model (issue 9 point 5, `loom.cost.analytic`): a shard group of
-``shard_degree`` replicas inside a node, groups replicated across nodes; the gradient sync is a
-reduce-scatter inside plus an all-reduce of each shard across (FSDP2's HSDP, `loom.runtime.zero`);
-`loom plan` prints the sharding."""
+"""ZeRO in the cost model (issue 9 points 5 and 9, `loom.cost.analytic`): the parameter
+all-gathers FSDP2 really runs under ZeRO-2 and -3 (counted on a fake 2-rank group, one process,
+through `loom.runtime.zero.shard_stage` and a schedule's own action order), the gradient syncs of
+ZeRO-1/2/3; hybrid sharding: a shard group of ``shard_degree`` replicas inside a node, groups
+replicated across nodes; the gradient sync is a reduce-scatter inside plus an all-reduce of each
+shard across (FSDP2's HSDP, `loom.runtime.zero`); `loom plan` prints the sharding."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from loom.cli import main
 from loom.cost import comm
 from loom.cost.analytic import AnalyticCostModel, MASTER_BYTES
 from loom.cost.hardware import Cluster, get_gpu
 from loom.cost.model_configs import load_model_arch
+from loom.cost.model import Workload
 from loom.plan.plan import ModuleSpec, Plan
+from loom.schedule.generators import build_schedule
+from loom.schedule.ir import ActionKind
 
 
 def _cost(**llm) -> AnalyticCostModel:
@@ -46,3 +52,112 @@ def test_loom_plan_prints_the_sharding(capsys) -> None:
     out = capsys.readouterr().out
     assert "shard_degree = 2" in out
     assert "zero llm: ZeRO-3 sharded over 2 replicas, 2 shard groups replicated (hybrid)" in out
+
+
+@pytest.fixture
+def fake_dp_group():
+    """A 2-rank process group in this one process (PyTorch's fake backend: collectives keep
+    their shapes and move no data): enough for FSDP2 to run its all-gathers, which are counted."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_gathers_per_layer(mesh, zero: int, actions, frozen: bool = False) -> float:
+    """All-gathers per layer per step (the second, steady one) that FSDP2 runs for ``actions``
+    (a unit's FORWARD / BACKWARD list) on a stage sharded as `loom.runtime.zero` shards it, its
+    last backward reducing (`ZeroStage.before_backward`, as the executor calls it)."""
+    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
+
+    from loom.model.layers import Layer
+    from loom.runtime.stage import Stage
+    from loom.runtime.zero import shard_stage
+
+    layers = [torch.nn.Linear(16, 16).requires_grad_(not frozen) for _ in range(3)]
+    stage = Stage("llm", 0, 0, [Layer(f"l{i}", m, lambda x, ctx: x) for i, m in enumerate(layers)], True, False)
+    zero_stage = shard_stage(stage, zero, mesh)
+    last = max((i for i, a in enumerate(actions) if a.kind is ActionKind.BACKWARD), default=-1)
+    counted = {"all_gather": 0}
+    original = group_mod.foreach_all_gather
+
+    def counting(*args, **kwargs):
+        counted["all_gather"] += 1
+        return original(*args, **kwargs)
+
+    group_mod.foreach_all_gather = counting
+    try:
+        for _ in range(2):
+            counted["all_gather"] = 0
+            outputs = {}
+            for i, a in enumerate(actions):
+                if a.kind is ActionKind.FORWARD:
+                    x = torch.randn(4, 16, requires_grad=not frozen)
+                    for m in layers:
+                        x = m(x)
+                    outputs[a.microbatch] = x
+                else:
+                    zero_stage.before_backward(i == last)
+                    outputs.pop(a.microbatch).sum().backward()
+    finally:
+        group_mod.foreach_all_gather = original
+    return counted["all_gather"] / len(layers)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_parameter_gathers_are_priced_as_fsdp2_runs_them(fake_dp_group, zero, schedule) -> None:
+    # stage 0 of a 2-stage pipeline, 4 microbatches per replica: 1F1B's warm-up, steady
+    # alternation and cool-down, or GPipe's forwards then backwards
+    plan = Plan([ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=zero)], num_microbatches=8,
+                schedule=schedule)
+    cost = AnalyticCostModel(load_model_arch(llm="llama3-8b"), plan, Cluster("H100", 4))
+    actions = [a for a in build_schedule(cost.plan).actions[cost.plan.unit_of("llm", 0, 0)]
+               if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
+    forwards = sum(a.kind is ActionKind.FORWARD for a in actions)
+    assert forwards == 4 and len(actions) == 8
+    measured = _fsdp_gathers_per_layer(fake_dp_group, zero, actions)
+    # ZeRO-3 gathers before every forward and every backward; ZeRO-2 once per backward (each
+    # backward reshards, whatever pass comes next gathers again), not once per step
+    assert measured == (2 * forwards if zero == 3 else forwards)
+    # the model: a block's gathers over the step, from its per-microbatch forward and backward
+    block = cost.layer_costs("llm", 0, Workload.of_lengths([128]))[1]
+    assert block.kind == "block"
+    layer = cost.stage_layers("llm", 0)[1][0]
+    gather = comm.all_gather_time(layer.stored_params * MASTER_BYTES, 2, cost.groups("llm", 0).dp_link)
+    priced = forwards * block.forward_comm + forwards * block.backward_comm  # TP 1, CP 1: gathers only
+    assert priced == pytest.approx(measured * gather)
+
+
+def test_zero2_layer_without_backward_gathers_once_and_keeps_its_parameters(fake_dp_group) -> None:
+    # a frozen stage runs forwards only: FSDP2 never reshards it (no backward), so it gathers
+    # in the first step only; ZeRO-3 gathers before every forward
+    from types import SimpleNamespace
+
+    forwards = [SimpleNamespace(kind=ActionKind.FORWARD, microbatch=j) for j in range(4)]
+    assert _fsdp_gathers_per_layer(fake_dp_group, 2, forwards, frozen=True) == 0
+    assert _fsdp_gathers_per_layer(fake_dp_group, 3, forwards, frozen=True) == 4
+    arch = load_model_arch(llm="llama3-8b").with_freeze(["llm"])
+    w = Workload.of_lengths([128])
+    for zero, comm_per_forward in ((2, False), (3, True)):
+        plan = Plan([ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=zero)], num_microbatches=8)
+        block = AnalyticCostModel(arch, plan, Cluster("H100", 4)).layer_costs("llm", 0, w)[1]
+        assert (block.forward_comm > 0) == comm_per_forward and block.backward_comm == 0
+
+
+def test_zero_gradient_syncs() -> None:
+    # ZeRO-1: the executor's all-reduce, then ZeroRedundancyOptimizer's broadcast of each
+    # rank's updated parameters (an all-gather's volume); ZeRO-2 and -3: FSDP2's reduce-scatter
+    costs = {z: _cost(zero_stage=z) for z in (0, 1, 2, 3)}
+    g = costs[0].groups("llm", 0)
+    nbytes = costs[0]._trainable_params("llm", 0) * MASTER_BYTES
+    assert costs[0].grad_sync_time("llm", 0) == pytest.approx(comm.all_reduce_time(nbytes, 16, g.dp_link))
+    assert costs[1].grad_sync_time("llm", 0) == pytest.approx(
+        comm.all_reduce_time(nbytes, 16, g.dp_link) + comm.all_gather_time(nbytes, 16, g.dp_link))
+    for z in (2, 3):
+        assert costs[z].grad_sync_time("llm", 0) == pytest.approx(comm.reduce_scatter_time(nbytes, 16, g.dp_link))

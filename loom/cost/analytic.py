@@ -25,8 +25,18 @@ and bytes of `loom.cost.flops`, on one rank of a stage with TP degree ``t`` and 
   communication);
 - CP communication: a block all-gathers K and V (``T x 2 kv`` elements per TP shard) in
   forward, and in backward-input gathers them again and reduce-scatters their gradients;
-- ZeRO-3: every layer all-gathers its parameters over the ``data x context`` replicas before
-  its forward and again before its backward;
+- ZeRO (`loom.runtime.zero`, FSDP2 ``fully_shard`` per layer), the parameter all-gathers over
+  the ``data x context`` replicas (a shard group under hybrid sharding) that FSDP2 really runs
+  (counted on a 2-rank group, ``tests/test_zero_cost.py``): ZeRO-3 (``reshard_after_forward=
+  True``) gathers a layer before each forward and again before each backward, ``2 m`` per step
+  for ``m`` microbatches on the stage. ZeRO-2 (``reshard_after_forward=False``) keeps the
+  gathered parameters after a forward, but every backward reshards them (FSDP2's
+  ``reshard_after_backward``), so whatever pass follows a backward gathers again: the first
+  forward of the step and the pass after each backward but the last, ``m`` per step whatever
+  the schedule (1F1B's steady forwards, its cool-down's backwards, GPipe's backwards). The cost
+  model charges one gather to each forward: the step's total exactly, its place within the step
+  approximately. A ZeRO-2 layer that runs no backward is never resharded: it gathers once, in
+  the first step, and none after;
 - frozen-aware backward (`loom.cost.frozen`, cornstarch.md §3.2.2): backward-weight only for
   trainable layers, backward-input only where something trainable lies at or before the
   layer, across modules;
@@ -290,8 +300,9 @@ class AnalyticCostModel(CostModel):
             forward_comm += kv_gather
             backward_input_comm += comm.reduce_scatter_time(kv, cp, g.cp_link)
         gather = 0.0
-        if spec.zero_stage >= 3:
-            # FSDP2 gathers the fp32 shards (autocast casts after the gather)
+        if spec.zero_stage >= 3 or (spec.zero_stage == 2 and need.any):
+            # FSDP2 gathers the fp32 shards (autocast casts after the gather); ZeRO-2's m
+            # gathers per step, one per forward (module docstring)
             gather = comm.all_gather_time(layer.stored_params / tp * MASTER_BYTES, g.shards, g.dp_link)
 
         forward_core = self._compute(layer, work, "forward", tp, cp, sp) + forward_comm
@@ -307,7 +318,7 @@ class AnalyticCostModel(CostModel):
             elif spec.recompute == "selective":  # the attention core only: no GEMMs; under CP its gather
                 recompute = (attention_flops(layer, work).forward / (tp * cp) / (self.spec.peak_bf16_flops * self.efficiency)
                              + kv_gather)
-        backward_gather = gather if need.any else 0.0
+        backward_gather = gather if need.any and spec.zero_stage >= 3 else 0.0
         # the parameters are gathered once for the layer's whole backward, at its first part
         if need.input:
             backward_input += backward_gather
@@ -396,17 +407,22 @@ class AnalyticCostModel(CostModel):
 
     def grad_sync_time(self, module: str, stage: int) -> float:
         """Ring all-reduce of the stage's trainable gradients (fp32, ``MASTER_BYTES`` each, per TP
-        shard) over its data x context-parallel replicas; under ZeRO-1/2 a reduce-scatter of the
-        gradients and an all-gather of the updated parameters, the same volume; under ZeRO-3 the
-        reduce-scatter only (parameters are gathered on demand in `stage_time`). Under hybrid
-        sharding (`loom.runtime.zero`, FSDP2's HSDP) that happens inside each shard group, then
-        each rank's gradient shard is all-reduced across the groups' copies of it."""
+        shard) over its data x context-parallel replicas. ZeRO as `loom.runtime.zero` runs it:
+        under ZeRO-1 that all-reduce (the executor's) and then the updated parameters each rank
+        owns broadcast to the others (``ZeroRedundancyOptimizer``), an all-gather's volume; under
+        ZeRO-2 and -3 FSDP2's reduce-scatter only, in the stage's last backward (the parameters
+        are gathered on demand, in `stage_time`: module docstring). Under hybrid sharding
+        (FSDP2's HSDP) that happens inside each shard group, then each rank's gradient shard is
+        all-reduced across the groups' copies of it."""
         g = self.groups(module, stage)
         nbytes = self._trainable_params(module, stage) * MASTER_BYTES
-        if self.plan.spec(module).zero_stage >= 3:
+        zero = self.plan.spec(module).zero_stage
+        if zero >= 2:
             inside = comm.reduce_scatter_time(nbytes, g.shards, g.dp_link)
         else:
             inside = comm.all_reduce_time(nbytes, g.shards, g.dp_link)
+            if zero == 1:
+                inside += comm.all_gather_time(nbytes, g.shards, g.dp_link)
         if g.replicas > 1:
             inside += comm.all_reduce_time(nbytes / g.shards, g.replicas, g.replicate_link)
         return inside

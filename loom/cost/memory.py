@@ -13,7 +13,10 @@ tensor-parallel degree ``t`` and ``n = data_parallel x context_parallel`` replic
 
 - parameters ``4 P / t``, divided by ``n`` under ZeRO-3; under ZeRO-2 the gathered parameters
   *and* the rank's shard, ``4 P / t (1 + 1 / n)`` (FSDP2 with ``reshard_after_forward=False``,
-  `loom.runtime.zero`, keeps the shard and holds the gathered copy from forward to backward);
+  `loom.runtime.zero`, keeps the shard and holds the gathered copy from a forward to the next
+  backward, which reshards it; the pass after gathers it again, `loom.cost.analytic`. The
+  copy is live whenever a forward has run since the last backward, so at the stage's peak,
+  when its microbatches are in flight; a layer without backward keeps it for good);
 - gradients ``4 P_t / t``, divided by ``n`` under ZeRO-2 and -3 (frozen parameters have none),
   but only when the replica runs one microbatch on the stage: loom reduce-scatters after the
   stage's last backward of the iteration and accumulates the earlier microbatches' gradients
