@@ -4,10 +4,11 @@ on pipeline units of several ranks (`loom.runtime.unit`): on gloo, the loss and 
 
 One launch per case, several checks each: the LLM alone under TP 2 (selective recompute);
 TP 2 x PP 2 (full recompute) with gradient clipping active (the norm counts every shard once and every replicated parameter once per unit);
+the audio encoder under TP 2 (head-wise qkv) feeding an LLM in two stages, in the same launch;
 a vision encoder in two stages under TP 2 (rank-to-rank messages between its stages) feeding an
 LLM in two stages (its output from the unit's leader, gradients back to every encoder rank); a
-frozen encoder with a trainable projector under TP 2 feeding an LLM at TP 2 x DP 2 (the
-leader sends to every rank of the receiving unit; the data-parallel sync of local shards).
+frozen encoder with a trainable projector under TP 2 x DP 2 with ZeRO 3 (FSDP2 over the TP
+shards) feeding an LLM at TP 2 (the leader sends to every rank of the receiving unit), clipped.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from loom.data.demo import DemoConfig
-from loom.model.zoo import LlamaConfig, VisionConfig
+from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
@@ -53,10 +54,14 @@ def _config(case: str) -> TrainConfig:
         plan = Plan([ModuleSpec("vision", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2)],
                     num_microbatches=4)
-    elif case == "frozen_tp":
+    elif case == "audio_tp2":
+        model = dataclasses.replace(model, vision=None, audio=AudioConfig(hidden_size=32, num_layers=2, num_heads=2))
+        demo = dataclasses.replace(demo, mix={"text": 0.3, "audio": 0.7})
+        plan = Plan([ModuleSpec("audio", tensor_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4)
+    elif case == "frozen_tp_zero3_clip":
         model = dataclasses.replace(model, freeze=["vision.encoder"])
-        plan = Plan([ModuleSpec("vision", tensor_parallel=2),
-                     ModuleSpec("llm", data_parallel=2, tensor_parallel=2)], num_microbatches=4)
+        plan = Plan([ModuleSpec("vision", data_parallel=2, tensor_parallel=2, zero_stage=3),
+                     ModuleSpec("llm", tensor_parallel=2)], num_microbatches=4)
     else:
         raise KeyError(case)
     cfg = TrainConfig(model=model, plan=plan)
@@ -64,7 +69,9 @@ def _config(case: str) -> TrainConfig:
     return cfg
 
 
-CASES = {"llm_tp2": 2, "llm_tp2_pp2_clip": 4, "vision_tp2": 6, "frozen_tp": 6}
+# one launch per world size (its cases run one after another in the same processes)
+LAUNCHES = {"llm_tp2": (2, ["llm_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2"]),
+            "vision_tp2": (6, ["vision_tp2"]), "frozen_tp_zero3_clip": (6, ["frozen_tp_zero3_clip"])}
 
 
 def _full_grads(named: dict[str, torch.nn.Parameter]) -> tuple[dict[str, torch.Tensor], list[str], int]:
@@ -83,32 +90,41 @@ def _full_grads(named: dict[str, torch.nn.Parameter]) -> tuple[dict[str, torch.T
     return grads, sorted(n for n, p in named.items() if p.grad is None), sharded
 
 
-def _worker(rank: int, world_size: int, case: str, out: str) -> None:
-    cfg = _config(case)
-    tokenizer, dataset = build_data(cfg)
-    model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
-    clip = MAX_NORM if case.endswith("clip") else 0.0
-    engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), max_grad_norm=clip)
-    # two steps: the second reuses what the first taught each channel (headers dropped)
-    for step in range(2):
-        for p in engine.stage.named_parameters().values():
-            p.grad = None
-        result, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH, step)
-    grads, no_grad, sharded = _full_grads(engine.stage.named_parameters())
-    torch.save({"loss": loss, "grads": grads, "no_grad": no_grad, "sharded": sharded, "grad_norm": result.grad_norm,
-                "module": engine.stage.module}, Path(out) / f"rank{rank}.pt")
-    engine.close()
+def _worker(rank: int, world_size: int, cases: list[str], out: str) -> None:
+    for case in cases:
+        cfg = _config(case)
+        tokenizer, dataset = build_data(cfg)
+        model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
+        clip = MAX_NORM if case.endswith("clip") else 0.0
+        engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), max_grad_norm=clip)
+        # two steps: the second reuses what the first taught each channel (headers dropped)
+        for step in range(2):
+            for p in engine.stage.named_parameters().values():
+                p.grad = None
+            result, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH, step)
+        named = engine.stage.named_parameters()
+        grads, no_grad, sharded = _full_grads(named)
+        meshes = sorted({str(p.device_mesh.mesh_dim_names) for p in named.values() if is_sharded(p)})
+        torch.save({"loss": loss, "grads": grads, "no_grad": no_grad, "sharded": sharded,
+                    "grad_norm": result.grad_norm, "module": engine.stage.module, "meshes": meshes},
+                   Path(out) / f"{case}.rank{rank}.pt")
+        engine.close()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_tensor_parallel_matches_single_process(case: str, tmp_path: Path) -> None:
-    world = CASES[case]
-    run_local(_worker, world, case, str(tmp_path))
+@pytest.mark.parametrize("launch", list(LAUNCHES))
+def test_tensor_parallel_matches_single_process(launch: str, tmp_path: Path) -> None:
+    world, cases = LAUNCHES[launch]
+    run_local(_worker, world, cases, str(tmp_path))
+    for case in cases:
+        _check(case, world, tmp_path)
+
+
+def _check(case: str, world: int, out: Path) -> None:
     cfg = _config(case)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=SEED)
     ref_loss = reference_backward(model, dataset, tokenizer, GLOBAL_BATCH)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    results = [torch.load(out / f"{case}.rank{r}.pt", weights_only=True) for r in range(world)]
     if case.endswith("clip"):
         trainable = [p for p in model.parameters() if p.requires_grad]
         norm = float(torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM))
@@ -119,10 +135,16 @@ def test_tensor_parallel_matches_single_process(case: str, tmp_path: Path) -> No
     # the TP modules' ranks really hold shards
     for r, res in enumerate(results):
         assert (res["sharded"] > 0) == (cfg.plan.spec(res["module"]).tensor_parallel > 1), f"rank {r} shards"
-    if case == "frozen_tp":  # the frozen encoder has no gradient, its projector does
+    if case == "frozen_tp_zero3_clip":  # the frozen encoder has no gradient, its projector does
         vision = [res for res in results if res["module"] == "vision"]
         assert all(any(".projector." in n for n in res["grads"]) for res in vision)
         assert all(not any(".encoder." in n for n in res["grads"]) for res in vision)
+        # the vision ranks hold FSDP shards of TP shards on a 2-D (dp, tp) mesh, and FSDP shards
+        # over dp of what TP leaves whole (the patch embedding, norms, the projector)
+        assert all(res["meshes"] == ["('dp', 'tp')", "('dp',)"] for res in vision), [res["meshes"] for res in vision]
+    if case == "audio_tp2":
+        audio = [res for res in results if res["module"] == "audio"]
+        assert len(audio) == 2 and all(any(".blocks." in n and "qkv" in n for n in res["grads"]) for res in audio)
 
 
 def _count_collectives(rank: int, world_size: int, out: str) -> None:

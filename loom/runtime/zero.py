@@ -10,7 +10,24 @@ stages as PyTorch's FSDP2 executes them, DESIGN.md principle 5).
   stay whole and are SUM all-reduced by the executor's GRAD_SYNC as without ZeRO, each rank
   updates the parameters it owns and broadcasts them: exactly "optimizer state sharded, nothing
   else". FSDP2 with parameters kept whole cannot express it (its optimizer state follows the
-  sharded parameters), so stage 1 does not use FSDP.
+  sharded parameters), so stage 1 does not use FSDP. Under tensor parallelism the parameters
+  are DTensors, which ``ZeroRedundancyOptimizer`` cannot broadcast (``c10d.broadcast_`` has no
+  DTensor sharding strategy): `ShardedStateOptimizer` does the same on the TP shards (each dp
+  rank steps the shards it owns, then broadcasts them, local tensors only).
+
+**With tensor parallelism on the same module** (torchtitan's order, DESIGN.md principle 5):
+`loom.runtime.tensor_parallel` first splits each layer over the unit's ``tp`` mesh, then
+`fully_shard` shards the TP shards over the ``dp`` dimension of the same module mesh, so
+FSDP2 works on a 2-D (dp, tp) mesh: it all-gathers and reduce-scatters local TP shards over
+dp, and turns a replicated parameter's ``Partial`` TP gradient (a norm weight under sequence
+parallelism) into the parameter's placement before reducing. A sharded gradient is then a
+DTensor on (dp, tp): `ZeroStage.grad_norm_sq` counts each distinct shard once.
+
+**Mixed precision** (``run.dtype = "bf16"``, `loom.runtime.precision`): FSDP2's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` gathers the parameters in bf16
+(half the all-gather bytes) while the sharded master weights, the gradient reduce-scatter and
+the optimizer state stay fp32; inputs are not cast (``cast_forward_inputs=False``: the residual
+stream stays fp32, autocast casts what the matrix products read, as without FSDP).
 
 Semantics stay the reference's (`loom.runtime.executor`): losses are scaled by the global
 target count, so FSDP's gradient reduction is a SUM (divide factor 1); a stage runs several
@@ -23,23 +40,28 @@ no gradient and reduces none; a fully frozen stage only all-gathers for its no-g
 **Hybrid sharding** (``ModuleSpec.shard_degree`` below ``data_parallel``): FSDP2 on a 2-D
 (replicate, shard) mesh of the stage's dp ranks (`loom.runtime.mesh.build_hybrid_meshes`):
 parameters sharded inside each group of ``shard_degree`` consecutive replicas, gradients
-reduce-scattered inside and all-reduced across the groups.
+reduce-scattered inside and all-reduced across the groups. Hybrid sharding of a module under TP
+is refused (`check_zero`): the hybrid mesh is a mesh of its own, not the root of the unit's TP
+mesh, which FSDP2 needs to join them.
 """
 
 from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from loom.plan.plan import ModuleSpec, Plan, PlanError
+from loom.runtime.precision import Precision
 from loom.runtime.stage import Stage
 
 
@@ -49,7 +71,7 @@ class ZeroStage:
 
     zero_stage: int
     modules: list[FSDPModule] = field(default_factory=list)
-    replicate_rank: int = 0  # the rank's coordinate across shard groups (0 without hybrid sharding)
+    tp_rank: int = 0  # the rank's coordinate in its unit's TP mesh (0 without TP)
 
     @property
     def shards_gradients(self) -> bool:
@@ -64,39 +86,123 @@ class ZeroStage:
             m.set_is_last_backward(last)
 
     def grad_norm_sq(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """This rank's share of the squared global gradient norm: its local shard of every
-        sharded gradient, on the first shard group only (the others hold the same shards)."""
-        grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad.detach() for p in params)]
-        if not grads or self.replicate_rank != 0:
+        """This rank's share of the squared global gradient norm: the local part of every
+        sharded gradient that this rank is the first holder of (`counts_shard`), so each
+        distinct shard over dp, tp and the hybrid replicas counts once. A parameter TP leaves
+        whole (an encoder's front-end or projector) is sharded over dp only, the same shard on
+        every TP rank of the unit: the first TP rank counts it."""
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in (p.grad.detach() for p in params)
+                 if counts_shard(g) and (self.tp_rank == 0 or _on_tp_mesh(g))]
+        if not grads:
             return torch.zeros((), dtype=torch.float32)
         norms = torch.stack([torch.linalg.vector_norm(g, 2.0).float() for g in grads])
         return (norms * norms).sum()
 
 
-def shard_stage(stage: Stage, zero_stage: int, mesh: DeviceMesh) -> ZeroStage:
+def counts_shard(t: torch.Tensor) -> bool:
+    """Whether this rank counts ``t``'s local part in a global sum: a DTensor's local part is
+    replicated along each mesh dimension whose placement is ``Replicate`` (the hybrid
+    replicas, the TP ranks of a replicated norm weight), so only coordinate 0 there counts it;
+    a plain tensor is this rank's own."""
+    if not isinstance(t, DTensor):
+        return True
+    coordinate = t.device_mesh.get_coordinate()
+    return coordinate is not None and all(c == 0 for c, pl in zip(coordinate, t.placements)
+                                          if isinstance(pl, Replicate))
+
+
+def _on_tp_mesh(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and "tp" in (t.device_mesh.mesh_dim_names or ())
+
+
+def mixed_precision_policy(precision: Precision | None) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the run's precision (module docstring): bf16 all-gathers with fp32
+    reduction under ``run.dtype = "bf16"``, FSDP's defaults (the parameters' fp32) otherwise."""
+    if precision is None or not precision.mixed:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=precision.compute_dtype, reduce_dtype=torch.float32,
+                                cast_forward_inputs=False)
+
+
+def shard_stage(stage: Stage, zero_stage: int, mesh: DeviceMesh, precision: Precision | None = None,
+                tp_rank: int = 0) -> ZeroStage:
     """`fully_shard` each layer of ``stage`` over ``mesh`` (1-D dp, or 2-D (replicate, shard)
-    for hybrid sharding) for ZeRO 2 or 3; gradients SUM-reduced (divide factor 1)."""
+    for hybrid sharding) for ZeRO 2 or 3; gradients SUM-reduced (divide factor 1). Layers
+    already split by TP keep their TP shards and FSDP shards those over ``mesh``, which must
+    come from the same module mesh as the TP mesh (module docstring)."""
     modules: list[FSDPModule] = []
+    policy = mixed_precision_policy(precision)
     for layer in stage.layers:
         if not any(True for _ in layer.module.parameters()):
             continue
-        fully_shard(layer.module, mesh=mesh, reshard_after_forward=zero_stage >= 3)
+        fully_shard(layer.module, mesh=mesh, reshard_after_forward=zero_stage >= 3, mp_policy=policy)
         # a plain SUM: divide factor 1, and SUM ops only (a factor otherwise becomes NCCL's
         # PREMUL_SUM, which gloo lacks; with factor 1 FSDP skips its post-division)
         layer.module.set_gradient_divide_factor(1.0)
         layer.module.set_force_sum_reduction_for_comms(True)
         modules.append(layer.module)
-    replicate = mesh.get_local_rank(0) if mesh.ndim == 2 else 0
-    return ZeroStage(zero_stage, modules, replicate)
+    return ZeroStage(zero_stage, modules, tp_rank)
+
+
+class ShardedStateOptimizer(torch.optim.Optimizer):
+    """ZeRO 1 over ``group`` for parameters that are DTensors (TP shards): each parameter has
+    one owner in the group (largest first onto the least-loaded rank, by local elements, as
+    ``ZeroRedundancyOptimizer`` partitions), the inner ``optimizer_class`` holds state for the
+    owned ones only and steps them, then every owner broadcasts its updated local shards (one
+    flat bucket per owner). Gradients are whole (synchronised before the step), so every rank
+    of the group ends the step with the same shards as an unsharded optimizer would give."""
+
+    def __init__(self, params: list[nn.Parameter], optimizer_class: type[torch.optim.Optimizer],
+                 group: dist.ProcessGroup, **defaults: Any):
+        params = list(params)
+        super().__init__(params, defaults)
+        self.group = group
+        size, me = dist.get_world_size(group), dist.get_rank(group)
+        load = [0] * size
+        self.owners: list[list[torch.Tensor]] = [[] for _ in range(size)]  # per group rank, its params
+        mine = []
+        for p in sorted(params, key=lambda q: -_local(q).numel()):  # stable: the same order everywhere
+            owner = min(range(size), key=load.__getitem__)
+            load[owner] += _local(p).numel()
+            self.owners[owner].append(p)
+            if owner == me:
+                mine.append(p)
+        self.optim = optimizer_class(mine, **defaults) if mine else None
+        self.state = self.optim.state if self.optim is not None else self.state  # the owned shards' state only
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        if closure is not None:
+            raise ValueError("ShardedStateOptimizer.step takes no closure (loom's executor steps without one)")
+        if self.optim is not None:
+            for key, value in self.param_groups[0].items():  # the LR schedule writes the outer groups
+                if key != "params":
+                    self.optim.param_groups[0][key] = value
+            self.optim.step()
+        for owner, params in enumerate(self.owners):
+            if not params:
+                continue
+            shards = [_local(p).detach() for p in params]
+            flat = _flatten_dense_tensors(shards)
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, owner), group=self.group)
+            for shard, value in zip(shards, _unflatten_dense_tensors(flat, shards)):
+                shard.copy_(value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def zero_optimizer(optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
-                   group: dist.ProcessGroup) -> ZeroRedundancyOptimizer:
+                   group: dist.ProcessGroup) -> torch.optim.Optimizer:
     """ZeRO 1: ``optimizer``'s class and settings, its state sharded over ``group``
-    (`ZeroRedundancyOptimizer`; each rank steps its own parameters and broadcasts them)."""
+    (`ZeroRedundancyOptimizer`, or `ShardedStateOptimizer` when the parameters are TP shards;
+    each rank steps its own parameters and broadcasts them)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     # defaults can hold derived keys the constructor does not take (AdamW's decoupled_weight_decay)
     settings = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    if any(isinstance(p, DTensor) for p in params):
+        return ShardedStateOptimizer(params, type(optimizer), group, **settings)
     return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=group, **settings)
 
 
@@ -106,24 +212,26 @@ def check_zero(spec: ModuleSpec) -> None:
     if spec.zero_stage and spec.data_parallel == 1:
         raise PlanError(f"{where}.zero_stage = {spec.zero_stage} with data_parallel = 1: ZeRO shards over the "
                         f"data-parallel replicas and there is one; set zero_stage = 0 or data_parallel >= 2")
-    if spec.zero_stage and spec.tensor_parallel > 1:
-        raise PlanError(f"{where}.zero_stage = {spec.zero_stage} with tensor_parallel = {spec.tensor_parallel}: "
-                        f"ZeRO over tensor-parallel shards is not executed yet; set one of them to its default")
     shard = spec.shard_degree or spec.data_parallel
     if shard != spec.data_parallel and spec.zero_stage < 2:
         raise PlanError(f"{where}.shard_degree = {spec.shard_degree} needs zero_stage 2 or 3 (hybrid sharding "
                         f"is FSDP's); set zero_stage = 2 or 3, or leave shard_degree unset")
+    if shard != spec.data_parallel and spec.tensor_parallel > 1:
+        raise PlanError(f"{where}.shard_degree = {spec.shard_degree} with tensor_parallel = {spec.tensor_parallel}: "
+                        f"hybrid sharding over TP shards is not executed; leave shard_degree unset (ZeRO shards "
+                        f"over all {spec.data_parallel} replicas) or set tensor_parallel = 1")
 
 
 def apply_zero(stage: Stage, plan: Plan, meshes: dict[str, DeviceMesh],
-               hybrid: dict[str, DeviceMesh]) -> ZeroStage | None:
+               hybrid: dict[str, DeviceMesh], precision: Precision | None = None) -> ZeroStage | None:
     """The rank's `ZeroStage` under its module's ``zero_stage`` 2 or 3 (None otherwise: stage 1
-    is the optimizer's, `zero_optimizer`)."""
+    is the optimizer's, `zero_optimizer`). Call after tensor parallelism split the stage."""
     spec = plan.spec(stage.module)
     if spec.zero_stage < 2 or spec.data_parallel == 1:
         return None
     if stage.module in hybrid:
         mesh = hybrid[stage.module]["dp_replicate", "dp_shard"]
     else:
-        mesh = meshes[stage.module]["dp"]
-    return shard_stage(stage, spec.zero_stage, mesh)
+        mesh = meshes[stage.module]["dp"]  # the same root as the unit's tp mesh: FSDP's (dp, tp)
+    tp_rank = meshes[stage.module]["tp"].get_local_rank() if spec.tensor_parallel > 1 else 0
+    return shard_stage(stage, spec.zero_stage, mesh, precision, tp_rank)
