@@ -62,7 +62,7 @@ class ParallelEngine:
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:
             check_context_parallel(m, model)  # loom.runtime.context_parallel: the LLM's, alone on its module
-            check_zero(m)  # loom.runtime.zero: ZeRO needs replicas, and no TP yet
+            check_zero(m)  # loom.runtime.zero: ZeRO needs replicas
             if m.tensor_parallel > 1:  # before any group is built: a bad degree fails on every rank alike
                 check_tp_degree(m.name, m.tensor_parallel, module_config(model, m.name))
         trainable = trainable_stages(model, plan)
@@ -78,7 +78,7 @@ class ParallelEngine:
                             shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
         apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
         groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank, replicas)}
-        zero = apply_zero(stage, plan, meshes, hybrid)  # ZeRO 2/3: FSDP2 over the dp group (loom.runtime.zero)
+        zero = apply_zero(stage, plan, meshes, hybrid, precision)  # ZeRO 2/3: FSDP2 over dp (x tp) (loom.runtime.zero)
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
         if optimizer is not None and plan.spec(stage.module).zero_stage == 1:
