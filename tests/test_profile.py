@@ -247,6 +247,7 @@ def test_dispatch_fit_is_each_ranks_line():
 @pytest.mark.parametrize("argument, value", [
     ("token_counts", ()), ("token_counts", (64, 2)), ("token_counts", "abc"), ("token_counts", (64.5,)),
     ("repeats", 0), ("warmup", -1), ("threads", 0), ("co_runners", -1), ("device", "tpu"), ("device", "cuda:99"),
+    ("dtype", "fp16"),
 ])
 def test_bad_profile_settings_are_refused_naming_the_argument(argument: str, value):
     if argument == "device" and value.startswith("cuda") and torch.cuda.device_count() > 99:
@@ -256,3 +257,41 @@ def test_bad_profile_settings_are_refused_naming_the_argument(argument: str, val
     assert str(info.value).startswith(f"{argument} = ")
     with pytest.raises(ValueError, match=f"^{argument} = "):  # before any model is touched
         profile_model(None, **{argument: value})
+
+
+def test_a_bf16_profile_times_bf16_layers_and_is_refused_for_another_dtype(quick_profile: Profile, tmp_path: Path):
+    """``dtype="bf16"`` (a run's ``run.dtype``): every forward the profiler times runs under
+    the runtime's autocast (`loom.runtime.precision`), so the LLM's projections compute in bf16;
+    the profile records its dtype, and `load_profile_for` refuses it for a run of another."""
+    from loom.cost.profile_file import load_profile_for
+
+    model = tiny_model()
+    seen: list[torch.dtype] = []
+    proj = model.llm.model.layers[0].self_attn.q_proj
+    handle = proj.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    try:
+        prof = profile_model(model, token_counts=(16, 64), repeats=1, warmup=0, measure_comm=False, dtype="bf16")
+    finally:
+        handle.remove()
+    assert seen and set(seen) == {torch.bfloat16}  # the saved-bytes run, the chained and the lone forwards
+    assert prof.dtype == "bf16" and quick_profile.dtype == "fp32"
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+    path = prof.save(tmp_path / "bf16.json")
+    assert json.loads(path.read_text())["dtype"] == "bf16"
+    assert load_profile_for(path, tiny_model(), "bf16").dtype == "bf16"
+    with pytest.raises(ProfileError) as err:
+        load_profile_for(path, tiny_model(), "fp32")
+    msg = str(err.value)
+    assert str(path) in msg and '"dtype": \'bf16\'' in msg and "run.dtype = 'fp32'" in msg
+    assert "loom profile" in msg and "run.dtype=fp32" in msg
+    # a file from before the field holds fp32 timings (all the profiler ran then)
+    old = quick_profile.to_dict()
+    del old["dtype"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_profile_for(tmp_path / "old.json", tiny_model()).dtype == "fp32"
+    with pytest.raises(ProfileError, match="run.dtype = 'bf16'"):
+        load_profile_for(tmp_path / "old.json", tiny_model(), "bf16")
+    old["dtype"] = "fp8"
+    (tmp_path / "bad.json").write_text(json.dumps(old))
+    with pytest.raises(ProfileError, match="\"dtype\": 'fp8'"):
+        Profile.load(tmp_path / "bad.json")

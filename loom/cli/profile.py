@@ -1,5 +1,6 @@
-"""``loom profile``: time every layer of the config's model on this machine (`loom.profile`)
-and write the profile JSON. Every flag is checked, and the output made sure to be writable,
+"""``loom profile``: time every layer of the config's model on this machine (`loom.profile`),
+under the config's ``run.dtype`` (bf16: the runtime's autocast), and write the profile JSON,
+which records that dtype. Every flag is checked, and the output made sure to be writable,
 before anything is built or measured."""
 
 from __future__ import annotations
@@ -53,14 +54,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 text = flag + " " + text[len(name) + 3:]
         raise CliError(text) from None
     cfg = load_config(default_config(args), args.overrides)
+    try:
+        check_settings(device=args.device, dtype=cfg.run.dtype)  # bf16 on a CUDA device without it
+    except ValueError as e:
+        raise CliError(str(e).replace("dtype = ", "run.dtype = ", 1)) from None
     out = Path(args.out) if args.out else Path(cfg.run.out_dir) / cfg.run.name / "profile.json"
     check_out(out)
     tokenizer, _ = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
     print(f"loom: profiling {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters on {args.device} "
-          f"with {args.threads} thread(s), token counts {list(token_counts)}, {args.repeats} repeats", flush=True)
+          f"with {args.threads} thread(s), {cfg.run.dtype}, token counts {list(token_counts)}, {args.repeats} "
+          f"repeats", flush=True)
     profile = profile_model(model, token_counts=token_counts, repeats=args.repeats, device=args.device,
-                            threads=args.threads, measure_comm=not args.no_comm, co_runners=args.co_runners)
+                            threads=args.threads, measure_comm=not args.no_comm, co_runners=args.co_runners,
+                            dtype=cfg.run.dtype)
     if not args.no_dispatch:
         from loom.profile.dispatch import measure_dispatch
         from loom.train.rank import profiling_dispatcher

@@ -11,6 +11,10 @@ dispatcher's host work per step (``dispatch``, `loom.profile.dispatch`).
 A profile is tied to the model it measured: it stores the model's *signature* (per module, the
 layer names and parameter shapes) and its hash, and a model whose signature differs is refused
 (`Profile.check_matches`), naming the first difference and the fix (re-run ``loom profile``).
+It is tied to the precision it measured too: ``dtype`` is the run's ``run.dtype`` the layers
+ran under (fp32, or bf16 autocast; files written before the field existed are fp32, all the
+profiler ran then), and `load_profile_for` refuses it for a run of another dtype
+(`Profile.check_dtype`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from loom.plan.plan import LLM
 
 FORMAT = "loom-profile"
 VERSION = 1
+DTYPES = ("fp32", "bf16")  # run.dtype (loom.runtime.precision), what a profile's layers ran under
 PHASES = ("forward", "backward_input", "backward_weight")
 
 Signature = dict[str, list[list[Any]]]  # module -> [[layer name, [[param name, shape], ...]], ...]
@@ -69,6 +74,7 @@ class Profile:
     context: dict[str, list[float]]  # module -> forward coefficients of its context build
     loss: dict[str, list[float]]  # "forward" / "backward_input" coefficients of the LLM loss
     dtype_bytes: int = 4
+    dtype: str = "fp32"  # the run.dtype the layers were timed under (module docstring)
     comm: Communication | None = None
     backward_call_s: float = 0.0  # one autograd engine call (taken off each layer, paid per stage)
     optimizer: dict[str, float] = field(default_factory=dict)  # fixed_s, per_param_s, per_tensor_s
@@ -120,6 +126,7 @@ class Profile:
             "signature": self.signature,
             "device": self.device,
             "dtype_bytes": self.dtype_bytes,
+            "dtype": self.dtype,
             "layers": {m: [asdict(l) for l in ls] for m, ls in self.layers.items()},
             "context": self.context,
             "loss": self.loss,
@@ -159,6 +166,7 @@ class Profile:
                 context={m: list(c) for m, c in d["context"].items()},
                 loss={k: list(c) for k, c in d["loss"].items()},
                 dtype_bytes=int(d.get("dtype_bytes", 4)),
+                dtype=str(d.get("dtype", "fp32")),
                 comm=Communication.from_dict(d["comm"]) if d.get("comm") else None,
                 backward_call_s=float(d.get("backward_call_s", 0.0)),
                 optimizer={k: float(v) for k, v in d.get("optimizer", {}).items()},
@@ -168,6 +176,9 @@ class Profile:
             )
         except (KeyError, TypeError, IndexError) as e:
             raise ProfileError(f"{where} is malformed ({type(e).__name__}: {e}); re-run `loom profile`") from e
+        if prof.dtype not in DTYPES:
+            raise ProfileError(f"{where} has \"dtype\": {prof.dtype!r}, not one of {list(DTYPES)}; re-run "
+                               f"`loom profile`")
         if signature_hash(sig) != prof.signature_hash:
             raise ProfileError(f"{where}: the stored signature does not match its hash {prof.signature_hash} "
                                f"(edited by hand?); re-run `loom profile`")
@@ -202,6 +213,18 @@ class Profile:
             f"this model's config to measure it"
         )
 
+    def check_dtype(self, dtype: str) -> None:
+        """Raise `ProfileError` unless this profile's layers were timed under ``dtype``, the
+        run's ``run.dtype``: bf16 layers run at other speeds than fp32 ones."""
+        if dtype == self.dtype:
+            return
+        where = f"profile file {self.path!r}" if self.path else "the profile"
+        raise ProfileError(
+            f"{where} was measured with \"dtype\": {self.dtype!r} but the run has run.dtype = {dtype!r}: re-run "
+            f"`loom profile` with run.dtype={dtype} (its layers are then timed under that precision), or set "
+            f"run.dtype = {self.dtype!r}"
+        )
+
     # ---- printing --------------------------------------------------------------------------
     def table(self, tokens: int = 256) -> str:
         """Per layer, the fitted milliseconds of each phase for one sequence of ``tokens`` tokens."""
@@ -218,7 +241,8 @@ class Profile:
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
-        head = f"per-layer fits at {tokens} tokens (one sequence / item), {self.device.get('kind')} x {self.device.get('threads')} thread(s)"
+        head = (f"per-layer fits at {tokens} tokens (one sequence / item), {self.device.get('kind')} x "
+                f"{self.device.get('threads')} thread(s), {self.dtype}")
         tail = []
         if self.comm:
             for what in ("send_post", "recv_ready", "latency", "recv_ready_idle", "latency_idle", "all_reduce"):
@@ -274,8 +298,10 @@ def first_difference(profiled: Signature, model: Signature) -> str:
     return "the signatures differ"
 
 
-def load_profile_for(path: str | Path, model: MultimodalModel) -> Profile:
-    """Load a profile and check it was measured on ``model`` (`ProfileError` otherwise)."""
+def load_profile_for(path: str | Path, model: MultimodalModel, dtype: str = "fp32") -> Profile:
+    """Load a profile and check it was measured on ``model`` under the run's ``dtype``
+    (``run.dtype``, whose default is fp32); `ProfileError` otherwise."""
     prof = Profile.load(path)
     prof.check_matches(model)
+    prof.check_dtype(dtype)
     return prof

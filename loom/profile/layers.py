@@ -2,6 +2,8 @@
 bytes autograd saves for it (entrain.md §3.1: "profiles every layer separately").
 
 Times are ``time.perf_counter`` with ``torch.cuda.synchronize`` around each call on a GPU.
+Forwards run under the run's precision (``autocast``: `loom.runtime.precision.Precision.autocast`,
+bf16 compute for ``run.dtype = "bf16"``), backwards outside it, as the runtime runs them.
 ``backward_input`` is ``torch.autograd.grad`` w.r.t. the layer's *input* only (autograd then
 skips the weight-gradient kernels); the full backward is w.r.t. the input *and* the parameters,
 and the profiler fits ``backward_weight`` as their difference. The autograd engine's fixed
@@ -12,6 +14,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -88,15 +91,22 @@ class LayerPoint:
 
 
 def measure_layer_once(layer: Layer, x_in: Any, ctx: dict[str, Any], params: list[torch.Tensor],
-                       grad_out: torch.Tensor, device: torch.device) -> tuple[float, float | None, float]:
-    """One timed forward (on its own, warm), full backward (input and parameters) and
-    input-only backward; the profiler keeps the two backwards."""
+                       grad_out: torch.Tensor, device: torch.device,
+                       autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                       ) -> tuple[float, float | None, float]:
+    """One timed forward (on its own, warm, under ``autocast``), full backward (input and
+    parameters) and input-only backward; the profiler keeps the two backwards."""
     has_input = is_float_tensor(x_in)
     wrt_all = ([x_in] if has_input else []) + params
-    t_fwd, out = timed(lambda: layer(x_in, ctx), device)
+
+    def forward() -> Any:
+        with autocast():
+            return layer(x_in, ctx)
+
+    t_fwd, out = timed(forward, device)
     t_full, _ = timed(lambda: torch.autograd.grad(out, wrt_all, grad_out, allow_unused=True), device)
     t_inp = None
     if has_input:
-        _, out = timed(lambda: layer(x_in, ctx), device)
+        _, out = timed(forward, device)
         t_inp, _ = timed(lambda: torch.autograd.grad(out, [x_in], grad_out, allow_unused=True), device)
     return t_fwd, t_inp, t_full

@@ -7,6 +7,12 @@ taken in *passes* (every workload and layer timed once per pass, `loom.profile.l
 point is the median over passes, so a burst of load elsewhere on the machine hits one pass of
 every layer rather than every repeat of one layer. `Profiler.profile` fits the points
 (`loom.cost.profile_fit`) into the file `loom.cost` reads (`loom.cost.profile_file.Profile`).
+
+Precision: ``dtype`` is the run's ``run.dtype``; under ``"bf16"`` every forward (layers, loss)
+runs under the runtime's autocast (`loom.runtime.precision.Precision`: bf16 GEMMs on fp32
+master weights) and the matmul rate is measured in bf16, so a bf16 run is priced from bf16
+layers; the profile records its ``dtype`` and `loom.cost.profile_file.load_profile_for`
+refuses it for a run of another.
 """
 
 from __future__ import annotations
@@ -42,13 +48,15 @@ from loom.profile.layers import (
     timed,
 )
 from loom.profile.optimizer import OptimizerBench, parameter_shape_groups
+from loom.runtime.precision import DTYPES, Precision
 
 DEFAULT_TOKEN_COUNTS = (64, 128, 256, 512, 1024)
 MIN_TOKENS = 4
 
 
 def check_settings(token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, repeats: int = 1, warmup: int = 0,
-                   device: torch.device | str = "cpu", threads: int | None = 1, co_runners: int = 0) -> None:
+                   device: torch.device | str = "cpu", threads: int | None = 1, co_runners: int = 0,
+                   dtype: str = "fp32") -> None:
     """Raise `ValueError` naming the first argument of `profile_model` outside its valid range
     (see there) and the fix; nothing is measured or built."""
     def whole(x: Any) -> bool:
@@ -80,15 +88,21 @@ def check_settings(token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, repeats: 
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device = {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
                          f"use an index below that")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype = {dtype!r}: the run's precision (run.dtype) is one of {list(DTYPES)}")
+    try:
+        Precision(dtype, dev.type)  # bf16 on a CUDA device without it
+    except ValueError as e:
+        raise ValueError(f"dtype = {dtype!r}: {e}") from None
 
 
 def profiler_co_runner(stop: Any, running: Any, ready: Any, model: MultimodalModel,
-                       token_counts: Sequence[int]) -> None:
+                       token_counts: Sequence[int], dtype: str = "fp32") -> None:
     """A `CoRunners` target: the profiler's own passes over a copy of ``model`` (results
     discarded), the work another rank of the same model does, one thread."""
     torch.set_num_threads(1)
     model = copy.deepcopy(model)  # private weights, as another rank has (not the parent's shared pages)
-    with Profiler(model, token_counts, threads=1, co_runners=0, seed=1) as prof:
+    with Profiler(model, token_counts, threads=1, co_runners=0, seed=1, dtype=dtype) as prof:
         ready.set()
         while not stop.is_set():
             if running.wait(0.1):
@@ -135,10 +149,13 @@ class Profiler:
 
     def __init__(self, model: MultimodalModel, token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS,
                  device: torch.device | str = "cpu", threads: int | None = 1, co_runners: int = 0, seed: int = 0,
-                 log: Callable[[str], None] | None = None):
-        check_settings(token_counts=token_counts, device=device, threads=threads, co_runners=co_runners)
+                 log: Callable[[str], None] | None = None, dtype: str = "fp32"):
+        check_settings(token_counts=token_counts, device=device, threads=threads, co_runners=co_runners,
+                       dtype=dtype)
         self.model, self.token_counts = model, tuple(int(t) for t in token_counts)
         self.device = torch.device(device)
+        self.dtype = dtype
+        self.autocast = Precision(dtype, self.device.type).autocast  # every forward, as the runtime
         self.threads, self.co_runners, self.seed, self.log = threads, co_runners, seed, log
         self.passes = 0
         self.seconds = 0.0
@@ -154,8 +171,11 @@ class Profiler:
         self.optimizer = OptimizerBench(self.device, parameter_shape_groups(self.model))
         self.call_times: list[float] = []
         self.matmul_times: list[float] = []
-        self._mm = (torch.randn(512, 512, device=self.device), torch.randn(512, 512, device=self.device))
-        self.runners = CoRunners(self.co_runners, profiler_co_runner, (self.model, self.token_counts)).__enter__()
+        compute = DTYPES[self.dtype]  # the GEMMs' operand type under the run's autocast
+        self._mm = (torch.randn(512, 512, device=self.device, dtype=compute),
+                    torch.randn(512, 512, device=self.device, dtype=compute))
+        self.runners = CoRunners(self.co_runners, profiler_co_runner,
+                                 (self.model, self.token_counts, self.dtype)).__enter__()
         self.runners.pause()
         return self
 
@@ -189,7 +209,7 @@ class Profiler:
             for i, layer in enumerate(layers):
                 x_in = x.detach().requires_grad_(True) if is_float_tensor(x) else x
                 exclude = {p.untyped_storage().data_ptr() for p in params[i]}
-                points[i][ci].saved, out = saved_bytes(lambda: layer(x_in, ctx), exclude)
+                points[i][ci].saved, out = saved_bytes(lambda: self._forward(layer, x_in, ctx), exclude)
                 widths[i] = int(out.shape[-1])
                 inputs.append(x_in)
                 grads.append(torch.randn_like(out))
@@ -200,6 +220,14 @@ class Profiler:
                             [[] for _ in configs], [([], []) for _ in configs])
 
     # ---- measuring -----------------------------------------------------------------------
+    def _forward(self, layer: Layer, x: Any, ctx: dict[str, Any]) -> Any:
+        with self.autocast():
+            return layer(x, ctx)
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor, n: int) -> torch.Tensor:
+        with self.autocast():
+            return loss_sum(logits, labels) / n
+
     def run_pass(self, keep: bool = True, until: Callable[[], bool] | None = None) -> None:
         """One timed pass over everything; ``keep=False`` for a warmup pass. ``until`` may cut
         an untimed pass short (checked between workloads)."""
@@ -238,11 +266,11 @@ class Profiler:
             x: Any = {} if st.name == LLM else None
             forward = []
             for layer in st.layers:
-                t, x = timed(lambda: layer(x, ctx), device)
+                t, x = timed(lambda: self._forward(layer, x, ctx), device)
                 forward.append(t)
             if logits is not None:
                 n = max(int((batch.labels != IGNORE_INDEX).sum()), 1)
-                t_loss, loss = timed(lambda: loss_sum(x, batch.labels) / n, device)
+                t_loss, loss = timed(lambda: self._loss(x, batch.labels, n), device)
                 loss.backward()  # untimed: frees the graph
             else:
                 t_loss = 0.0
@@ -251,14 +279,15 @@ class Profiler:
                 for p in ps:
                     p.grad = None
             for i, layer in enumerate(st.layers):
-                _, bi, full = measure_layer_once(layer, inputs[i], ctx, st.params[i], grads[i], device)
+                _, bi, full = measure_layer_once(layer, inputs[i], ctx, st.params[i], grads[i], device,
+                                                 self.autocast)
                 if keep:
                     pt = st.points[i][ci]
                     pt.forward.append(forward[i])
                     pt.backward_full.append(full)
                     pt.backward_input.append(bi if bi is not None else None)
             if logits is not None:
-                tf, loss = timed(lambda: loss_sum(logits, batch.labels) / n, device)
+                tf, loss = timed(lambda: self._loss(logits, batch.labels, n), device)
                 tb, _ = timed(lambda: torch.autograd.grad(loss, [logits]), device)
                 if keep:
                     st.loss_times[ci][0].append(t_loss)
@@ -312,7 +341,7 @@ class Profiler:
         desc["threads"] = self.threads if self.threads is not None else torch.get_num_threads()
         return Profile(
             signature=sig, signature_hash=signature_hash(sig), device=desc, layers=layers, context=context,
-            loss=loss, dtype_bytes=next(self.model.llm.parameters()).element_size(), comm=comm,
+            loss=loss, dtype_bytes=next(self.model.llm.parameters()).element_size(), dtype=self.dtype, comm=comm,
             backward_call_s=call, optimizer=self.optimizer.fit(),
             matmul_flops_per_s=2.0 * 512 ** 3 / med(self.matmul_times),
             settings={"token_counts": list(self.token_counts), "passes": self.passes, "seed": self.seed,
@@ -332,6 +361,7 @@ def profile_model(
     co_runners: int = 0,
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    dtype: str = "fp32",
 ) -> Profile:
     """Profile every layer of every module of ``model`` on ``device`` (see the package
     docstring): ``warmup`` untimed and ``repeats`` timed passes of a `Profiler`, back to back,
@@ -355,12 +385,14 @@ def profile_model(
       pass the number of *other* ranks that will share this machine with each rank (world
       size - 1 for a local run).
     - ``seed``: seeds the synthetic inputs.
+    - ``dtype``: the run's precision, ``run.dtype``: ``"fp32"`` or ``"bf16"`` (forwards under
+      the runtime's bf16 autocast; CUDA must support bf16); the profile records it.
     """
     check_settings(token_counts=token_counts, repeats=repeats, warmup=warmup, device=device, threads=threads,
-                   co_runners=co_runners)
+                   co_runners=co_runners, dtype=dtype)
     training = model.training
     try:
-        with Profiler(model, token_counts, device, threads, co_runners, seed, log) as prof:
+        with Profiler(model, token_counts, device, threads, co_runners, seed, log, dtype) as prof:
             for r in range(warmup + repeats):
                 prof.run_pass(keep=r >= warmup)
             comm = measure_communication() if measure_comm else None

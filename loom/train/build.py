@@ -75,15 +75,14 @@ def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoD
     from loom.cost.arch_from_model import arch_from_model
     from loom.cost.frozen import INPUT_KINDS
     from loom.cost.model import Workload
-    from loom.cost.profile_file import Profile, ProfileError
+    from loom.cost.profile_file import ProfileError, load_profile_for
     from loom.data.sampler import GlobalBatchSampler
     from loom.data.collate import split_microbatches
     from loom.planner.partition import frozen_aware_boundaries, frozen_aware_layer_costs
     from loom.cost.workload import sample_work
 
     try:
-        profile = Profile.load(cfg.run.profile)
-        profile.check_matches(model)
+        profile = load_profile_for(cfg.run.profile, model, cfg.run.dtype)  # the model's, timed under run.dtype
     except (OSError, ProfileError) as e:
         raise ConfigError(f"run.profile = {cfg.run.profile!r}: {e}") from e
     arch = arch_from_model(model)
