@@ -30,6 +30,10 @@ SEND_ACT, RECV_ACT = ActionKind.SEND_ACT, ActionKind.RECV_ACT
 SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
 
 
+# the schedules whose backward is one action (zb-h1 splits it: tests/test_zero_bubble.py)
+WHOLE_BACKWARD = tuple(k for k in KINDS if k != "zb-h1")
+
+
 # ---- plans -------------------------------------------------------------------------------
 def chain(stages: int, microbatches: int, dp: int = 1, kind: str = "1f1b") -> Plan:
     return Plan([ModuleSpec("llm", data_parallel=dp, num_stages=stages)], num_microbatches=microbatches,
@@ -133,7 +137,7 @@ def test_routing_across_data_parallel_degrees():
 
 
 # ---- makespan and in-flight bounds -------------------------------------------------------
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", WHOLE_BACKWARD)
 def test_chain_unit_makespan(kind):
     for stages, m in itertools.product(range(1, 5), range(1, 9)):
         sched = build_schedule(chain(stages, m), kind=kind)
@@ -143,7 +147,7 @@ def test_chain_unit_makespan(kind):
 def test_chain_unit_makespan_with_data_parallel():
     # Each replica is an independent chain over its own microbatches.
     for stages, m in itertools.product(range(1, 4), [2, 4, 6]):
-        for kind in KINDS:
+        for kind in WHOLE_BACKWARD:
             assert unit_cost_makespan(build_schedule(chain(stages, m, 2), kind=kind)) == 2 * (m // 2 + stages - 1)
 
 

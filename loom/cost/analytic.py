@@ -360,8 +360,11 @@ class AnalyticCostModel(CostModel):
                 t = sum(c.forward for c in costs)
             elif kind == "backward":
                 t = sum(c.backward for c in costs)
+            elif kind in ("backward_input", "backward_weight"):  # ZB-H1's split backward
+                t = self.phase_time(module, stage, kind, work)
             else:
-                raise ValueError(f"stage_time kind {kind!r}: choose 'forward' or 'backward'")
+                raise ValueError(f"stage_time kind {kind!r}: choose 'forward', 'backward', 'backward_input' or "
+                                 f"'backward_weight'")
             self._stage_times[key] = t
         return t
 

@@ -21,7 +21,9 @@ from typing import Iterable, Literal
 from loom.plan.plan import Plan
 
 Phase = Literal["forward", "backward_input", "backward_weight"]
-StageKind = Literal["forward", "backward"]
+# what a compute action of the schedule IR costs: a forward, a whole backward, or one part of
+# ZB-H1's split backward (the phase names, `loom.schedule.ir.ActionKind` values)
+StageKind = Literal["forward", "backward", "backward_input", "backward_weight"]
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,10 @@ class CostModel(ABC):
     def stage_time(self, module: str, stage: int, kind: StageKind, work: Workload) -> float:
         """Seconds one rank of the stage spends on a forward or a (frozen-aware) backward of a
         microbatch with this workload, including TP/CP communication inside the stage and, for
-        ``backward`` with ``plan`` recompute on, the recomputed forward."""
+        ``backward`` with ``plan`` recompute on, the recomputed forward. ``backward_input`` and
+        ``backward_weight`` are the two parts of the zero-bubble split (ZB-H1's actions), which
+        sum to ``backward``: the input part covers the whole chain of input gradients through
+        the stage (what the previous stage waits for), the weight part the parameter gradients."""
 
     # ---- communication ------------------------------------------------------------------
     @abstractmethod

@@ -129,8 +129,8 @@ class ProfiledCostModel(CostModel):
             if sends_on:
                 t += comm.send_post.time(out_bytes)
             return t
-        if not self.stage_needs_backward(module, stage):
-            return 0.0
+        if not self.stage_needs_backward(module, stage) or kind == "backward_weight":
+            return 0.0  # a split backward's messages go with its input part
         t = comm.recv_ready.time(out_bytes) if sends_on else 0.0
         for p in predecessors:
             if p == module:
@@ -149,21 +149,24 @@ class ProfiledCostModel(CostModel):
             t += evaluate(prof.loss["forward"], work)
         return max(t, 0.0)
 
-    def backward_time(self, module: str, stage: int, work: Workload) -> float:
+    def backward_time(self, module: str, stage: int, work: Workload, part: str = "backward") -> float:
         """Seconds of the stage's frozen-aware backward (TP = CP = 1), without messages: one
-        autograd call through its layers."""
+        autograd call through its layers. ``part`` ``"backward_input"`` / ``"backward_weight"``:
+        one part of ZB-H1's split backward (each its own autograd call; the loss and a
+        recomputed forward go with the input part, which runs first)."""
         if not self.stage_needs_backward(module, stage):
             return 0.0
         layers = self.profile.layers[module]
+        inputs, weights = part != "backward_weight", part != "backward_input"
         t = self.profile.backward_call_s
         for i in self._layers(module, stage):
-            if self._needs_input[module][i]:
+            if inputs and self._needs_input[module][i]:
                 t += layers[i].time("backward_input", work)
-            if self._trainable[module][i]:
+            if weights and self._trainable[module][i]:
                 t += layers[i].time("backward_weight", work)
-        if self._is_last_llm(module, stage) and self.profile.loss:
+        if inputs and self._is_last_llm(module, stage) and self.profile.loss:
             t += evaluate(self.profile.loss["backward_input"], work)
-        if self._recompute(module) == "full":
+        if inputs and self._recompute(module) == "full":
             t += sum(layers[i].time("forward", work) for i in self._layers(module, stage))
         return max(t, 0.0)
 
@@ -178,7 +181,7 @@ class ProfiledCostModel(CostModel):
 
     # ---- the contract ----------------------------------------------------------------------
     def stage_time(self, module: str, stage: int, kind: StageKind, work: Workload) -> float:
-        t = self.forward_time(module, stage, work) if kind == "forward" else self.backward_time(module, stage, work)
+        t = self.forward_time(module, stage, work) if kind == "forward" else self.backward_time(module, stage, work, kind)
         return t / self._split(module) + self._messages(module, stage, kind, work)
 
     def activation_bytes(self, module: str, stage: int, work: Workload) -> float:

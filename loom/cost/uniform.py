@@ -40,6 +40,9 @@ class UniformCostModel(CostModel):
     """Constant costs per stage; the workload is ignored.
 
     - ``forward``, ``backward``: seconds of one microbatch's forward / backward on the stage;
+    - ``backward_weight``: the weight-gradient part of ``backward`` (ZB-H1's split backward
+      prices ``backward_input`` at ``backward - backward_weight``); ``None``: not given, and a
+      split backward is refused;
     - ``transfer``: seconds to move one activation (or its gradient) along an edge, keyed by the
       stage whose output it is;
     - ``grad_sync``: seconds of the stage's gradient all-reduce; as the `CostModel` contract says,
@@ -54,6 +57,7 @@ class UniformCostModel(CostModel):
     plan: Plan
     forward: Constant = 1.0
     backward: Constant = 2.0
+    backward_weight: Constant | None = None
     transfer: Constant = 0.0
     grad_sync: Constant = 0.0
     optimizer: Constant = 0.0
@@ -67,7 +71,14 @@ class UniformCostModel(CostModel):
             return _lookup(self.forward, module, stage, "forward")
         if kind == "backward":
             return _lookup(self.backward, module, stage, "backward")
-        raise ValueError(f"stage_time kind {kind!r}: choose 'forward' or 'backward'")
+        if kind in ("backward_input", "backward_weight"):
+            if self.backward_weight is None:
+                raise ValueError(f"UniformCostModel.backward_weight is not set: a {kind} action (plan.schedule = "
+                                 f"'zb-h1') needs the weight part of the backward; give backward_weight")
+            w = _lookup(self.backward_weight, module, stage, "backward_weight")
+            return w if kind == "backward_weight" else _lookup(self.backward, module, stage, "backward") - w
+        raise ValueError(f"stage_time kind {kind!r}: choose 'forward', 'backward', 'backward_input' or "
+                         f"'backward_weight'")
 
     def transfer_time(self, src_unit: int, dst_unit: int, module: str, stage: int, work: Workload) -> float:
         return _lookup(self.transfer, module, stage, "transfer")

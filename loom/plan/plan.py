@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 LLM = "llm"
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # a module mesh's dimension names, outermost first
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero-bubble (Qi et al.), loom.schedule.generators
 PLACEMENTS = ("disaggregated",)
 # activation checkpointing per module: nothing, the attention core of every block, or every block
 RECOMPUTE_MODES = ("none", "selective", "full")

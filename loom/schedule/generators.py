@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the layout is data from loom.balance; only its routes are r
 Stage = tuple[str, int]
 Edge = tuple[Stage, Stage]
 
-KINDS = ("gpipe", "1f1b")
+KINDS = ("gpipe", "1f1b", "zb-h1")
 
 
 # ---- the stage graph ---------------------------------------------------------------------
@@ -180,6 +180,7 @@ def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0
     stages = pipeline_stages(plan)
     if kind == "gpipe":
         return {st: math.inf for st in stages}
+    # zb-h1 keeps 1F1B's warmup (and so its activations in flight, zero-bubble §3.1)
     _, succs = _neighbours(plan)
     lookahead: dict[Stage, float] = {}
     for st in reversed(stages):  # successors first
@@ -205,6 +206,25 @@ def _compute_order(microbatches: list[int], lookahead: float | None) -> list[tup
             next_forward += 1
         order.append((ActionKind.BACKWARD, a))
     return order
+
+
+def _weight_slots(order: list[tuple[ActionKind, int]], depth: int) -> dict[int, list[int]]:
+    """ZB-H1's placement of one rank's weight-gradient actions (zero-bubble, Qi et al., §3.1
+    "ZB-H1"): own backward ``a`` -> the weight passes to run right after the input pass ``B(a)``.
+
+    A weight pass normally follows its input pass at once, so the rank holds 1F1B's
+    microbatches. Over the rank's last ``depth`` backwards (``depth``: the stages on the
+    pipeline graph's longest path, the length of 1F1B's drain) each weight pass is deferred by
+    one backward: it runs after the *next* input pass, so every input gradient leaves as early
+    as possible and the weight work fills the waits 1F1B has there (the cooldown bubbles), at
+    the price of at most one more microbatch held. The last weight passes end the rank's
+    backward work, before its ``GRAD_SYNC``."""
+    backwards = [j for k, j in order if k is ActionKind.BACKWARD]
+    tail = backwards[len(backwards) - min(depth, len(backwards)):]
+    slots: dict[int, list[int]] = {a: [] if a in set(tail) else [a] for a in backwards}
+    for i, a in enumerate(tail):
+        slots[tail[min(i + 1, len(tail) - 1)]].append(a)
+    return slots
 
 
 def build_schedule(
@@ -261,6 +281,11 @@ def build_schedule(
     if eager < 0:
         raise ValueError(f"eager = {eager}: the extra encoder warmup must be 0 or more microbatches")
     lookahead = warmup_lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0, eager)
+    # ZB-H1 splits the backward of a stage that has both parts: parameters to train and an
+    # input gradient to send back; elsewhere the backward is one kind of work and stays whole
+    split_stages = {st for st in needs_backward if kind == "zb-h1" and train[st]
+                    and any((p, st) in gradient_edges for p in preds[st])}
+    depth = plan.spec(LLM).num_stages + max((spec.num_stages for spec in plan.modules if spec.name != LLM), default=0)
 
     def peer_rank(stage: Stage, microbatch: int) -> int:
         m, s = stage
@@ -287,6 +312,7 @@ def build_schedule(
         acts: list[Action] = []
         mine = plan.microbatches_of(m, replica)
         order = _compute_order(mine, lookahead[me] if needs_backward[me] else None)
+        weight_after = _weight_slots(order, depth) if me in split_stages else {}
         deferred: dict[int, list[Action]] = {}  # own microbatch -> deferred backward parts to run before it
         tail: list[Action] = []  # deferred parts with no later own backward
         for kind_, j in order:
@@ -306,8 +332,17 @@ def build_schedule(
             now = [r for r in recvs if r.other_microbatch // rnd <= j // rnd]
             later = [r for r in recvs if r.other_microbatch // rnd > j // rnd]
             if not later:
-                acts.extend(now + [Action(ActionKind.BACKWARD, m, s, j)] + sends)
+                if me in split_stages:  # ZB-H1: the input gradient now, the weights where `_weight_slots` says
+                    acts.extend(now + [Action(ActionKind.BACKWARD_INPUT, m, s, j)] + sends)
+                    acts.extend(Action(ActionKind.BACKWARD_WEIGHT, m, s, w) for w in weight_after.get(j, ()))
+                else:
+                    acts.extend(now + [Action(ActionKind.BACKWARD, m, s, j)] + sends)
                 continue
+            if kind == "zb-h1":
+                raise PlanError(
+                    f"plan.schedule = 'zb-h1' with a layout that defers encoder gradients to a later round "
+                    f"(Entrain's split backward, {m}.{s} mb{j}) is not supported: use plan.schedule = '1f1b' with "
+                    f"this balancing policy, or a policy that keeps each microbatch's samples in its round")
             # Split backward: samples whose gradients come from a later round wait for them.
             first = tuple(x for r in now for x in r.samples)
             if first:

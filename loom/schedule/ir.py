@@ -28,6 +28,11 @@ from typing import Any
 class ActionKind(str, Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
+    # ZB-H1's split backward (zero-bubble, Qi et al.): the input gradient the previous stage
+    # waits for, and the weight gradients of the same microbatch, deferred. Their values are the
+    # cost model's phase names, so the simulator prices each with one lookup.
+    BACKWARD_INPUT = "backward_input"
+    BACKWARD_WEIGHT = "backward_weight"
     SEND_ACT = "send_act"  # send this stage's output activation of a microbatch to peer
     RECV_ACT = "recv_act"  # receive an input activation of a microbatch from peer
     SEND_GRAD = "send_grad"  # send the gradient w.r.t. an input activation back to peer
@@ -36,6 +41,8 @@ class ActionKind(str, Enum):
     OPTIMIZER_STEP = "optimizer_step"
 
 
+# the compute actions that run (part of) a microbatch's backward
+BACKWARDS = (ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 COMMUNICATION = {ActionKind.SEND_ACT, ActionKind.RECV_ACT, ActionKind.SEND_GRAD, ActionKind.RECV_GRAD}
 MATCHING = {
     ActionKind.SEND_ACT: ActionKind.RECV_ACT,
@@ -95,7 +102,8 @@ class Action:
 
 
 _TAGS = {
-    ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.SEND_ACT: "sendA", ActionKind.RECV_ACT: "recvA",
+    ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.BACKWARD_INPUT: "BI",
+    ActionKind.BACKWARD_WEIGHT: "W", ActionKind.SEND_ACT: "sendA", ActionKind.RECV_ACT: "recvA",
     ActionKind.SEND_GRAD: "sendG", ActionKind.RECV_GRAD: "recvG", ActionKind.GRAD_SYNC: "sync",
     ActionKind.OPTIMIZER_STEP: "step",
 }
@@ -108,7 +116,7 @@ class Schedule:
 
     ``needs_backward`` maps ``"module:stage"`` to whether that stage runs a backward at all
     (frozen-aware: a stage with nothing trainable in or upstream of it has none, cornstarch.md
-    §3.2.1). ``kind`` is the generator's name ("gpipe", "1f1b").
+    §3.2.1). ``kind`` is the generator's name ("gpipe", "1f1b", "zb-h1").
     """
 
     kind: str

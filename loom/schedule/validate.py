@@ -6,8 +6,8 @@ problem. `unit_cost_makespan` plays an IR with unit costs and returns its length
 prints it as one line per rank.
 
 Play semantics (those of `loom.schedule.ir`): a send completes at once and makes its message
-available; a receive blocks until the matching send has been played; ``FORWARD`` and
-``BACKWARD`` take one time unit, communication and the optimizer step none; ``GRAD_SYNC`` is a
+available; a receive blocks until the matching send has been played; ``FORWARD``,
+``BACKWARD`` and ZB-H1's ``BACKWARD_INPUT`` and ``BACKWARD_WEIGHT`` take one time unit each, communication and the optimizer step none; ``GRAD_SYNC`` is a
 collective, so it completes only when every rank holding a ``GRAD_SYNC`` of the same stage
 (its data-parallel group) has reached it.
 """
@@ -18,10 +18,11 @@ from collections import Counter, defaultdict
 
 from loom.plan.plan import Plan
 from loom.schedule.generators import pipeline_edges, pipeline_stages
-from loom.schedule.ir import COMMUNICATION, MATCHING, Action, ActionKind, Schedule, stage_key
+from loom.schedule.ir import BACKWARDS, COMMUNICATION, MATCHING, Action, ActionKind, Schedule, stage_key
 
 SENDS = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
-COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD)
+COMPUTE = (ActionKind.FORWARD, *BACKWARDS)
+BI, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
 PER_ITERATION = (ActionKind.GRAD_SYNC, ActionKind.OPTIMIZER_STEP)
 
 
@@ -68,10 +69,13 @@ def validate_schedule(schedule: Schedule, plan: Plan | None = None) -> None:
        microbatch and stages, each naming the other as peer);
     4. every ``FORWARD`` of ``(m, s, j)`` appears once in the schedule; where the stage needs a
        backward (``schedule.needs_backward``, a missing key meaning yes) exactly one
-       ``BACKWARD`` follows it on the same rank, elsewhere none; each receive precedes and each
-       send follows the compute it feeds or comes from, on the rank that runs it; grad sync and
-       optimizer step come once, after the rank's backwards, step after sync, and a stage's
-       replicas either all sync or none does;
+       ``BACKWARD`` (or the parts of a split one), or one ``BACKWARD_INPUT`` and then one
+       ``BACKWARD_WEIGHT`` (ZB-H1), follows it on the same rank, elsewhere none; each receive
+       precedes and each send follows the compute it feeds or comes from, on the rank that runs
+       it (a gradient: the input pass, which sends it); grad sync and optimizer step come once,
+       after the rank's backwards and weight passes, step after sync; a stage that splits its
+       backward ends its backward work with a weight pass (where ZeRO 2/3 reduce-scatter); and
+       a stage's replicas either all sync or none does;
     5. playing all ranks with unit costs finishes (no deadlock).
     """
     if plan is not None:
@@ -121,12 +125,12 @@ def _check_matching(schedule: Schedule) -> None:
 def _check_compute(schedule: Schedule) -> None:
     # (module, stage, microbatch) -> [(rank, index)] for forwards and backwards
     forwards: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
-    backwards: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    backwards: dict[tuple, list[tuple[int, int]]] = defaultdict(list)  # every backward kind
     for rank, acts in schedule.actions.items():
         for i, a in enumerate(acts):
             if a.kind is ActionKind.FORWARD:
                 forwards[(a.module, a.stage, a.microbatch)].append((rank, i))
-            elif a.kind is ActionKind.BACKWARD:
+            elif a.kind in BACKWARDS:
                 backwards[(a.module, a.stage, a.microbatch)].append((rank, i))
 
     def at(rank_index: tuple[int, int]) -> Action:
@@ -143,7 +147,15 @@ def _check_compute(schedule: Schedule) -> None:
             raise _fail(rank, at(found[0]), "missing backward: the stage needs a backward for every forward")
         if not needs and got:
             raise _fail(got[0][0], at(got[0]), "backward for a stage without backward (needs_backward is false)")
-        if len(got) > 1 and any(at(g).samples is None for g in got):
+        kinds = [at(g).kind for g in got]
+        if BI in kinds or W in kinds:
+            # ZB-H1 (zero-bubble §3.1): one input pass, then one weight pass of the same microbatch
+            if sorted(kinds) != sorted([BI, W]) or any(at(g).samples is not None for g in got):
+                raise _fail(got[0][0], at(got[0]), f"a split backward is one backward_input then one backward_weight "
+                                                   f"of the whole microbatch; found {[at(g).short() for g in got]}")
+            if kinds.index(BI) > kinds.index(W):
+                raise _fail(got[0][0], at(got[kinds.index(W)]), "weight pass before its input pass")
+        elif len(got) > 1 and any(at(g).samples is None for g in got):
             # several backwards of one microbatch are the parts of a split backward, each
             # naming its samples (entrain.md §3.6); an unnamed one would repeat the whole
             raise _fail(got[1][0], at(got[1]), f"backward duplicated: it appears {len(got)} times")
@@ -163,8 +175,12 @@ def _check_compute(schedule: Schedule) -> None:
     # With a split backward the position is the last part's: a gradient may arrive between parts,
     # and the input gradient leaves after the last one.
     for rank, acts in schedule.actions.items():
-        position = {(a.kind, a.module, a.stage, a.microbatch): i for i, a in enumerate(acts) if a.kind in COMPUTE}
+        # a ZB-H1 input pass stands for the backward: it consumes the gradient and produces the
+        # one sent on (the weight pass communicates nothing)
+        position = {(ActionKind.BACKWARD if a.kind is BI else a.kind, a.module, a.stage, a.microbatch): i
+                    for i, a in enumerate(acts) if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD, BI)}
         backwards_seen: dict[tuple[str, int], int] = {}
+        last_kind: dict[tuple[str, int], ActionKind] = {}
         for i, a in enumerate(acts):
             if a.kind in COMMUNICATION:
                 compute = ActionKind.FORWARD if a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_ACT) else ActionKind.BACKWARD
@@ -177,8 +193,14 @@ def _check_compute(schedule: Schedule) -> None:
                     raise _fail(rank, a, f"receive after the {name} that needs it (position {i} > {j})")
                 if not receive and i < j:
                     raise _fail(rank, a, f"send before the {name} that produces it (position {i} < {j})")
-            elif a.kind is ActionKind.BACKWARD:
+            elif a.kind in BACKWARDS:
                 backwards_seen[(a.module, a.stage)] = i
+                last_kind[(a.module, a.stage)] = a.kind
+        for st, kind in last_kind.items():
+            if kind is BI:  # a W follows each BI, so this is only reached by a malformed list
+                i = backwards_seen[st]
+                raise _fail(rank, acts[i], "the stage's last backward work is an input pass: it must be a weight "
+                                           "pass (ZeRO 2/3 reduce-scatter the gradients after it)")
 
         synced: dict[tuple[str, int], int] = {}
         stepped: set[tuple[str, int]] = set()
@@ -314,7 +336,8 @@ def _play(schedule: Schedule) -> dict[int, int]:
 
 
 def unit_cost_makespan(schedule: Schedule) -> int:
-    """Time steps of the unit-cost play: ``FORWARD`` and ``BACKWARD`` cost 1, everything else 0.
+    """Time steps of the unit-cost play: every forward and backward action (a ZB-H1 input or
+    weight pass too) costs 1, everything else 0.
     For an S-stage chain with M microbatches, GPipe and 1F1B both take ``2 * (M + S - 1)``.
     Raises `ScheduleError` if the play deadlocks."""
     finish = _play(schedule)

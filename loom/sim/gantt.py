@@ -17,6 +17,8 @@ from pathlib import Path
 COLOURS = {
     "forward": "#4C72B0",
     "backward": "#DD8452",
+    "backward_input": "#DD8452",  # ZB-H1's input pass: the backward's colour
+    "backward_weight": "#E8B04A",  # its deferred weight pass, a lighter shade
     "optimizer_step": "#8172B3",
     "grad_sync": "#C44E52",
     "send_act": "#9A9A9A",
@@ -26,10 +28,10 @@ COLOURS = {
     "dispatch": "#55A868",
     "clip": "#937860",
 }
-LEGEND = {"forward": "forward", "backward": "backward", "optimizer_step": "optimizer step",
+LEGEND = {"forward": "forward", "backward": "backward", "backward_weight": "weight pass (zb-h1)", "optimizer_step": "optimizer step",
           "grad_sync": "grad sync", "recv_act": "receive (incl. wait)", "dispatch": "dispatch",
           "clip": "clip norm (incl. wait)"}
-_COMPUTE = {"forward", "backward", "optimizer_step", "dispatch"}
+_COMPUTE = {"forward", "backward", "backward_input", "backward_weight", "optimizer_step", "dispatch"}
 _MAX_LABELS = 4000  # beyond this, text labels cost more than they tell
 
 
@@ -92,7 +94,7 @@ def plot_gantt(events: Iterable, path: str | Path, title: str | None = None,
     labelled = 0
     if span > 0:
         for e in events:
-            if e.kind not in ("forward", "backward") or e.microbatch < 0 or labelled >= _MAX_LABELS:
+            if e.kind not in ("forward", "backward", "backward_input", "backward_weight") or e.microbatch < 0 or labelled >= _MAX_LABELS:
                 continue
             text = str(e.microbatch)
             if (e.end_s - e.start_s) / span * axes_px < 7 * len(text) + 4:
@@ -111,7 +113,8 @@ def plot_gantt(events: Iterable, path: str | Path, title: str | None = None,
         ax.set_title(title, fontsize=10)
     present = {e.kind for e in events}
     handles = [Patch(facecolor=COLOURS[k], label=label) for k, label in LEGEND.items()
-               if k in present or (k == "recv_act" and "recv_grad" in present)]
+               if k in present or (k == "recv_act" and "recv_grad" in present)
+               or (k == "backward" and "backward_input" in present)]
     if handles:
         fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False,
                    bbox_to_anchor=(0.5, 0.0))

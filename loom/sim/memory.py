@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 
 from loom.cost.model import CostModel, MicrobatchWork
 from loom.plan.plan import Plan
-from loom.schedule.ir import ActionKind, Schedule, stage_key
+from loom.schedule.ir import BACKWARDS, ActionKind, Schedule, stage_key
 from loom.sim.work import EMPTY, PartWork, work_table
 
 FORWARD, BACKWARD = ActionKind.FORWARD, ActionKind.BACKWARD
@@ -25,7 +25,7 @@ def peak_memory(
     A unit's live activations change only at its own forwards and backwards, so the peak
     follows from the order of its list alone, whatever the timing. A microbatch's activation is
     taken at its forward and freed at its last backward on the unit (a split backward frees at
-    the last part); on a stage without backward (``schedule.needs_backward``) it is freed as
+    the last part, ZB-H1's at its weight pass); on a stage without backward (``schedule.needs_backward``) it is freed as
     soon as the forward ends, so it counts only while that forward runs. The recompute working
     set of a backward part is its own samples'."""
     works = work_table(work, schedule.num_microbatches)
@@ -40,7 +40,7 @@ def peak_memory_of(schedule: Schedule, plan: Plan, cost: CostModel, works: list[
         acts = schedule.actions[u]
         backwards_left: dict[tuple[str, int, int], int] = {}
         for a in acts:
-            if a.kind is BACKWARD:
+            if a.kind in BACKWARDS:
                 key = (a.module, a.stage, a.microbatch)
                 backwards_left[key] = backwards_left.get(key, 0) + 1
         held: dict[tuple[str, int, int], float] = {}
@@ -55,7 +55,7 @@ def peak_memory_of(schedule: Schedule, plan: Plan, cost: CostModel, works: list[
                     held[key] = held.get(key, 0.0) + size
                 else:
                     live -= size
-            elif a.kind is BACKWARD:
+            elif a.kind in BACKWARDS:
                 key = (a.module, a.stage, a.microbatch)
                 # the backward working set (recomputed activations included) is live while this backward (part) runs
                 w = works[a.microbatch].get(a.module, EMPTY) if a.samples is None else part_work(a.module, a.samples)

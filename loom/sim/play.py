@@ -85,7 +85,8 @@ class Play:
         self.clipped = [not clip] * n
         # Units that may advance, as a stack. The order is free: it changes no time.
         self.ready = list(reversed(self.units))
-        self.handlers = {FORWARD: self._compute, BACKWARD: self._compute, SEND_ACT: self._send, SEND_GRAD: self._send,
+        self.handlers = {FORWARD: self._compute, BACKWARD: self._compute, ActionKind.BACKWARD_INPUT: self._compute,
+                         ActionKind.BACKWARD_WEIGHT: self._compute, SEND_ACT: self._send, SEND_GRAD: self._send,
                          RECV_ACT: self._receive, RECV_GRAD: self._receive, GRAD_SYNC: self._grad_sync,
                          OPTIMIZER_STEP: self._optimizer}
 
@@ -125,7 +126,8 @@ class Play:
     # ---- one handler per action kind: (unit, action, its start) -> its end, None if blocked ----
     def _compute(self, u: int, a: Action, t: float) -> float:
         """``FORWARD`` / ``BACKWARD``: the microbatch's workload of the module, or one part of a
-        split backward: its own samples' work."""
+        split backward: its own samples' work. ZB-H1's ``BACKWARD_INPUT`` / ``BACKWARD_WEIGHT``
+        cost the cost model's phase of that name (the action kind's value)."""
         w = self.works[a.microbatch].get(a.module, EMPTY) if a.samples is None else self.part_work(a.module, a.samples)
         name = _NAME[a.kind]
         d = self.stage_time(a.module, a.stage, name, w)

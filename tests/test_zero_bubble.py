@@ -1,0 +1,232 @@
+"""ZB-H1, the zero-bubble schedule (Qi et al., "Zero Bubble Pipeline Parallelism", §3.1): the IR's
+split backward (``BACKWARD_INPUT`` then a deferred ``BACKWARD_WEIGHT``), its generator on the
+multimodal DAG, the validator's order rules, and the simulator's pricing of the two parts."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from loom.cost.analytic import AnalyticCostModel
+from loom.cost.hardware import Cluster
+from loom.cost.uniform import UniformCostModel
+from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
+from loom.schedule import (
+    Action,
+    ActionKind,
+    ScheduleError,
+    backward_flow,
+    build_schedule,
+    validate_schedule,
+)
+from loom.schedule.layout import BatchLayout
+from loom.sim import simulate
+
+from plans import multimodal
+from test_cost import WORK, small_arch, small_plan
+
+F, B = ActionKind.FORWARD, ActionKind.BACKWARD
+BI, W = ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT
+SEND_GRAD, RECV_GRAD = ActionKind.SEND_GRAD, ActionKind.RECV_GRAD
+GRAD_SYNC = ActionKind.GRAD_SYNC
+
+
+def chain(stages: int, microbatches: int, kind: str = "zb-h1", dp: int = 1) -> Plan:
+    return Plan([ModuleSpec(LLM, data_parallel=dp, num_stages=stages)], num_microbatches=microbatches,
+                schedule=kind).resolve({LLM: 8})
+
+
+def uniform(plan: Plan, **kw) -> UniformCostModel:
+    """F = 1, B = 2 of which W = 1: the zero-bubble paper's T_F = T_B = T_W."""
+    return UniformCostModel(plan, **{"forward": 1.0, "backward": 2.0, "backward_weight": 1.0, **kw})
+
+
+# ---- the generator -----------------------------------------------------------------------
+def test_split_only_where_both_parts_exist():
+    """A stage splits its backward iff it holds trainable parameters and sends an input
+    gradient back; an encoder's first stage (no input gradient) keeps one BACKWARD, a frozen
+    stage that only passes gradients keeps one BACKWARD and has no weight action."""
+    plan = multimodal(vision=2, audio=1, llm=2, microbatches=4, kind="zb-h1")
+    cases = [None, {("vision", 0): False, ("vision", 1): True, ("llm", 0): False, ("llm", 1): False}]
+    for trainable in cases:
+        sched = build_schedule(plan, trainable)
+        validate_schedule(sched, plan)
+        needs, grad_edges = backward_flow(plan, trainable)
+        for u, acts in sched.actions.items():
+            m, s, _ = plan.role_of_unit(u)
+            kinds = {a.kind for a in acts}
+            trains = trainable is None or trainable.get((m, s), True)
+            sends_back = any(dst == (m, s) for _, dst in grad_edges)
+            if needs[(m, s)] and trains and sends_back:
+                assert BI in kinds and W in kinds and B not in kinds, (m, s)
+            else:
+                assert BI not in kinds and W not in kinds, (m, s)
+                assert (B in kinds) == needs[(m, s)], (m, s)
+
+
+@pytest.mark.parametrize("stages,microbatches,dp", [(2, 4, 1), (3, 6, 1), (4, 8, 1), (4, 3, 1), (3, 8, 2)])
+def test_weight_passes_follow_their_input_pass_and_precede_the_sync(stages, microbatches, dp):
+    sched = build_schedule(chain(stages, microbatches, dp=dp))
+    for u, acts in sched.actions.items():
+        pos = {(a.kind, a.microbatch): i for i, a in enumerate(acts)}
+        mbs = [a.microbatch for a in acts if a.kind is F]
+        if not any(a.kind is BI for a in acts):  # the first stage: no input gradient to send
+            continue
+        for j in mbs:
+            assert pos[(BI, j)] < pos[(W, j)] < pos[(GRAD_SYNC, -1)]
+            # the gradient leaves right after the input pass, before any weight pass of it
+            assert pos[(SEND_GRAD, j)] == pos[(BI, j)] + 1
+        backward_work = [a for a in acts if a.kind in (BI, W)]
+        assert backward_work[-1].kind is W
+
+
+def test_input_passes_keep_one_f_one_b_order_and_weights_fill_the_drain():
+    """The forwards and input passes come in 1F1B's order; a weight pass follows its input pass
+    at once, except over the last ``depth`` backwards, where it waits for the next input pass."""
+    stages, m = 4, 8
+    zb = build_schedule(chain(stages, m))
+    one = build_schedule(chain(stages, m, kind="1f1b"))
+    for u in zb.actions:
+        order = [(a.kind if a.kind is F else B, a.microbatch) for a in zb.actions[u] if a.kind in (F, B, BI)]
+        assert order == [(a.kind, a.microbatch) for a in one.actions[u] if a.kind in (F, B)]
+    last = zb.actions[stages - 1]
+    labels = [a.short() for a in last if a.kind in (BI, W)]
+    assert labels[-5:] == ["BI llm.3 mb6", "W llm.3 mb5", "BI llm.3 mb7", "W llm.3 mb6", "W llm.3 mb7"]
+    assert labels[:3] == ["BI llm.3 mb0", "W llm.3 mb0", "BI llm.3 mb1"]
+
+
+def test_deferred_encoder_gradients_are_refused():
+    """A balanced layout that defers an encoder microbatch's gradients to a later round (Entrain's
+    split backward) is refused under zb-h1, naming plan.schedule."""
+    plan = multimodal(vision=1, audio=0, llm=1, microbatches=2, kind="zb-h1")
+    layout = BatchLayout({"vision": ((0, 2), (1, 3)), LLM: ((0, 1), (2, 3))})
+    with pytest.raises(PlanError, match="plan.schedule = 'zb-h1'"):
+        build_schedule(plan, layout=layout)
+    validate_schedule(build_schedule(plan, layout=layout, kind="1f1b"), dataclasses.replace(plan, schedule="1f1b"))
+
+
+def test_plan_accepts_zb_h1():
+    assert chain(2, 4).schedule == "zb-h1"
+    with pytest.raises(PlanError, match="zb-h1"):
+        Plan([ModuleSpec(LLM)], schedule="zb-h2").resolve({LLM: 4})
+
+
+# ---- the validator -----------------------------------------------------------------------
+def _zb_chain() -> tuple[Plan, list[Action], list[Action]]:
+    plan = chain(2, 2)
+    sched = build_schedule(plan)
+    return plan, sched.actions[0], sched.actions[1]
+
+
+def _replace(acts: list[Action], old: Action, new: Action | None) -> list[Action]:
+    return [new if a == old else a for a in acts if not (a == old and new is None)]
+
+
+def _check(plan: Plan, a0: list[Action], a1: list[Action]) -> None:
+    from loom.schedule.ir import Schedule
+    validate_schedule(Schedule("zb-h1", 2, {0: a0, 1: a1}), plan)
+
+
+def test_rejects_weight_before_input_pass():
+    plan, a0, a1 = _zb_chain()
+    i, w = a1.index(Action(BI, LLM, 1, 1)), a1.index(Action(W, LLM, 1, 1))
+    a1[i], a1[w] = a1[w], a1[i]
+    with pytest.raises(ScheduleError, match="weight pass before its input pass"):
+        _check(plan, a0, a1)
+
+
+def test_rejects_grad_sync_before_a_weight_pass():
+    plan, a0, a1 = _zb_chain()
+    w = Action(W, LLM, 1, 1)
+    a1 = _replace(a1, w, None)
+    a1.insert(len(a1) - 1, w)  # after the sync, before the step
+    with pytest.raises(ScheduleError, match=r"sync llm\.1: before the rank's last backward"):
+        _check(plan, a0, a1)
+
+
+def test_rejects_input_pass_without_weight_pass():
+    plan, a0, a1 = _zb_chain()
+    with pytest.raises(ScheduleError, match="one backward_input then one backward_weight"):
+        _check(plan, a0, _replace(a1, Action(W, LLM, 1, 0), None))
+
+
+def test_rejects_mixing_whole_and_split_backward():
+    plan, a0, a1 = _zb_chain()
+    with pytest.raises(ScheduleError, match="one backward_input then one backward_weight"):
+        _check(plan, a0, _replace(a1, Action(W, LLM, 1, 0), Action(B, LLM, 1, 0)))
+
+
+def test_rejects_gradient_sent_before_the_input_pass():
+    plan, a0, a1 = _zb_chain()
+    send = next(a for a in a1 if a.kind is SEND_GRAD and a.microbatch == 0)
+    a1 = _replace(a1, send, None)
+    a1.insert(a1.index(Action(BI, LLM, 1, 0)), send)
+    with pytest.raises(ScheduleError, match="send before the backward that produces it"):
+        _check(plan, a0, a1)
+
+
+# ---- the simulator -----------------------------------------------------------------------
+def test_parts_are_priced_by_their_phase():
+    plan = chain(2, 3)
+    r = simulate(build_schedule(plan), plan, uniform(plan, backward={(LLM, 0): 2.0, (LLM, 1): 3.0},
+                                                      backward_weight={(LLM, 0): 1.0, (LLM, 1): 0.5}))
+    durations = {(e.kind, e.stage): e.end_s - e.start_s for e in r.timeline if e.kind.startswith("backward")}
+    assert durations == {("backward", 0): 2.0, ("backward_input", 1): 2.5, ("backward_weight", 1): 0.5}
+
+
+@pytest.mark.parametrize("stages,microbatches", [(2, 4), (4, 4), (4, 8), (3, 12)])
+def test_bubble_falls_against_one_f_one_b(stages, microbatches):
+    """With T_F = T_B = T_W the same work takes less time: the input gradients climb the
+    pipeline sooner and the weight passes fill the drain (zero-bubble §3.1)."""
+    results = {}
+    for kind in ("1f1b", "zb-h1"):
+        plan = chain(stages, microbatches, kind)
+        results[kind] = simulate(build_schedule(plan), plan, uniform(plan))
+    one, zb = results["1f1b"], results["zb-h1"]
+    assert one.iteration_time == pytest.approx((microbatches + stages - 1) * 3.0)  # 1F1B's closed form
+    assert zb.iteration_time < one.iteration_time
+    assert zb.bubble_fraction < one.bubble_fraction
+    for u in zb.busy:  # the same work on every unit, only placed otherwise
+        assert zb.busy[u] == pytest.approx(one.busy[u]) == pytest.approx(microbatches * 3.0)
+
+
+def test_bubble_falls_on_the_multimodal_dag_frozen_or_not():
+    trainables = [None, {("vision", 0): False, ("vision", 1): True, ("audio", 0): False}]
+    for trainable, dp in itertools.product(trainables, [(1, 1), (2, 1)]):
+        times = {}
+        for kind in ("1f1b", "zb-h1"):
+            plan = multimodal(vision=2, audio=1, llm=3, microbatches=8, dp_enc=dp[0], dp_llm=dp[1], kind=kind)
+            sched = build_schedule(plan, trainable)
+            validate_schedule(sched, plan)
+            times[kind] = simulate(sched, plan, uniform(plan)).iteration_time
+        assert times["zb-h1"] < times["1f1b"], (trainable, dp, times)
+
+
+def test_memory_at_most_one_more_microbatch_than_one_f_one_b():
+    for stages, microbatches in [(4, 8), (3, 3), (2, 6)]:
+        peaks = {}
+        for kind in ("1f1b", "zb-h1"):
+            plan = chain(stages, microbatches, kind)
+            peaks[kind] = simulate(build_schedule(plan), plan, uniform(plan, activation=1.0)).peak_memory
+        for u in peaks["1f1b"]:
+            assert peaks["1f1b"][u] <= peaks["zb-h1"][u] <= peaks["1f1b"][u] + 1
+        assert max(peaks["zb-h1"].values()) == max(peaks["1f1b"].values())  # the first stage's, unchanged
+
+
+def test_uniform_model_needs_the_weight_part():
+    plan = chain(2, 2)
+    with pytest.raises(ValueError, match="backward_weight is not set"):
+        simulate(build_schedule(plan), plan, UniformCostModel(plan))
+
+
+def test_analytic_parts_sum_to_the_backward():
+    """The analytic model's two parts are the layers' backward-input and backward-weight costs
+    (recompute with the input part), and sum to the whole backward."""
+    cost = AnalyticCostModel(small_arch(), small_plan(recompute="full"), Cluster("A100-80GB", 8))
+    for module, work in WORK.items():
+        whole = cost.stage_time(module, 0, "backward", work)
+        parts = [cost.stage_time(module, 0, p, work) for p in ("backward_input", "backward_weight")]
+        assert whole > 0 and sum(parts) == pytest.approx(whole)
+        assert parts == [cost.phase_time(module, 0, p, work) for p in ("backward_input", "backward_weight")]
