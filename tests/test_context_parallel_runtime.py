@@ -15,7 +15,9 @@ One launch of 6 gloo processes (a vision rank, an audio rank, 4 LLM ranks), one 
   the dp x cp group;
 - ``tp2_cp2``: LLM TP 2 x CP 2 on packed rows, with sequence parallelism inside each CP rank's
   tokens (blocks a multiple of the TP degree, rows padded to whole blocks); clipping active (TP
-  shards counted once, not once per CP rank).
+  shards counted once, not once per CP rank);
+- ``cp2_dp2_zero3``: LLM DP 2 x CP 2 with ZeRO 3 on packed rows: FSDP2 shards over the dp x cp
+  ranks and its reduce-scatter sums the CP ranks' partial gradients; clipping active.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ CASES = {  # LLM spec, packed rows, clipping
     "cp4": (ModuleSpec("llm", context_parallel=4, recompute="selective"), True, 0.0),
     "cp2_dp2": (ModuleSpec("llm", data_parallel=2, context_parallel=2), False, 0.0),
     "tp2_cp2": (ModuleSpec("llm", tensor_parallel=2, context_parallel=2), True, MAX_NORM),
+    "cp2_dp2_zero3": (ModuleSpec("llm", data_parallel=2, context_parallel=2, zero_stage=3), True, MAX_NORM),
 }
 
 

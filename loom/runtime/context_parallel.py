@@ -170,8 +170,9 @@ def select_features(placeholder_mask: torch.Tensor, features: torch.Tensor, toke
 def check_context_parallel(spec: ModuleSpec, model: MultimodalModel | None = None) -> None:
     """Refuse a context-parallel setting the runtime cannot execute (before any group is built):
     CP is the LLM's (cornstarch.md §3.3: encoders' items are short and run whole), not yet
-    combined with ZeRO on the same module, and needs an LLM whose context takes the runtime's
-    attention (``supports_context_parallel``: the zoo Llama)."""
+    combined with ZeRO and TP together or with hybrid sharding on the same module, and needs an
+    LLM whose context takes the runtime's attention (``supports_context_parallel``: the zoo
+    Llama)."""
     cp = spec.context_parallel
     if cp == 1:
         return
@@ -179,9 +180,13 @@ def check_context_parallel(spec: ModuleSpec, model: MultimodalModel | None = Non
     if spec.name != LLM:
         raise PlanError(f"{where}.context_parallel = {cp}: context parallelism splits the LLM's rows; an encoder's "
                         f"items run whole on a rank. Set it to 1 (use data_parallel or tensor_parallel instead)")
-    if spec.zero_stage:
-        raise PlanError(f"{where}.context_parallel = {cp} with zero_stage = {spec.zero_stage}: context parallelism "
-                        f"is not executed together with ZeRO on one module yet; set one of them to its default")
+    if spec.zero_stage and spec.tensor_parallel > 1:
+        raise PlanError(f"{where}.context_parallel = {cp} with zero_stage = {spec.zero_stage} and tensor_parallel = "
+                        f"{spec.tensor_parallel}: ZeRO over TP shards of a CP module is not executed yet; set one "
+                        f"of the three to its default")
+    if spec.shard_degree not in (None, spec.data_parallel):
+        raise PlanError(f"{where}.context_parallel = {cp} with shard_degree = {spec.shard_degree}: hybrid sharding "
+                        f"of a CP module is not executed yet; leave shard_degree unset or set context_parallel = 1")
     if model is not None and not getattr(adapter_for(model.llm), "supports_context_parallel", False):
         raise PlanError(f"{where}.context_parallel = {cp}: the LLM ({type(model.llm).__name__}) has no context-parallel "
                         f"attention hook (only the zoo Llama has one); set context_parallel = 1")

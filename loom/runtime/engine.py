@@ -78,7 +78,7 @@ class ParallelEngine:
                             shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
         apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
         groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank, replicas)}
-        zero = apply_zero(stage, plan, meshes, hybrid, precision)  # ZeRO 2/3: FSDP2 over dp (x tp) (loom.runtime.zero)
+        zero = apply_zero(stage, plan, meshes, hybrid, precision, replicas)  # ZeRO 2/3: FSDP2 over dp (x tp) (loom.runtime.zero)
         params = stage.trainable_parameters()
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
         if optimizer is not None and plan.spec(stage.module).zero_stage == 1:

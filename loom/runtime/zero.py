@@ -223,13 +223,22 @@ def check_zero(spec: ModuleSpec) -> None:
 
 
 def apply_zero(stage: Stage, plan: Plan, meshes: dict[str, DeviceMesh],
-               hybrid: dict[str, DeviceMesh], precision: Precision | None = None) -> ZeroStage | None:
+               hybrid: dict[str, DeviceMesh], precision: Precision | None = None,
+               replicas: dict[str, DeviceMesh] | None = None) -> ZeroStage | None:
     """The rank's `ZeroStage` under its module's ``zero_stage`` 2 or 3 (None otherwise: stage 1
-    is the optimizer's, `zero_optimizer`). Call after tensor parallelism split the stage."""
+    is the optimizer's, `zero_optimizer`). Call after tensor parallelism split the stage. Under
+    context parallelism FSDP shards over the dp x cp ranks (``replicas``,
+    `loom.runtime.mesh.build_replica_meshes`): they hold the same parameters, and its
+    reduce-scatter sums the CP ranks' partial gradients with the replicas'."""
     spec = plan.spec(stage.module)
     if spec.zero_stage < 2 or spec.data_parallel == 1:
         return None
-    if stage.module in hybrid:
+    if spec.context_parallel > 1:
+        if replicas is None or stage.module not in replicas:
+            raise ValueError(f"module {stage.module!r} has context_parallel = {spec.context_parallel}: pass the "
+                             f"meshes of build_replica_meshes as replicas=")
+        mesh = replicas[stage.module]["dp_cp"]
+    elif stage.module in hybrid:
         mesh = hybrid[stage.module]["dp_replicate", "dp_shard"]
     else:
         mesh = meshes[stage.module]["dp"]  # the same root as the unit's tp mesh: FSDP's (dp, tp)
