@@ -70,6 +70,22 @@ def test_timeline_from_the_simulator():
     assert tl.end == res.iteration_time
 
 
+def test_timeline_from_a_zero_bubble_schedule():
+    """ZB-H1's split backward: both passes are busy; a stage's compute ends with its last
+    deferred weight pass."""
+    plan = Plan([ModuleSpec("llm", num_stages=3)], num_microbatches=4, schedule="zb-h1")
+    plan.resolve({"llm": 8})
+    cost = UniformCostModel(plan, forward=1.0, backward=2.0, backward_weight=0.8, optimizer=0.5)
+    res = simulate(build_schedule(plan), plan, cost)
+    tl = llm_timeline_from_sim(res)
+    for p, st in enumerate(tl.stages):
+        assert st.busy_time == pytest.approx(4 * 3.0 + 0.5)
+        weight = [e.end_s for e in res.timeline if e.stage == p and e.kind == "backward_weight"]
+        if weight:
+            assert st.compute_end == pytest.approx(max(weight))
+    assert all(b >= f for f, b in zip(tl.forward_points, tl.backward_points))
+
+
 def test_timeline_rejects_bad_input():
     with pytest.raises(ValueError, match="B_i"):
         LLMTimeline((StageTimeline((), 0, 0),), (1.0,), (0.5,), 2.0)

@@ -5,7 +5,9 @@ Per LLM pipeline stage: the intervals its compute stream is busy (forwards, back
 optimizer step), the first forward's start and the last backward's end. Per LLM microbatch
 ``i`` (in the order stage 0 runs their forwards): the dependency points of optimus.md §2.5,
 ``F_i``, when LLM stage 0 starts the forward of ``i`` (it needs the encoder output then), and
-``B_i``, when LLM stage 0 ends the backward of ``i`` (the encoder output's gradient is ready).
+``B_i``, when LLM stage 0 ends the backward of ``i`` (the encoder output's gradient is ready;
+under ZB-H1, when its input-gradient pass ends, if stage 0 runs one: the deferred
+weight pass does not hold the encoder back).
 
 What is *not* busy is a bubble encoder compute may fill: waiting on receives, the
 data-parallel gradient synchronisation (optimus.md Table 1's DP bubbles are communication), and
@@ -14,10 +16,10 @@ of a stage share its timeline (the simulator plays a stage's TP group as one uni
 coarse view: the TP bubbles inside a layer (§1.2) need the fine schedule and a kernel-level
 timeline, which loom's simulator does not produce.
 
-loom's LLM schedule today is 1F1B (or GPipe); Megatron's interleaved 1F1B and the warm-up
-adjustment of §2.5 (Fig. 12) are not built, so ``F_i`` and ``B_i`` are those of the played
-schedule, unadjusted (optimus.md §7 points 9 and 19: for 1F1B, stage 0 holds the whole first
-model chunk, so the definitions carry over).
+The adapter reads any schedule loom plays (GPipe, 1F1B, ZB-H1). Megatron's interleaved 1F1B
+and the warm-up adjustment of §2.5 (Fig. 12) are not built, so ``F_i`` and ``B_i`` are those of
+the played schedule, unadjusted (optimus.md §7 points 9 and 19: without interleaving, stage 0
+holds the whole first model chunk, so the paper's definitions carry over).
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ from loom.cost.arch import LLM
 from loom.planner.optimus.model_planner import OptimusPlanError
 from loom.sim.result import SimResult
 
-BUSY_KINDS = ("forward", "backward", "optimizer_step")  # the compute stream's work (module docstring)
+# the compute stream's work (module docstring); ZB-H1 splits a backward into its input and
+# weight passes (loom.schedule.ir.ActionKind)
+BACKWARD_KINDS = ("backward", "backward_input", "backward_weight")
+BUSY_KINDS = ("forward", *BACKWARD_KINDS, "optimizer_step")
 
 
 @dataclass(frozen=True)
@@ -105,8 +110,8 @@ def _merge(intervals: list[tuple[float, float]]) -> tuple[tuple[float, float], .
 
 def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM) -> LLMTimeline:
     """The `LLMTimeline` of LLM pipeline ``replica`` in a `loom.sim.SimResult` (module
-    docstring). ``end`` is the simulated iteration time. A split backward (several events of a
-    microbatch) counts from its first part's start to its last part's end."""
+    docstring). ``end`` is the simulated iteration time. A backward in several events (a
+    balancing policy's split backward) ends with its last part."""
     units = {u: role for u, role in result.roles.items() if role[0] == module and role[2] == replica}
     if not units:
         replicas = sorted({r for m, _, r in result.roles.values() if m == module})
@@ -118,7 +123,8 @@ def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM
     first_fwd: dict[int, float] = {}
     last_bwd: dict[int, float] = {}
     fwd0: dict[int, float] = {}
-    bwd0: dict[int, float] = {}
+    bwd0: dict[int, float] = {}  # end of the whole backward of a microbatch on stage 0
+    grad0: dict[int, float] = {}  # end of its input-gradient pass (ZB-H1), when split
     for e in result.timeline:
         s = stage_of_rank.get(e.rank)
         if s is None or e.module != module or e.kind not in BUSY_KINDS:
@@ -128,10 +134,13 @@ def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM
             first_fwd[s] = min(first_fwd.get(s, e.start_s), e.start_s)
             if s == 0:
                 fwd0[e.microbatch] = min(fwd0.get(e.microbatch, e.start_s), e.start_s)
-        elif e.kind == "backward":
+        elif e.kind in BACKWARD_KINDS:
             last_bwd[s] = max(last_bwd.get(s, e.end_s), e.end_s)
             if s == 0:
                 bwd0[e.microbatch] = max(bwd0.get(e.microbatch, e.end_s), e.end_s)
+                if e.kind == "backward_input":
+                    grad0[e.microbatch] = max(grad0.get(e.microbatch, e.end_s), e.end_s)
+    bwd0.update(grad0)
     missing = sorted(set(fwd0) - set(bwd0))
     if missing:
         raise OptimusPlanError(f"llm_timeline_from_sim: microbatches {missing[:8]} have no backward on LLM stage 0 "
