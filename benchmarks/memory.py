@@ -14,7 +14,10 @@ the LR scheduler, the loss all-reduce). The cases:
   ZeroRedundancyOptimizer for 1, FSDP2 ``fully_shard`` per layer for 2 and 3);
 - ``tp2`` and ``tp2_full``: tensor-parallel degree 2 (one stage), with the sequence
   parallelism the runtime always runs the LLM's TP with (`loom.runtime.tensor_parallel`), under
-  recompute ``"none"`` and ``"full"`` (which keeps each block's input sequence shard).
+  recompute ``"none"`` and ``"full"`` (which keeps each block's input sequence shard);
+- ``zero0_bf16``, ``zero2_bf16``, ``zero3_bf16``: ZeRO 0, 2 and 3 as above under ``run.dtype =
+  "bf16"`` (CPU autocast; FSDP2 gathers bf16 copies of the fp32 shards). Every other case is
+  fp32.
 
 **Measured**, per rank: the peak bytes of live tensors during one training step after the
 first (the first creates AdamW's moments, so the second is the steady state), counted by
@@ -32,7 +35,7 @@ Figure ``memory_model_median_abs_rel_error``: the median over cases and ranks of
 ``|predicted - measured| / measured``, spread the interquartile range over them; better lower,
 target at most 0.15.
 
-    python benchmarks/memory.py [--cases none,selective,full,zero0,zero1,zero2,zero3,tp2,tp2_full] [--layers 8 ...]
+    python benchmarks/memory.py [--cases none,...,zero3,tp2,tp2_full,zero0_bf16,zero2_bf16,zero3_bf16] [--layers 8 ...]
 
 Writes ``benchmarks/results/memory.json`` (docs/benchmarks.md).
 """
@@ -107,18 +110,23 @@ CASES: dict[str, ModuleSpec] = {
     "zero3": ModuleSpec(LLM, data_parallel=2, zero_stage=3),
     "tp2": ModuleSpec(LLM, tensor_parallel=2),
     "tp2_full": ModuleSpec(LLM, tensor_parallel=2, recompute="full"),
+    "zero0_bf16": ModuleSpec(LLM, data_parallel=2, zero_stage=0),
+    "zero2_bf16": ModuleSpec(LLM, data_parallel=2, zero_stage=2),
+    "zero3_bf16": ModuleSpec(LLM, data_parallel=2, zero_stage=3),
 }
+# cases that run in bf16 (run.dtype; autocast, and FSDP2 gathering bf16 under ZeRO-2/3); the rest fp32
+BF16_CASES = {"zero0_bf16", "zero2_bf16", "zero3_bf16"}
 
 
-def train_config(cfg: BenchConfig, spec: ModuleSpec) -> TrainConfig:
-    """The run a case trains: the zoo Llama of ``cfg`` under the plan of one LLM ``spec``, fp32
-    (the CPU's dtype), 1F1B."""
+def train_config(cfg: BenchConfig, spec: ModuleSpec, dtype: str = "fp32") -> TrainConfig:
+    """The run a case trains: the zoo Llama of ``cfg`` under the plan of one LLM ``spec``, in
+    ``dtype`` (``run.dtype``), 1F1B."""
     model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
         num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
     plan = Plan([replace(spec)], num_microbatches=cfg.microbatches, schedule="1f1b")
     train = TrainConfig(model=model, plan=plan)
-    train.run = replace(train.run, seed=cfg.seed, steps=10)
+    train.run = replace(train.run, seed=cfg.seed, steps=10, dtype=dtype)
     train.data = replace(train.data, global_batch_size=cfg.global_batch)
     return train.check()
 
@@ -130,7 +138,7 @@ def _worker(rank: int, world_size: int, case: str, cfg_dict: dict, commands: lis
     """Build the case's rank as ``loom train`` does, then per command ``(step, measure)`` run
     that step, under a `MemoryMeter` when ``measure``, and reply with its peak live bytes."""
     cfg = BenchConfig(**cfg_dict)
-    train = train_config(cfg, CASES[case])
+    train = train_config(cfg, CASES[case], "bf16" if case in BF16_CASES else "fp32")
     data = TextDataset(cfg, BATCHES)
     run = build_rank(train, torch.device("cpu"), data=(data.tokenizer, data))
     replies.put(("ready", rank))
@@ -171,7 +179,7 @@ def measure(case: str, cfg: BenchConfig, steps: int) -> dict:
 def predict(case: str, cfg: BenchConfig, step: int) -> list[float]:
     """Per rank: the simulator's peak memory of the rank's pipeline unit for step ``step``,
     as ``loom simulate`` computes it (module docstring)."""
-    train = train_config(cfg, CASES[case])
+    train = train_config(cfg, CASES[case], "bf16" if case in BF16_CASES else "fp32")
     data = TextDataset(cfg, BATCHES)
     model = build_model(train.model, data.tokenizer, seed=train.run.seed, device="meta")
     plan = train.plan.resolve(model.layer_counts(), WORLD_SIZE)
@@ -232,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
         spec = CASES[case]
         per_case[case] = {"plan": {"data_parallel": spec.data_parallel, "num_stages": spec.num_stages,
                                    "tensor_parallel": spec.tensor_parallel, "zero_stage": spec.zero_stage,
-                                   "recompute": spec.recompute},
+                                   "recompute": spec.recompute, "dtype": "bf16" if case in BF16_CASES else "fp32"},
                           "ranks": []}
         for r in range(WORLD_SIZE):
             measured = max(step[r] for step in got["peak"])  # the steps' peaks agree to a few bytes
@@ -253,7 +261,8 @@ def main(argv: list[str] | None = None) -> dict:
     value = figures["memory_model_median_abs_rel_error"]["value"]
     print(f"memory_model_median_abs_rel_error = {value:.3f}, {kind} {spread} "
           f"({'within' if value <= TARGET else 'ABOVE'} the target {TARGET})")
-    config = {"world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo", "dtype": "fp32",
+    config = {"world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo",
+              "dtype": "fp32; bf16 for " + ", ".join(sorted(BF16_CASES)),
               "model": asdict(cfg), "schedule": "1f1b", "optimizer": "AdamW (loom.train.rank.make_optimizer)",
               "measured": "peak live tensor bytes during step 2 (loom.profile.memory_meter.MemoryMeter), the tensors "
                           "alive at its start included",

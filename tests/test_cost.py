@@ -458,19 +458,24 @@ def test_memory_equals_the_hand_computed_values():
     m = AnalyticCostModel(arch, plan, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
     assert (m.params, m.grads, m.optimizer) == (86784 / 2, 86784, 86784)
     # one microbatch per replica: ZeRO-2 and -3 shard the gradients; ZeRO-2 holds the
-    # gathered parameters beside its shard
+    # gathered parameters beside its fp32 shard, in bf16 (FSDP2's MixedPrecisionPolicy):
+    # 4 * 43392 / 2 / 2 + 2 * 43392 / 2
     one = Plan([ModuleSpec("llm", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2, data_parallel=2,
                            zero_stage=3)], num_microbatches=2)
     m = AnalyticCostModel(arch, one, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
     assert (m.params, m.grads, m.optimizer) == (86784 / 2, 86784 / 2, 86784)
     one.modules[0].zero_stage = 2
     m = AnalyticCostModel(arch, one, Cluster("A100-80GB", 8)).static_breakdown("llm", 0)
-    assert (m.params, m.grads, m.optimizer) == (86784 * 1.5, 86784 / 2, 86784)
-    # ZeRO-3 gathers the largest layer (the block, 36992 parameters / TP 2) beside its shard
-    # and the all-gather's input (its shard, 1 / 2 of it), plus the block's backward working set
+    assert (m.params, m.grads, m.optimizer) == (86784 / 2 + 86784 / 2, 86784 / 2, 86784)
+    fp32 = AnalyticCostModel(arch, one, Cluster("A100-80GB", 8), dtype_bytes=4).static_breakdown("llm", 0)
+    assert fp32.params == 86784 * 1.5  # fp32 gathered parameters beside the shard
+    # ZeRO-3 gathers the largest layer (the block, 36992 parameters / TP 2) in bf16 beside its
+    # shard, and the all-gather's input (its shard cast to bf16, 1 / 2 of it), plus the block's
+    # backward working set; FSDP2's bf16 parameters need no autocast copies
     one.modules[0].zero_stage = 3
     cost3 = AnalyticCostModel(arch, one, Cluster("A100-80GB", 8))
-    assert cost3.transient_memory("llm", 0, w) == 4 * 36992 / 2 * 1.5 + mlp
+    assert cost3.transient_memory("llm", 0, w) == 2 * 36992 / 2 * 1.5 + mlp
+    assert cost3.activation_memory("llm", 0, w) == 10 * (2 * 640 + 4 * 4 / 2 + 2 * 64 / 2)  # no weight copy
     # a frozen LLM with nothing trainable upstream: parameters only, no activations
     frozen = AnalyticCostModel(arch.with_freeze(["llm"]), plan, Cluster("A100-80GB", 8))
     assert frozen.static_breakdown("llm", 0).grads == frozen.static_breakdown("llm", 0).optimizer == 0

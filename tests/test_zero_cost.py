@@ -14,6 +14,7 @@ from loom.cli import main
 from loom.cost import comm
 from loom.cost.analytic import AnalyticCostModel, MASTER_BYTES
 from loom.cost.hardware import Cluster, get_gpu
+from loom.cost.memory import DTYPE_BYTES
 from loom.cost.model_configs import load_model_arch
 from loom.cost.model import Workload
 from loom.plan.plan import ModuleSpec, Plan
@@ -69,69 +70,79 @@ def fake_dp_group():
         dist.destroy_process_group()
 
 
-def _fsdp_gathers_per_layer(mesh, zero: int, actions, frozen: bool = False) -> float:
+def _fsdp_gathers(mesh, zero: int, actions, frozen: bool = False, dtype: str = "fp32") -> tuple[float, float]:
     """All-gathers per layer per step (the second, steady one) that FSDP2 runs for ``actions``
-    (a unit's FORWARD / BACKWARD list) on a stage sharded as `loom.runtime.zero` shards it, its
-    last backward reducing (`ZeroStage.before_backward`, as the executor calls it)."""
-    import torch.distributed.fsdp._fully_shard._fsdp_param_group as group_mod
+    (a unit's FORWARD / BACKWARD list) on a stage sharded as `loom.runtime.zero` shards it under
+    ``run.dtype`` ``dtype``, its last backward reducing (`ZeroStage.before_backward`, as the
+    executor calls it), and the bytes each gathers per parameter."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
     from loom.model.layers import Layer
+    from loom.runtime.precision import Precision
     from loom.runtime.stage import Stage
     from loom.runtime.zero import shard_stage
 
     layers = [torch.nn.Linear(16, 16).requires_grad_(not frozen) for _ in range(3)]
+    params = sum(p.numel() for p in layers[0].parameters())
     stage = Stage("llm", 0, 0, [Layer(f"l{i}", m, lambda x, ctx: x) for i, m in enumerate(layers)], True, False)
-    zero_stage = shard_stage(stage, zero, mesh)
+    zero_stage = shard_stage(stage, zero, mesh, Precision(dtype, "cpu"))
     last = max((i for i, a in enumerate(actions) if a.kind is ActionKind.BACKWARD), default=-1)
-    counted = {"all_gather": 0}
-    original = group_mod.foreach_all_gather
+    counted = {"calls": 0, "bytes": 0}
+    original = DefaultAllGather.__call__
 
-    def counting(*args, **kwargs):
-        counted["all_gather"] += 1
-        return original(*args, **kwargs)
+    def counting(self, output_tensor, *args, **kwargs):
+        counted["calls"] += 1
+        counted["bytes"] += output_tensor.numel() * output_tensor.element_size()
+        return original(self, output_tensor, *args, **kwargs)
 
-    group_mod.foreach_all_gather = counting
+    DefaultAllGather.__call__ = counting
     try:
         for _ in range(2):
-            counted["all_gather"] = 0
+            counted.update(calls=0, bytes=0)
             outputs = {}
             for i, a in enumerate(actions):
                 if a.kind is ActionKind.FORWARD:
                     x = torch.randn(4, 16, requires_grad=not frozen)
-                    for m in layers:
-                        x = m(x)
+                    with Precision(dtype, "cpu").autocast():
+                        for m in layers:
+                            x = m(x)
                     outputs[a.microbatch] = x
                 else:
                     zero_stage.before_backward(i == last)
-                    outputs.pop(a.microbatch).sum().backward()
+                    outputs.pop(a.microbatch).float().sum().backward()
     finally:
-        group_mod.foreach_all_gather = original
-    return counted["all_gather"] / len(layers)
+        DefaultAllGather.__call__ = original
+    per_parameter = counted["bytes"] / counted["calls"] / params if counted["calls"] else 0.0
+    return counted["calls"] / len(layers), per_parameter
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.parametrize("zero", [2, 3])
-def test_zero_parameter_gathers_are_priced_as_fsdp2_runs_them(fake_dp_group, zero, schedule) -> None:
+def test_zero_parameter_gathers_are_priced_as_fsdp2_runs_them(fake_dp_group, zero, schedule, dtype) -> None:
     # stage 0 of a 2-stage pipeline, 4 microbatches per replica: 1F1B's warm-up, steady
     # alternation and cool-down, or GPipe's forwards then backwards
     plan = Plan([ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=zero)], num_microbatches=8,
                 schedule=schedule)
-    cost = AnalyticCostModel(load_model_arch(llm="llama3-8b"), plan, Cluster("H100", 4))
+    dtype_bytes = DTYPE_BYTES[dtype]
+    cost = AnalyticCostModel(load_model_arch(llm="llama3-8b"), plan, Cluster("H100", 4), dtype_bytes=dtype_bytes)
     actions = [a for a in build_schedule(cost.plan).actions[cost.plan.unit_of("llm", 0, 0)]
                if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD)]
     forwards = sum(a.kind is ActionKind.FORWARD for a in actions)
     assert forwards == 4 and len(actions) == 8
-    measured = _fsdp_gathers_per_layer(fake_dp_group, zero, actions)
+    gathers, per_parameter = _fsdp_gathers(fake_dp_group, zero, actions, dtype=dtype)
     # ZeRO-3 gathers before every forward and every backward; ZeRO-2 once per backward (each
     # backward reshards, whatever pass comes next gathers again), not once per step
-    assert measured == (2 * forwards if zero == 3 else forwards)
+    assert gathers == (2 * forwards if zero == 3 else forwards)
+    # in the compute dtype: FSDP2's MixedPrecisionPolicy gathers bf16 copies under bf16
+    assert per_parameter == dtype_bytes
     # the model: a block's gathers over the step, from its per-microbatch forward and backward
     block = cost.layer_costs("llm", 0, Workload.of_lengths([128]))[1]
     assert block.kind == "block"
     layer = cost.stage_layers("llm", 0)[1][0]
-    gather = comm.all_gather_time(layer.stored_params * MASTER_BYTES, 2, cost.groups("llm", 0).dp_link)
+    gather = comm.all_gather_time(layer.stored_params * per_parameter, 2, cost.groups("llm", 0).dp_link)
     priced = forwards * block.forward_comm + forwards * block.backward_comm  # TP 1, CP 1: gathers only
-    assert priced == pytest.approx(measured * gather)
+    assert priced == pytest.approx(gathers * gather)
 
 
 def test_zero2_layer_without_backward_gathers_once_and_keeps_its_parameters(fake_dp_group) -> None:
@@ -140,8 +151,8 @@ def test_zero2_layer_without_backward_gathers_once_and_keeps_its_parameters(fake
     from types import SimpleNamespace
 
     forwards = [SimpleNamespace(kind=ActionKind.FORWARD, microbatch=j) for j in range(4)]
-    assert _fsdp_gathers_per_layer(fake_dp_group, 2, forwards, frozen=True) == 0
-    assert _fsdp_gathers_per_layer(fake_dp_group, 3, forwards, frozen=True) == 4
+    assert _fsdp_gathers(fake_dp_group, 2, forwards, frozen=True)[0] == 0
+    assert _fsdp_gathers(fake_dp_group, 3, forwards, frozen=True)[0] == 4
     arch = load_model_arch(llm="llama3-8b").with_freeze(["llm"])
     w = Workload.of_lengths([128])
     for zero, comm_per_forward in ((2, False), (3, True)):

@@ -36,7 +36,8 @@ and bytes of `loom.cost.flops`, on one rank of a stage with TP degree ``t`` and 
   the schedule (1F1B's steady forwards, its cool-down's backwards, GPipe's backwards). The cost
   model charges one gather to each forward: the step's total exactly, its place within the step
   approximately. A ZeRO-2 layer that runs no backward is never resharded: it gathers once, in
-  the first step, and none after;
+  the first step, and none after. Gathers move the compute dtype: fp32, or bf16 under
+  ``run.dtype = "bf16"`` (FSDP2's ``MixedPrecisionPolicy``, `loom.runtime.zero`);
 - frozen-aware backward (`loom.cost.frozen`, cornstarch.md §3.2.2): backward-weight only for
   trainable layers, backward-input only where something trainable lies at or before the
   layer, across modules;
@@ -121,10 +122,10 @@ class AnalyticCostModel(CostModel):
     """Costs from `ModelArch` dimensions and `GPUSpec` numbers (module docstring).
 
     ``dtype_bytes`` is the width of activations, messages and GEMM operands: ``run.dtype``'s
-    (`loom.cost.memory.DTYPE_BYTES`: bf16 2, the default, or fp32 4); weights, gradients, their
-    reduction, ZeRO-3's gathers and the optimizer state are fp32 whatever it is
-    (`loom.cost.memory.MASTER_BYTES`). The peak is the GPU's dense BF16 figure whatever
-    ``dtype_bytes`` is. ``efficiency`` is the fraction
+    (`loom.cost.memory.DTYPE_BYTES`: bf16 2, the default, or fp32 4), and of ZeRO-2/3's
+    parameter gathers (FSDP2's ``MixedPrecisionPolicy`` under bf16); weights, gradients, their
+    reduction and the optimizer state are fp32 whatever it is (`loom.cost.memory.MASTER_BYTES`).
+    The peak is the GPU's dense BF16 figure whatever ``dtype_bytes`` is. ``efficiency`` is the fraction
     of that peak GEMMs and attention achieve. ``optimizer`` is ``"adam"`` or ``"sgd"``.
     """
 
@@ -301,9 +302,9 @@ class AnalyticCostModel(CostModel):
             backward_input_comm += comm.reduce_scatter_time(kv, cp, g.cp_link)
         gather = 0.0
         if spec.zero_stage >= 3 or (spec.zero_stage == 2 and need.any):
-            # FSDP2 gathers the fp32 shards (autocast casts after the gather); ZeRO-2's m
-            # gathers per step, one per forward (module docstring)
-            gather = comm.all_gather_time(layer.stored_params / tp * MASTER_BYTES, g.shards, g.dp_link)
+            # FSDP2 gathers in the compute dtype (bf16 under its MixedPrecisionPolicy); ZeRO-2's
+            # m gathers per step, one per forward (module docstring)
+            gather = comm.all_gather_time(layer.stored_params / tp * b, g.shards, g.dp_link)
 
         forward_core = self._compute(layer, work, "forward", tp, cp, sp) + forward_comm
         backward_input = backward_weight = 0.0
@@ -452,7 +453,7 @@ class AnalyticCostModel(CostModel):
         # several microbatches per replica: loom's ZeRO-2/3 reduce-scatter only after the last
         accumulates = max(len(self.plan.microbatches_of(module, r)) for r in range(spec.data_parallel)) > 1
         return static_memory(layers, spec.tensor_parallel, self.groups(module, stage).shards, spec.zero_stage,
-                             self.optimizer, accumulates)
+                             self.optimizer, accumulates, self.dtype_bytes)
 
     def static_memory(self, module: str, stage: int) -> float:
         return self.static_breakdown(module, stage).total
@@ -468,9 +469,12 @@ class AnalyticCostModel(CostModel):
         t = spec.tensor_parallel
         sp = module == LLM  # sequence parallelism under TP, as loom.runtime.tensor_parallel runs it
         layers = self.stage_layers(module, stage)
+        # FSDP2 (ZeRO-2/3) gathers parameters in the compute dtype: autocast casts no copy of them
+        copies = spec.zero_stage < 2
         kept = sum(
             activation_bytes_per_token(l, t, spec.recompute, self.dtype_bytes, sp) * tokens
-            + (0.0 if l.kind == "block" and spec.recompute == "full" else weight_copy_bytes(l, t, self.dtype_bytes))
+            + (0.0 if (l.kind == "block" and spec.recompute == "full") or not copies
+               else weight_copy_bytes(l, t, self.dtype_bytes))
             for l, need in layers
             if need.any
         )
@@ -488,9 +492,11 @@ class AnalyticCostModel(CostModel):
         if work.tokens <= 0:
             return 0.0
         tokens = work.tokens / spec.context_parallel
-        copies = spec.recompute == "full"  # the recomputed block casts its weights again
+        # the recomputed block casts its weights again (not FSDP2's, gathered in the compute dtype)
+        copies = spec.recompute == "full" and spec.zero_stage < 2
         layers = self.stage_layers(module, stage)
-        gather = (zero3_gather_bytes([l for l, _ in layers], spec.tensor_parallel, self.groups(module, stage).shards)
+        gather = (zero3_gather_bytes([l for l, _ in layers], spec.tensor_parallel, self.groups(module, stage).shards,
+                                     self.dtype_bytes)
                   if spec.zero_stage >= 3 else 0.0)  # a layer's parameters gathered for its backward
         return gather + max(
             (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute, module == LLM)

@@ -12,7 +12,9 @@ tensor-parallel degree ``t`` and ``n = data_parallel x context_parallel`` replic
 (ZeRO shards over both, as Megatron-LM's distributed optimizer does):
 
 - parameters ``4 P / t``, divided by ``n`` under ZeRO-3; under ZeRO-2 the gathered parameters
-  *and* the rank's shard, ``4 P / t (1 + 1 / n)`` (FSDP2 with ``reshard_after_forward=False``,
+  *and* the rank's shard, ``b P / t + 4 P / (t n)`` with ``b`` the compute width (under bf16
+  FSDP2's ``MixedPrecisionPolicy`` gathers bf16 copies of the fp32 shards, `loom.runtime.zero`;
+  fp32: ``4 P / t (1 + 1 / n)``) (FSDP2 with ``reshard_after_forward=False``,
   `loom.runtime.zero`, keeps the shard and holds the gathered copy from a forward to the next
   backward, which reshards it; the pass after gathers it again, `loom.cost.analytic`. The
   copy is live whenever a forward has run since the last backward, so at the stage's peak,
@@ -25,9 +27,9 @@ tensor-parallel degree ``t`` and ``n = data_parallel x context_parallel`` replic
   (first and second moments; the weights are their own master copy) and ``k = 0`` for plain SGD.
 
 Under ZeRO-3 a layer's parameters are gathered for its forward and again for its backward:
-the gathered layer and the all-gather's input (a copy of the rank's shard) are live at once,
-``4 W (1 + 1 / n) / t`` for the largest layer of ``W`` parameters (`zero3_gather_bytes`, in
-the transient working set; measured by ``benchmarks/memory.py``).
+the gathered layer and the all-gather's input (the rank's shard, cast to the compute dtype) are
+live at once, ``b W (1 + 1 / n) / t`` for the largest layer of ``W`` parameters
+(`zero3_gather_bytes`, in the transient working set; measured by ``benchmarks/memory.py``).
 
 **Activations** kept from a microbatch's forward until its backward, per token and per rank
 (tokens divided by the context-parallel degree), only for layers that run some backward
@@ -92,7 +94,9 @@ Other layers keep their inputs (`activation_bytes_per_token`).
 and a layer whose input requires grad keeps that copy for its backward: ``b W / t`` per
 microbatch in flight for a layer of ``W`` GEMM weights that runs some backward (none under
 ``"full"`` recompute, where the copy is made again while the block is recomputed: part of the
-transient set). fp32 runs cast nothing (`weight_copy_bytes`).
+transient set). fp32 runs cast nothing (`weight_copy_bytes`), and neither do layers under
+ZeRO-2 and -3 in bf16: FSDP2 gathers their parameters in bf16 already, and what the backward
+reads is the gathered copy counted above.
 """
 
 from __future__ import annotations
@@ -136,11 +140,13 @@ def static_memory(
     zero_stage: int,
     optimizer: str,
     accumulates: bool = False,
+    dtype_bytes: int = MASTER_BYTES,
 ) -> StaticMemory:
     """Parameters, gradients and optimizer states of ``layers`` on one rank (module docstring);
     ``shards`` is the number of replicas ZeRO shards over (data x context parallel);
     ``accumulates``: the replica runs several microbatches on the stage, so ZeRO-2 and -3
-    gradients stay unsharded until the last backward."""
+    gradients stay unsharded until the last backward; ``dtype_bytes``: the compute width,
+    that of ZeRO-2's gathered parameters."""
     if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(f"optimizer = {optimizer!r}: choose one of {list(OPTIMIZER_STATE_BYTES)}")
     stored = _stored_params(layers)
@@ -150,8 +156,8 @@ def static_memory(
     params = MASTER_BYTES * total / t
     if zero_stage >= 3:
         params /= shards
-    elif zero_stage == 2:
-        params *= 1 + 1 / shards  # the gathered parameters beside the rank's shard
+    elif zero_stage == 2:  # the gathered parameters (compute dtype) beside the rank's fp32 shard
+        params = params / shards + min(dtype_bytes, MASTER_BYTES) * total / t
     return StaticMemory(
         params=params,
         grads=MASTER_BYTES * trainable / t / (shards if zero_stage >= 2 and not accumulates else 1),
@@ -159,10 +165,12 @@ def static_memory(
     )
 
 
-def zero3_gather_bytes(layers: Sequence[LayerArch], tensor_parallel: int, shards: int) -> float:
-    """What gathering the largest of ``layers`` holds at once under ZeRO-3 (module docstring)."""
+def zero3_gather_bytes(layers: Sequence[LayerArch], tensor_parallel: int, shards: int,
+                       dtype_bytes: int = MASTER_BYTES) -> float:
+    """What gathering the largest of ``layers`` holds at once under ZeRO-3 (module docstring),
+    gathered in the compute dtype of ``dtype_bytes``."""
     largest = max(_stored_params(layers), default=0)
-    return MASTER_BYTES * largest * (1 + 1 / shards) / tensor_parallel
+    return min(dtype_bytes, MASTER_BYTES) * largest * (1 + 1 / shards) / tensor_parallel
 
 
 def _stored_params(layers: Sequence[LayerArch]) -> list[int]:
