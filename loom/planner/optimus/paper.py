@@ -13,10 +13,20 @@ biases); Table 8's dimensions are what this uses, as a ViT-H-style block stack.
 
 from __future__ import annotations
 
-from loom.cost.arch import ModelArch
+import time
+from dataclasses import dataclass
+
+from loom.cost.analytic import AnalyticCostModel
+from loom.cost.arch import LLM, ModelArch
+from loom.cost.hardware import Cluster
 from loom.cost.model import Workload
 from loom.cost.model_configs import FrontendConfig, ModuleConfig, TransformerConfig, load_module_config
-from loom.planner.optimus.model_planner import LLMParallel
+from loom.plan.plan import ModuleSpec, Plan
+from loom.planner.optimus.coarse import OptimusResult, optimus_search
+from loom.planner.optimus.model_planner import LLMParallel, PlannerResult, encoder_stage_times, plan_encoders
+from loom.planner.optimus.timeline import LLMTimeline, llm_timeline_from_sim
+from loom.schedule.generators import build_schedule
+from loom.sim.simulator import simulate
 
 SEQUENCE = 2048
 MICROBATCH_SIZE = 2
@@ -47,3 +57,47 @@ def paper_workload() -> dict[str, Workload]:
     b = MICROBATCH_SIZE
     return {"llm": Workload(b * SEQUENCE, b * SEQUENCE * SEQUENCE, b),
             "vision": Workload(b * IMAGE_TOKENS, b * IMAGE_TOKENS * IMAGE_TOKENS, b)}
+
+
+@dataclass(frozen=True)
+class PaperRun:
+    """`paper_search`'s answer: the LLM timeline, the planner's and the search's results, and
+    CPU seconds (`time.process_time`) of the simulation that produced the timeline
+    (``simulate_s``, the offline profile's stand-in), of the planner (``plan_s``) and of the
+    coarse search with its stage pricing (``schedule_s``)."""
+
+    timeline: LLMTimeline
+    planned: PlannerResult
+    result: OptimusResult
+    simulate_s: float
+    plan_s: float
+    schedule_s: float
+
+
+def paper_search(max_partitions: int | None = 4096, memory_limit: float = 80e9, recompute: str = "full",
+                 num_microbatches: int = NUM_MICROBATCHES) -> PaperRun:
+    """The model planner and the coarse bubble scheduler at the module docstring's
+    configuration. The LLM's timeline is loom's simulation of GPT-175B alone at (DP 48, PP 8,
+    TP 8), 1F1B, ZeRO-1, on 3072 H100 (replica 0's pipeline); ``recompute`` applies to the LLM
+    and the encoder (Megatron's baselines at this scale recompute fully)."""
+    arch, work = paper_arch(), paper_workload()
+    cluster = Cluster("h100", NUM_GPUS)
+    t0 = time.process_time()
+    llm_only = ModelArch({LLM: arch.module(LLM)})
+    plan = Plan([ModuleSpec(LLM, data_parallel=LLM_PLAN.data_parallel, num_stages=LLM_PLAN.pipeline_parallel,
+                            tensor_parallel=LLM_PLAN.tensor_parallel, zero_stage=1, recompute=recompute)],
+                num_microbatches=num_microbatches * LLM_PLAN.data_parallel)
+    plan.resolve(llm_only.layer_counts(), NUM_GPUS)
+    cost = AnalyticCostModel(llm_only, plan, cluster)
+    sim = simulate(build_schedule(plan), plan, cost, [{LLM: work[LLM]}] * plan.num_microbatches)
+    timeline = llm_timeline_from_sim(sim)
+    t1 = time.process_time()
+    planned = plan_encoders(arch, LLM_PLAN, num_microbatches, llm_tokens=work[LLM].tokens,
+                            encoder_tokens={"vision": work["vision"].tokens}, memory_limit=memory_limit,
+                            llm_recompute=recompute, encoder_recompute=recompute)
+    t2 = time.process_time()
+    result = optimus_search(planned, timeline, lambda c: encoder_stage_times(arch, c, cluster, work,
+                                                                             recompute=recompute),
+                            max_partitions=max_partitions)
+    t3 = time.process_time()
+    return PaperRun(timeline, planned, result, t1 - t0, t2 - t1, t3 - t2)
