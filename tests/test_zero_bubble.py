@@ -1,6 +1,9 @@
 """ZB-H1, the zero-bubble schedule (Qi et al., "Zero Bubble Pipeline Parallelism", §3.1): the IR's
 split backward (``BACKWARD_INPUT`` then a deferred ``BACKWARD_WEIGHT``), its generator on the
-multimodal DAG, the validator's order rules, and the simulator's pricing of the two parts."""
+multimodal DAG, the validator's order rules, the simulator's pricing of the two parts, and the
+executor's split autograd passes. The reference semantics on gloo (loss and every gradient
+against the single process) run in tests/test_parallel_reference.py's multimodal launch (cases
+``multimodal_zb-h1`` and ``frozen_encoders_zb-h1``)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ import dataclasses
 import itertools
 
 import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
 
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.hardware import Cluster
@@ -21,6 +26,7 @@ from loom.schedule import (
     build_schedule,
     validate_schedule,
 )
+from loom.runtime.split_backward import backward_input, backward_weight
 from loom.schedule.layout import BatchLayout
 from loom.sim import simulate
 
@@ -230,3 +236,64 @@ def test_analytic_parts_sum_to_the_backward():
         parts = [cost.stage_time(module, 0, p, work) for p in ("backward_input", "backward_weight")]
         assert whole > 0 and sum(parts) == pytest.approx(whole)
         assert parts == [cost.phase_time(module, 0, p, work) for p in ("backward_input", "backward_weight")]
+
+
+def test_refused_combinations_name_the_schedule():
+    for spec, field in [(ModuleSpec(LLM, num_stages=2, data_parallel=2, zero_stage=2), "zero_stage = 2"),
+                        (ModuleSpec(LLM, num_stages=2, data_parallel=2, zero_stage=3), "zero_stage = 3"),
+                        (ModuleSpec(LLM, num_stages=2, context_parallel=2), "context_parallel = 2")]:
+        with pytest.raises(PlanError, match=rf"plan.schedule = 'zb-h1' with plan.modules\['llm'\].{field}"):
+            Plan([spec], num_microbatches=4, schedule="zb-h1").resolve({LLM: 4})
+    Plan([ModuleSpec(LLM, num_stages=2, data_parallel=2, zero_stage=1)], num_microbatches=4,
+         schedule="zb-h1").resolve({LLM: 4})
+
+
+# ---- the split autograd passes (loom.runtime.split_backward) -----------------------------
+class _Stage(torch.nn.Module):
+    """A stage with an embedding merged into the received activation, a block used twice
+    (optionally checkpointed, optionally with tied weights), a frozen layer between, and
+    optionally the loss."""
+
+    def __init__(self, tie: bool, recompute: bool, loss: bool):
+        super().__init__()
+        self.l1, self.l2, self.norm = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8)
+        self.emb, self.frozen = torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8)
+        self.frozen.requires_grad_(False)
+        if tie:
+            self.l2.weight = self.l1.weight
+        self.recompute, self.loss = recompute, loss
+
+    def block(self, h):
+        return h + torch.tanh(self.l2(torch.relu(self.l1(self.norm(h)))))
+
+    def forward(self, x, ids, use_x):
+        h = self.emb(ids) + (x if use_x else 0)
+        for layer in (self.block, self.frozen, self.block):
+            h = checkpoint(layer, h, use_reentrant=False) if self.recompute and layer != self.frozen else layer(h)
+        return (h ** 2).sum() if self.loss else h
+
+
+@pytest.mark.parametrize("tie,recompute,loss,use_x", list(itertools.product([False, True], repeat=4)))
+def test_input_then_weight_pass_equals_one_backward(tie, recompute, loss, use_x):
+    """The input pass gives the input its gradient and no parameter any; the weight pass then
+    gives every parameter exactly the gradient of one whole backward (an input the output does
+    not use, a layer used twice, tied weights, recompute, the loss)."""
+    torch.manual_seed(0)
+    m = _Stage(tie, recompute, loss)
+    ids, x = torch.randint(0, 10, (4,)), torch.randn(4, 8)
+    g = None if loss else torch.randn(4, 8)
+    x1 = x.clone().requires_grad_()
+    torch.autograd.backward(m(x1, ids, use_x), g)
+    ref = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    x2 = x.clone().requires_grad_()
+    params = [p for p in m.parameters() if p.requires_grad]
+    wp = backward_input(m(x2, ids, use_x), g, [x2], params)
+    assert all(p.grad is None for p in params)
+    if use_x:
+        torch.testing.assert_close(x2.grad, x1.grad)
+    backward_weight(wp)
+    got = {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+    assert got.keys() == ref.keys()
+    for n in ref:
+        torch.testing.assert_close(got[n], ref[n], msg=n)
