@@ -48,11 +48,12 @@ from loom.runtime.comm import P2PCommunicator
 from loom.runtime.context_parallel import RankContext, microbatch_context, select_features
 from loom.runtime.precision import Precision
 from loom.runtime.rows import RowMap
+from loom.runtime.split_backward import WeightPass, backward_input, backward_weight
 from loom.runtime.stage import Stage, move_batch
 from loom.runtime.unit import UnitPlace, local_tensor, settle_gradients, sync_gradients
 from loom.runtime.zero import ZeroStage
 from loom.schedule.generators import backward_flow
-from loom.schedule.ir import Action, ActionKind, Schedule
+from loom.schedule.ir import BACKWARDS, Action, ActionKind, Schedule
 from loom.schedule.timeline import TimelineEvent
 
 StageId = tuple[str, int]
@@ -99,6 +100,7 @@ class MicrobatchState:
     parts: list[torch.Tensor] | None = None  # per-part outputs of a split forward
     out_grad: torch.Tensor | None = None  # gradient w.r.t. ``output`` from the next stage
     backward_left: int = 0  # backward actions (parts) still to run
+    weight_pass: WeightPass | None = None  # ZB-H1: what the input pass left for the weight pass
 
 
 @dataclass
@@ -114,7 +116,7 @@ class ActionPlan:
     split: dict[int, list[tuple[int, ...]]]  # microbatch -> split-backward parts (encoder first stages)
     routed: bool  # some action names samples: the iteration needs a RowMap
     steps: bool = False  # the list has an OPTIMIZER_STEP (where clipping joins the norm's all-reduce)
-    last_backward: int = -1  # index of the last BACKWARD (where ZeRO 2/3 reduce: loom.runtime.zero)
+    last_backward: int = -1  # index of the last BACKWARD or weight pass (where ZeRO 2/3 reduce: loom.runtime.zero)
 
 
 class _Iteration:
@@ -176,6 +178,8 @@ class PipelineExecutor:
             ActionKind.SEND_ACT: self._send_act,
             ActionKind.RECV_GRAD: self._recv_grad,
             ActionKind.BACKWARD: self._backward,
+            ActionKind.BACKWARD_INPUT: self._backward_input,
+            ActionKind.BACKWARD_WEIGHT: self._backward_weight,
             ActionKind.SEND_GRAD: self._send_grad,
             ActionKind.GRAD_SYNC: self._grad_sync,
             ActionKind.OPTIMIZER_STEP: self._optimizer_step,
@@ -217,7 +221,7 @@ class PipelineExecutor:
         it = _Iteration(plan, microbatches, num_targets, rows,
                         torch.zeros((), dtype=torch.float64, device=self.device), cp_blocks)
         sync = exact_timing and self.device.type == "cuda"
-        compute = (ActionKind.FORWARD, ActionKind.BACKWARD)
+        compute = (ActionKind.FORWARD, *BACKWARDS)
         times: list[float] = []
         clock = time.time
         for i, (handler, a, tag) in enumerate(zip(plan.handlers, plan.actions, plan.tags)):
@@ -266,7 +270,7 @@ class PipelineExecutor:
                 tag = self._tag(me, peer, j, k, n, grad=True)
             elif a.kind is ActionKind.SEND_GRAD:
                 tag = self._tag(peer, me, k, j, n, grad=True)
-            elif a.kind is ActionKind.BACKWARD:
+            elif a.kind in BACKWARDS:
                 backward_parts[j] = backward_parts.get(j, 0) + 1
                 if a.samples is not None:
                     split.setdefault(j, []).append(a.samples)
@@ -278,7 +282,8 @@ class PipelineExecutor:
         plan = ActionPlan(actions, [self._handlers[a.kind] for a in actions], tags, [a.short() for a in actions],
                           backward_parts, last_send, split, any(a.samples is not None for a in actions),
                           any(a.kind is ActionKind.OPTIMIZER_STEP for a in actions),
-                          max((i for i, a in enumerate(actions) if a.kind is ActionKind.BACKWARD), default=-1))
+                          max((i for i, a in enumerate(actions)
+                               if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)), default=-1))
         if len(self._plans) >= 64:
             self._plans.clear()
         self._plans[id(schedule)] = (schedule, plan)
@@ -406,6 +411,34 @@ class PipelineExecutor:
                 st.batch = st.context = st.output = st.parts = st.out_grad = None
             else:
                 del it.states[j]
+
+    def _backward_input(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        """ZB-H1's input pass (`loom.runtime.split_backward`): only the gradients of the
+        received activations, which the SEND_GRADs after it ship; the weights wait for
+        `_backward_weight`, from the same graph."""
+        j = a.microbatch
+        st = it.states[j]
+        grad, st.out_grad = (None if self.stage.computes_loss else st.out_grad), None
+        st.backward_left -= 1
+        if st.output.requires_grad:
+            params = [p for p in self.stage.trainable_parameters() if p.requires_grad]
+            with self.unit.loss_context():
+                st.weight_pass = backward_input(st.output, grad, list(st.inputs.values()), params)
+        st.inputs = {k: t for k, t in st.inputs.items() if t.requires_grad}
+        st.batch = st.context = st.output = None  # the graph lives on in the weight pass
+
+    def _backward_weight(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
+        """ZB-H1's weight pass: the parameters' gradients of the microbatch, accumulated into
+        ``.grad`` as a whole backward would."""
+        j = a.microbatch
+        st = it.states[j]
+        st.backward_left -= 1
+        if st.weight_pass is not None:
+            with self.unit.loss_context():
+                backward_weight(st.weight_pass)
+            st.weight_pass = None
+        if not st.inputs and st.backward_left == 0:
+            del it.states[j]
 
     def _send_grad(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j = a.microbatch
