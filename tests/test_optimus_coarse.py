@@ -18,7 +18,7 @@ from loom.planner.optimus import (
     ScheduleViolation,
     StageTimeline,
     best_coarse_schedule,
-    check_coarse_schedule,
+    check_bubble_schedule,
     coarse_schedule,
     compositions,
     llm_timeline_from_sim,
@@ -115,7 +115,7 @@ def test_every_partition_obeys_the_dependency_and_placement_rules(case):
     times = EncoderStageTimes(f, b, transfer=0.05, to_llm=tuple(0.02 * (a + 1) for a in range(cand.groups)))
     for parts in compositions(n_mb, cand.m):
         sched = coarse_schedule(tl, cand, times, parts)
-        check_coarse_schedule(sched, tl, times)  # EF_i <= F_i, EB_i >= B_i, stage order, no overlap, regions
+        check_bubble_schedule(sched, tl, times)  # EF_i <= F_i, EB_i >= B_i, stage order, no overlap, regions
         for i, (j, k) in enumerate(sched.feeds):
             assert sched.encoder_forward_end[i] <= tl.forward_points[i] + sched.shift + _EPS
             assert sched.encoder_backward_start[i] >= tl.backward_points[i] + sched.shift
@@ -141,17 +141,17 @@ def test_the_checker_rejects_broken_schedules():
                    key=lambda i: blocks[i].end)
     late = with_block(last_fwd, start=blocks[last_fwd].start + 50, end=blocks[last_fwd].end + 50)
     with pytest.raises(ScheduleViolation, match="LLM microbatch 7: EF_i"):
-        check_coarse_schedule(late, tl, times)
+        check_bubble_schedule(late, tl, times)
     # a backward that starts before the LLM's gradient
     i0 = next(i for i, b in enumerate(blocks) if b.direction == "backward" and b.stage == 1 and b.llm_microbatch == 0)
     early = with_block(i0, start=0.0, end=blocks[i0].end - blocks[i0].start)
     with pytest.raises(ScheduleViolation, match="LLM microbatch 0: EB_i"):
-        check_coarse_schedule(early, tl, times)
+        check_bubble_schedule(early, tl, times)
     # forward stage order broken
     f1 = next(i for i, b in enumerate(blocks) if b.direction == "forward" and b.stage == 1 and b.microbatch == 0)
     order = with_block(f1, start=0.0, end=0.4)
     with pytest.raises(ScheduleViolation, match="before stage 0's output arrives"):
-        check_coarse_schedule(order, tl, times)
+        check_bubble_schedule(order, tl, times)
     # LLM compute where an encoder backward runs: the same schedule against a timeline whose
     # stage 0 is busy then
     last = max((b for b in blocks if b.direction == "backward" and b.ranks == cand.ranks(0, 0)), key=lambda b: b.start)
@@ -159,7 +159,7 @@ def test_the_checker_rejects_broken_schedules():
     busy = tuple(sorted(st.busy + ((last.start - sched.shift + 0.01, last.start - sched.shift + 0.02),)))
     tl2 = dataclasses.replace(tl, stages=(dataclasses.replace(st, busy=busy),) + tl.stages[1:])
     with pytest.raises(ScheduleViolation, match="overlaps the LLM's compute"):
-        check_coarse_schedule(sched, tl2, times)
+        check_bubble_schedule(sched, tl2, times)
 
 
 # ---- brute force on tiny instances ----------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_search_finds_the_best_composition(seed):
     best, count = best_coarse_schedule(tl, cand, times, max_partitions=None)
     assert best is not None and best.latency == pytest.approx(every)
     assert count == cand.count_partitions(tl.num_microbatches)
-    check_coarse_schedule(best, tl, times)
+    check_bubble_schedule(best, tl, times)
 
 
 def test_optimus_search_picks_the_lowest_latency_over_plans():

@@ -190,6 +190,10 @@ def test_encoder_stage_times_from_the_analytic_model():
     assert times.num_stages == 2 and min(times.forward) > 0 and min(times.backward) > 0
     assert len(times.to_llm) == c.groups == 2
     assert times.to_llm[0] > 0  # pipeline 0's last stage is on LLM stage 1, not 0
+    # per-layer times (the fine step's units): the stage's layers, adding up to its time
+    layers = len(tiny_arch().module("vision").layers)
+    assert sum(len(x) for x in times.layer_forward) == sum(len(x) for x in times.layer_backward) == layers
+    assert [sum(x) for x in times.layer_forward] == pytest.approx(list(times.forward))
 
 
 def test_paper_configuration_plans():

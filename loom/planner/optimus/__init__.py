@@ -7,23 +7,26 @@
   intervals per stage, the dependency points ``F_i`` and ``B_i``), and its adapter from a
   `loom.sim` result;
 - `loom.planner.optimus.coarse`: the coarse bubble schedule (Algorithm 2's InitSchedule,
-  §3.4, with the dependency rules of §3.6), its checker, and the search over plans and
-  partitions (Algorithm 1 with the coarse schedule only).
+  §3.4, with the dependency rules of §3.6) and its checker;
+- `loom.planner.optimus.fine`: the fine step at layer granularity (OptimizeSchedule,
+  findCritical, ScheduleKernels, §3.5);
+- `loom.planner.optimus.search`: Algorithm 1, the search over plans and partitions;
+- `loom.planner.optimus.paper`: the configuration of optimus.md §4.6 the issue times.
 
-The colocated placement in `Plan`, the executor and the fine schedule (findCritical,
-ScheduleKernels) are not built yet (docs/optimus.md).
+The colocated placement in `Plan`, the IR transform and the executor are not built yet
+(docs/optimus.md).
 """
 
 from loom.planner.optimus.coarse import (
-    CoarseSchedule,
+    BubbleSchedule,
     EncoderBlock,
-    OptimusResult,
     ScheduleViolation,
     best_coarse_schedule,
-    check_coarse_schedule,
+    check_bubble_schedule,
+    coarse_ranking,
     coarse_schedule,
-    optimus_search,
 )
+from loom.planner.optimus.fine import best_fine_schedule, fine_schedule
 from loom.planner.optimus.model_planner import (
     ColocationMemory,
     EncoderCandidate,
@@ -40,12 +43,14 @@ from loom.planner.optimus.model_planner import (
     paper_overhead_memory,
     plan_encoders,
 )
+from loom.planner.optimus.search import OptimusResult, optimus_search
 from loom.planner.optimus.timeline import LLMTimeline, StageTimeline, llm_timeline_from_sim
 
 __all__ = [
-    "CoarseSchedule", "ColocationMemory", "EncoderBlock", "EncoderCandidate", "EncoderParallel", "EncoderStageTimes",
+    "BubbleSchedule", "ColocationMemory", "EncoderBlock", "EncoderCandidate", "EncoderParallel", "EncoderStageTimes",
     "LLMParallel", "LLMTimeline", "OptimusResult", "PlannerResult", "PrunedPlan", "RankMemory", "ScheduleViolation", "StageTimeline",
-    "best_coarse_schedule", "check_coarse_schedule", "coarse_schedule", "compositions", "count_partitions",
+    "best_coarse_schedule", "best_fine_schedule", "check_bubble_schedule", "coarse_ranking", "coarse_schedule",
+    "fine_schedule", "compositions", "count_partitions",
     "encoder_stage_times", "llm_timeline_from_sim", "optimus_search", "paper_model_memory", "paper_overhead_memory",
     "plan_encoders",
 ]

@@ -1,6 +1,6 @@
 """Optimus's coarse bubble schedule (optimus.md §3.2 Algorithm 2's InitSchedule, §3.4) with
-the encoder-LLM dependency rules of §3.6, its checker, and the search over encoder plans and
-partitions (Algorithm 1, §3.1, with the coarse schedule only).
+the encoder-LLM dependency rules of §3.6, its checker, and the search over one encoder plan's
+partitions (`coarse_ranking`, `best_coarse_schedule`; over plans: `loom.planner.optimus.search`).
 
 **The schedule** of one partition (``parts[j]`` microbatches for encoder pipeline ``j``; the
 colocation map of `loom.planner.optimus.model_planner`: every device, the ``TP_enc`` ranks an
@@ -29,14 +29,14 @@ Within a pipeline all microbatches cost the same (per-stage times, §2.2's offli
 the forward order does not matter and the backward order by arrival is optimal for the
 pipeline's completion (the tests check it by brute force).
 
-**Figures** (`CoarseSchedule`): ``bubble_fill_fraction``, the share of the LLM's bubble time,
+**Figures** (`BubbleSchedule`): ``bubble_fill_fraction``, the share of the LLM's bubble time,
 ``Σ_devices (llm_end - busy)`` over the shifted LLM window, that encoder work fills;
 ``encoder_in_bubbles``, the share of encoder work that lies inside that window (optimus.md
 §5.3.2's efficiency ``Eff_coarse``).
 
-**The search** (`optimus_search`): for every candidate of the model planner and every
-partition it enumerates, the coarse schedule; the lowest latency wins (ties: the first in
-enumeration order). A lower bound skips partitions that cannot win: ``llm_end + shift``, and per
+**The search over partitions** (`coarse_ranking`): for every partition a candidate enumerates,
+the coarse schedule; the lowest latency wins (ties: the first in enumeration order). A lower
+bound skips partitions that cannot win: ``llm_end + shift``, and per
 pipeline its last gradient's arrival plus its backward chain, and its first stage's region start
 plus its backwards there.
 """
@@ -44,15 +44,15 @@ plus its backwards there.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+import heapq
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from loom.planner.optimus.model_planner import (
     EncoderCandidate,
     EncoderParallel,
     EncoderStageTimes,
     OptimusPlanError,
-    PlannerResult,
 )
 from loom.planner.optimus.timeline import LLMTimeline
 
@@ -80,15 +80,19 @@ class EncoderBlock:
     ranks: tuple[int, ...]
     start: float
     end: float
+    layer: int = -1  # -1: the whole stage at once; else the layer's index in the stage (forward order)
 
 
 @dataclass(frozen=True)
-class CoarseSchedule:
-    """The coarse schedule of one encoder plan and partition (module docstring).
+class BubbleSchedule:
+    """The bubble schedule of one encoder plan and partition: the coarse one (module
+    docstring) or one the fine schedule improved (`loom.planner.optimus.fine`).
     ``feeds[i] = (pipeline, microbatch)``: which encoder microbatch feeds LLM microbatch ``i``;
     ``encoder_forward_end[i]`` is its ``EF_i`` (arrival at LLM stage 0) and
     ``encoder_backward_start[i]`` its ``EB_i`` (start of its backward on the encoder's last
-    stage); times are on the shifted clock (the LLM starts at ``shift``)."""
+    stage); times are on the shifted clock (the LLM starts at ``shift``). ``moved`` lists the
+    ``(direction, pipeline, microbatch)`` the fine schedule moved into the bubbles between LLM
+    compute (their blocks are layers), ``coarse_latency`` the latency before it did."""
 
     candidate: EncoderCandidate
     partition: tuple[int, ...]
@@ -102,6 +106,8 @@ class CoarseSchedule:
     bubble_time: float
     filled_time: float
     encoder_time: float
+    moved: tuple[tuple[str, int, int], ...] = ()
+    coarse_latency: float | None = None
 
     @property
     def encoder(self) -> EncoderParallel:
@@ -120,7 +126,8 @@ class CoarseSchedule:
         return {"encoder_plan": {"dp": e.data_parallel, "pp": e.pipeline_parallel, "tp": e.tensor_parallel},
                 "m": self.candidate.m, "partition": list(self.partition), "shift_s": self.shift,
                 "latency_s": self.latency, "llm_end_s": self.llm_end, "bubble_fill_fraction": self.bubble_fill_fraction,
-                "encoder_in_bubbles": self.encoder_in_bubbles}
+                "encoder_in_bubbles": self.encoder_in_bubbles, "moved": len(self.moved),
+                "coarse_latency_s": self.latency if self.coarse_latency is None else self.coarse_latency}
 
 
 def _check_inputs(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes) -> None:
@@ -250,7 +257,7 @@ class _Coarse:
         finish, _ = self.backward(parts, shift, arrivals)
         return max(self.timeline.end + shift, finish)
 
-    def build(self, parts: Sequence[int]) -> CoarseSchedule:
+    def build(self, parts: Sequence[int]) -> BubbleSchedule:
         c, tl, times = self.candidate, self.timeline, self.times
         shift, arrivals = self.forward(parts)
         record: list[tuple[int, int, int, int, float, float]] = []
@@ -266,11 +273,8 @@ class _Coarse:
         for j, k, i, s, start, end in record:
             blocks.append(EncoderBlock(BACKWARD, j, k, i, s, c.llm_stage(j, s), c.ranks(j, s), start, end))
         llm_end = tl.end + shift
-        # bubble time and what encoder work fills of it, per device (TP_enc ranks each)
-        bubble = c.group_size * sum(tl.end - st.busy_time for st in tl.stages)
-        filled = sum(max(0.0, min(b.end, llm_end) - max(b.start, shift)) for b in blocks)
-        work = sum(b.end - b.start for b in blocks)
-        return CoarseSchedule(
+        bubble, filled, work = fill(blocks, tl, c, shift)
+        return BubbleSchedule(
             candidate=c, partition=tuple(parts), shift=shift, latency=max(llm_end, finish), llm_end=llm_end,
             feeds=tuple((j, k) for _, j, k in arrivals), encoder_forward_end=tuple(ef for ef, _, _ in arrivals),
             encoder_backward_start=tuple(eb), blocks=tuple(blocks), bubble_time=bubble, filled_time=filled,
@@ -278,8 +282,19 @@ class _Coarse:
         )
 
 
+def fill(blocks: Sequence[EncoderBlock], timeline: LLMTimeline, candidate: EncoderCandidate,
+         shift: float) -> tuple[float, float, float]:
+    """The LLM's bubble time over its shifted window, summed over devices (``TP_enc`` ranks
+    each), the encoder work inside that window (it never overlaps LLM compute), and all encoder
+    work: `BubbleSchedule`'s ``bubble_time``, ``filled_time`` and ``encoder_time``."""
+    bubble = candidate.group_size * sum(timeline.end - st.busy_time for st in timeline.stages)
+    end = timeline.end + shift
+    filled = sum(max(0.0, min(b.end, end) - max(b.start, shift)) for b in blocks)
+    return bubble, filled, sum(b.end - b.start for b in blocks)
+
+
 def coarse_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes,
-                    partition: Sequence[int]) -> CoarseSchedule:
+                    partition: Sequence[int]) -> BubbleSchedule:
     """The coarse schedule of ``partition`` (module docstring)."""
     parts = tuple(partition)
     if len(parts) != candidate.m:
@@ -291,52 +306,40 @@ def coarse_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: E
     return _Coarse(timeline, candidate, times).build(parts)
 
 
-def best_coarse_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes,
-                         partitions: Iterable[Sequence[int]] | None = None,
-                         max_partitions: int | None = 4096) -> tuple[CoarseSchedule | None, int]:
-    """The lowest-latency coarse schedule over ``partitions`` (default: the candidate's,
-    `EncoderCandidate.partitions`), and how many partitions were considered."""
+def coarse_ranking(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes, top: int = 1,
+                   partitions: Iterable[Sequence[int]] | None = None,
+                   max_partitions: int | None = 4096) -> tuple[list[tuple[float, tuple[int, ...]]], int]:
+    """The ``top`` lowest coarse latencies over ``partitions`` (default: the candidate's,
+    `EncoderCandidate.partitions`) as ``(latency, partition)``, best first (ties: enumeration
+    order), and how many partitions were considered."""
     engine = _Coarse(timeline, candidate, times)
     if partitions is None:
         partitions = candidate.partitions(timeline.num_microbatches, max_partitions)
-    best, best_parts, count = float("inf"), None, 0
+    kept: list[tuple[float, int, tuple[int, ...]]] = []  # max-heap by (latency, order) via negation
+    count = 0
     for parts in partitions:
+        worst = -kept[0][0] if len(kept) >= top else float("inf")
+        lat = engine.latency(parts, worst)
+        if lat is not None and lat < worst:
+            if len(kept) >= top:
+                heapq.heappop(kept)
+            heapq.heappush(kept, (-lat, -count, tuple(parts)))
         count += 1
-        lat = engine.latency(parts, best)
-        if lat is not None and lat < best:
-            best, best_parts = lat, tuple(parts)
-    return (engine.build(best_parts) if best_parts is not None else None), count
+    return [(lat, parts) for lat, _, parts in sorted((-nl, -nc, parts) for nl, nc, parts in kept)], count
 
 
-@dataclass(frozen=True)
-class OptimusResult:
-    """Algorithm 1 over the coarse schedule: the best schedule, and per candidate its best (None
-    when it has no partition) with the number of partitions considered."""
-
-    best: CoarseSchedule | None
-    per_candidate: tuple[tuple[EncoderCandidate, CoarseSchedule | None, int], ...] = field(default=())
-
-
-def optimus_search(planned: PlannerResult, timeline: LLMTimeline,
-                   stage_times: Callable[[EncoderCandidate], EncoderStageTimes],
-                   max_partitions: int | None = 4096) -> OptimusResult:
-    """Algorithm 1 (optimus.md §3.1) with the coarse schedule: every candidate of ``planned``,
-    every partition, the lowest latency (module docstring). ``stage_times(candidate)`` prices a
-    candidate's encoder stages (e.g. `loom.planner.optimus.model_planner.encoder_stage_times`)."""
-    if timeline.num_microbatches != planned.num_microbatches:
-        raise OptimusPlanError(f"the LLM timeline has {timeline.num_microbatches} microbatches but the planner was "
-                               f"given N_mb = {planned.num_microbatches}: use the same microbatch count")
-    rows = []
-    best: CoarseSchedule | None = None
-    for cand in planned.candidates:
-        sched, count = best_coarse_schedule(timeline, cand, stage_times(cand), max_partitions=max_partitions)
-        rows.append((cand, sched, count))
-        if sched is not None and (best is None or sched.latency < best.latency):
-            best = sched
-    return OptimusResult(best, tuple(rows))
+def best_coarse_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes,
+                         partitions: Iterable[Sequence[int]] | None = None,
+                         max_partitions: int | None = 4096) -> tuple[BubbleSchedule | None, int]:
+    """The lowest-latency coarse schedule over ``partitions`` (`coarse_ranking`), and how many
+    partitions were considered."""
+    ranked, count = coarse_ranking(timeline, candidate, times, 1, partitions, max_partitions)
+    if not ranked:
+        return None, count
+    return _Coarse(timeline, candidate, times).build(ranked[0][1]), count
 
 
-def check_coarse_schedule(schedule: CoarseSchedule, timeline: LLMTimeline, times: EncoderStageTimes) -> None:
+def check_bubble_schedule(schedule: BubbleSchedule, timeline: LLMTimeline, times: EncoderStageTimes) -> None:
     """Check every rule of a coarse schedule independently of how it was built; raise
     `ScheduleViolation` naming the first broken one:
 
@@ -346,9 +349,11 @@ def check_coarse_schedule(schedule: CoarseSchedule, timeline: LLMTimeline, times
       ``EB`` taken from the microbatch that fed ``i`` (optimus.md §3.6, §7 point 8);
     - encoder stage order: a forward of stage ``s`` starts after stage ``s - 1``'s of the same
       microbatch has ended and been sent; a backward of stage ``s`` after stage ``s + 1``'s;
-    - each block lasts its stage's time; blocks on a device do not overlap each other, nor the
-      device's LLM busy intervals; forwards end by the device's first LLM compute and backwards
-      start after its last LLM backward (the coarse regions)."""
+    - each block lasts its stage's time, or (the fine schedule's, `loom.planner.optimus.fine`)
+      each of a stage's layers runs once, in order (a backward last layer first), lasting its
+      layer's time; blocks on a device do not overlap each other, nor the device's LLM busy
+      intervals; whole-stage forwards end by the device's first LLM compute and whole-stage
+      backwards start after its last LLM backward (the coarse regions)."""
     c, shift = schedule.candidate, schedule.shift
     g = c.group_size
     n = timeline.num_microbatches
@@ -356,20 +361,33 @@ def check_coarse_schedule(schedule: CoarseSchedule, timeline: LLMTimeline, times
             or len(schedule.feeds) != n:
         raise ScheduleViolation(f"the feeds {schedule.feeds[:6]}... do not give each of the {n} LLM microbatches "
                                 f"exactly one encoder microbatch of partition {list(schedule.partition)}")
-    fwd: dict[tuple[int, int, int], EncoderBlock] = {}
-    bwd: dict[tuple[int, int, int], EncoderBlock] = {}
+    parts: dict[tuple[str, int, int, int], list[EncoderBlock]] = {}
     for b in schedule.blocks:
-        table, dur = (fwd, times.forward[b.stage]) if b.direction == FORWARD else (bwd, times.backward[b.stage])
-        key = (b.pipeline, b.microbatch, b.stage)
-        if key in table:
-            raise ScheduleViolation(f"encoder pipeline {b.pipeline} microbatch {b.microbatch} stage {b.stage} runs "
-                                    f"its {b.direction} twice")
-        table[key] = b
-        if abs((b.end - b.start) - dur) > 1e-9 * max(1.0, dur):
-            raise ScheduleViolation(f"{b.direction} of pipeline {b.pipeline} microbatch {b.microbatch} stage "
-                                    f"{b.stage} lasts {b.end - b.start}, not the stage's {dur}")
         if b.llm_stage != c.llm_stage(b.pipeline, b.stage) or b.ranks != c.ranks(b.pipeline, b.stage):
             raise ScheduleViolation(f"pipeline {b.pipeline} stage {b.stage} runs off its colocated ranks")
+        parts.setdefault((b.direction, b.pipeline, b.microbatch, b.stage), []).append(b)
+    # per (pipeline, microbatch, stage): the (start, end) of its forward and of its backward
+    fwd: dict[tuple[int, int, int], tuple[float, float]] = {}
+    bwd: dict[tuple[int, int, int], tuple[float, float]] = {}
+    for (direction, j, k, s), blocks in parts.items():
+        where = f"{direction} of pipeline {j} microbatch {k} stage {s}"
+        layers = times.layers(direction, s)
+        if len(blocks) == 1 and blocks[0].layer < 0:  # the whole stage at once
+            units = [(blocks[0], sum(layers))]
+        else:
+            order = sorted(blocks, key=lambda b: b.layer, reverse=direction == BACKWARD)
+            expected = list(range(len(layers))) if direction == FORWARD else list(range(len(layers)))[::-1]
+            if [b.layer for b in order] != expected:
+                raise ScheduleViolation(f"{where}: runs layers {[b.layer for b in order]}, not each of its "
+                                        f"{len(layers)} layers once")
+            units = list(zip(order, layers))
+        for (x, _), (y, _) in zip(units, units[1:]):
+            if y.start + _EPS < x.end:
+                raise ScheduleViolation(f"{where}: layer {y.layer} starts before layer {x.layer} ends")
+        for b, dur in units:
+            if abs((b.end - b.start) - dur) > 1e-9 * max(1.0, dur):
+                raise ScheduleViolation(f"{where} (layer {b.layer}) lasts {b.end - b.start}, not its {dur}")
+        (fwd if direction == FORWARD else bwd)[(j, k, s)] = (units[0][0].start, units[-1][0].end)
     S = times.num_stages
     for i, (j, k) in enumerate(schedule.feeds):
         for s in range(S):
@@ -377,21 +395,21 @@ def check_coarse_schedule(schedule: CoarseSchedule, timeline: LLMTimeline, times
                 raise ScheduleViolation(f"LLM microbatch {i}: encoder pipeline {j} microbatch {k} lacks its "
                                         f"forward or backward on stage {s}")
         to_llm = times.to_llm_of(j // g)
-        ef = fwd[(j, k, S - 1)].end + to_llm
+        ef = fwd[(j, k, S - 1)][1] + to_llm
         if ef > timeline.forward_points[i] + shift + _EPS:
             raise ScheduleViolation(f"LLM microbatch {i}: EF_i = {ef:.6g} > F_i = "
                                     f"{timeline.forward_points[i] + shift:.6g} (its encoder output, from pipeline "
                                     f"{j} microbatch {k}, arrives after the LLM needs it)")
-        eb = bwd[(j, k, S - 1)].start
+        eb = bwd[(j, k, S - 1)][0]
         if eb + _EPS < timeline.backward_points[i] + shift + to_llm:
             raise ScheduleViolation(f"LLM microbatch {i}: EB_i = {eb:.6g} < B_i = "
                                     f"{timeline.backward_points[i] + shift + to_llm:.6g} (pipeline {j} microbatch {k} "
                                     "starts its backward before the LLM's gradient arrives)")
         for s in range(1, S):
-            if fwd[(j, k, s)].start + _EPS < fwd[(j, k, s - 1)].end + times.transfer:
+            if fwd[(j, k, s)][0] + _EPS < fwd[(j, k, s - 1)][1] + times.transfer:
                 raise ScheduleViolation(f"pipeline {j} microbatch {k}: forward of stage {s} starts before stage "
                                         f"{s - 1}'s output arrives")
-            if bwd[(j, k, s - 1)].start + _EPS < bwd[(j, k, s)].end + times.transfer:
+            if bwd[(j, k, s - 1)][0] + _EPS < bwd[(j, k, s)][1] + times.transfer:
                 raise ScheduleViolation(f"pipeline {j} microbatch {k}: backward of stage {s - 1} starts before "
                                         f"stage {s}'s gradient arrives")
     by_device: dict[tuple[int, ...], list[EncoderBlock]] = {}
@@ -406,10 +424,10 @@ def check_coarse_schedule(schedule: CoarseSchedule, timeline: LLMTimeline, times
         stage = timeline.stages[blocks[0].llm_stage]
         ends = [hi + shift for _, hi in stage.busy]
         for b in blocks:
-            if b.direction == FORWARD and b.end > stage.compute_start + shift + _EPS:
+            if b.layer < 0 and b.direction == FORWARD and b.end > stage.compute_start + shift + _EPS:
                 raise ScheduleViolation(f"ranks {ranks}: forward of pipeline {b.pipeline} microbatch {b.microbatch} "
                                         "ends after the LLM's first compute there (coarse: forwards before)")
-            if b.direction == BACKWARD and b.start + _EPS < stage.compute_end + shift:
+            if b.layer < 0 and b.direction == BACKWARD and b.start + _EPS < stage.compute_end + shift:
                 raise ScheduleViolation(f"ranks {ranks}: backward of pipeline {b.pipeline} microbatch "
                                         f"{b.microbatch} starts before the LLM's last backward there ends")
             first = bisect.bisect_right(ends, b.start + _EPS)  # the first LLM interval ending after b starts

@@ -463,12 +463,18 @@ class EncoderStageTimes:
     of one activation (or its gradient) between consecutive encoder stages (``transfer``), and
     between an encoder pipeline's last stage and the LLM's first stage, per group of
     pipelines (``to_llm[a]``, module docstring's ``a``). Several encoders are scheduled as one
-    (optimus.md §3.7): their stage times add."""
+    (optimus.md §3.7): their stage times add.
+
+    ``layer_forward[s]`` and ``layer_backward[s]``, the seconds of each layer of stage ``s`` in
+    forward order, are the units the fine schedule places (`loom.planner.optimus.fine`); they
+    must add up to the stage's time. Left empty, a stage is one unit."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
     transfer: float = 0.0
     to_llm: tuple[float, ...] = (0.0,)
+    layer_forward: tuple[tuple[float, ...], ...] = ()
+    layer_backward: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.forward or len(self.forward) != len(self.backward):
@@ -476,10 +482,29 @@ class EncoderStageTimes:
                                    f"{len(self.backward)}; give one time per encoder stage in both")
         if min(self.forward + self.backward) < 0 or self.transfer < 0 or min(self.to_llm, default=0) < 0:
             raise OptimusPlanError("EncoderStageTimes: times must be non-negative seconds")
+        for name, stage_times in (("layer_forward", self.forward), ("layer_backward", self.backward)):
+            layers = getattr(self, name)
+            if not layers:
+                continue
+            if len(layers) != len(stage_times):
+                raise OptimusPlanError(f"EncoderStageTimes.{name} has {len(layers)} stages; give one tuple of layer "
+                                       f"times per encoder stage ({len(stage_times)})")
+            for s, (ls, total) in enumerate(zip(layers, stage_times)):
+                if not ls or min(ls) < 0 or abs(sum(ls) - total) > 1e-9 * max(1.0, total):
+                    raise OptimusPlanError(f"EncoderStageTimes.{name}[{s}] = {ls[:4]}... must be non-negative "
+                                           f"layer times adding up to the stage's {total}")
 
     @property
     def num_stages(self) -> int:
         return len(self.forward)
+
+    def layers(self, direction: str, stage: int) -> tuple[float, ...]:
+        """Seconds of the layers of ``stage`` in the order ``direction`` runs them (a backward
+        runs them last layer first)."""
+        if direction == "forward":
+            return self.layer_forward[stage] if self.layer_forward else (self.forward[stage],)
+        layers = self.layer_backward[stage] if self.layer_backward else (self.backward[stage],)
+        return tuple(reversed(layers))
 
     def to_llm_of(self, group: int) -> float:
         return self.to_llm[group] if len(self.to_llm) > 1 else self.to_llm[0]
@@ -500,8 +525,12 @@ def encoder_stage_times(arch: ModelArch, candidate: EncoderCandidate, cluster: C
         raise OptimusPlanError(f"cluster.num_gpus = {cluster.num_gpus} is smaller than one encoder pipeline "
                                f"({plan.world_size - 1} ranks)")
     cost = AnalyticCostModel(arch, plan, cluster, dtype_bytes=dtype_bytes)
-    fwd = [sum(cost.stage_time(e, s, "forward", work[e]) for e in encoders) for s in range(enc.pipeline_parallel)]
-    bwd = [sum(cost.stage_time(e, s, "backward", work[e]) for e in encoders) for s in range(enc.pipeline_parallel)]
+    # several encoders' layers of a stage run as one encoder's (optimus.md §3.7), in plan order
+    lf = [tuple(c.forward for e in encoders for c in cost.layer_costs(e, s, work[e]))
+          for s in range(enc.pipeline_parallel)]
+    lb = [tuple(c.backward for e in encoders for c in cost.layer_costs(e, s, work[e]))
+          for s in range(enc.pipeline_parallel)]
+    fwd, bwd = [sum(x) for x in lf], [sum(x) for x in lb]
 
     def message(stage: int, src: int, dst: int) -> float:
         nbytes = 0.0
@@ -518,4 +547,4 @@ def encoder_stage_times(arch: ModelArch, candidate: EncoderCandidate, cluster: C
     last = enc.pipeline_parallel - 1
     to_llm = tuple(message(last, candidate.ranks(a * candidate.group_size, last)[0], llm.rank(0, 0, 0))
                    for a in range(candidate.groups))
-    return EncoderStageTimes(tuple(fwd), tuple(bwd), transfer, to_llm)
+    return EncoderStageTimes(tuple(fwd), tuple(bwd), transfer, to_llm, tuple(lf), tuple(lb))

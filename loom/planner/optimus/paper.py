@@ -22,8 +22,8 @@ from loom.cost.hardware import Cluster
 from loom.cost.model import Workload
 from loom.cost.model_configs import FrontendConfig, ModuleConfig, TransformerConfig, load_module_config
 from loom.plan.plan import ModuleSpec, Plan
-from loom.planner.optimus.coarse import OptimusResult, optimus_search
 from loom.planner.optimus.model_planner import LLMParallel, PlannerResult, encoder_stage_times, plan_encoders
+from loom.planner.optimus.search import OptimusResult, optimus_search
 from loom.planner.optimus.timeline import LLMTimeline, llm_timeline_from_sim
 from loom.schedule.generators import build_schedule
 from loom.sim.simulator import simulate
@@ -75,11 +75,12 @@ class PaperRun:
 
 
 def paper_search(max_partitions: int | None = 4096, memory_limit: float = 80e9, recompute: str = "full",
-                 num_microbatches: int = NUM_MICROBATCHES) -> PaperRun:
+                 num_microbatches: int = NUM_MICROBATCHES, refine: int = 0) -> PaperRun:
     """The model planner and the coarse bubble scheduler at the module docstring's
     configuration. The LLM's timeline is loom's simulation of GPT-175B alone at (DP 48, PP 8,
     TP 8), 1F1B, ZeRO-1, on 3072 H100 (replica 0's pipeline); ``recompute`` applies to the LLM
-    and the encoder (Megatron's baselines at this scale recompute fully)."""
+    and the encoder (Megatron's baselines at this scale recompute fully); ``refine`` as in
+    `optimus_search`."""
     arch, work = paper_arch(), paper_workload()
     cluster = Cluster("h100", NUM_GPUS)
     t0 = time.process_time()
@@ -98,6 +99,6 @@ def paper_search(max_partitions: int | None = 4096, memory_limit: float = 80e9, 
     t2 = time.process_time()
     result = optimus_search(planned, timeline, lambda c: encoder_stage_times(arch, c, cluster, work,
                                                                              recompute=recompute),
-                            max_partitions=max_partitions)
+                            max_partitions=max_partitions, refine=refine)
     t3 = time.process_time()
     return PaperRun(timeline, planned, result, t1 - t0, t2 - t1, t3 - t2)
