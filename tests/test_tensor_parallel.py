@@ -50,6 +50,11 @@ def _config(case: str) -> TrainConfig:
         model = dataclasses.replace(model, vision=None)
         demo = dataclasses.replace(demo, mix={"text": 1.0})
         plan = Plan([ModuleSpec("llm", num_stages=2, tensor_parallel=2, recompute="full")], num_microbatches=4)
+    elif case == "llm_tp2_pp2_zb-h1_clip":  # ZB-H1's split backward on DTensor stages, recompute, loss
+        model = dataclasses.replace(model, vision=None)
+        demo = dataclasses.replace(demo, mix={"text": 1.0})
+        plan = Plan([ModuleSpec("llm", num_stages=2, tensor_parallel=2, recompute="full")], num_microbatches=4,
+                    schedule="zb-h1")
     elif case == "vision_tp2":
         plan = Plan([ModuleSpec("vision", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2)],
@@ -70,7 +75,7 @@ def _config(case: str) -> TrainConfig:
 
 
 # one launch per world size (its cases run one after another in the same processes)
-LAUNCHES = {"llm_tp2": (2, ["llm_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2"]),
+LAUNCHES = {"llm_tp2": (2, ["llm_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip"]),
             "vision_tp2": (6, ["vision_tp2"]), "frozen_tp_zero3_clip": (6, ["frozen_tp_zero3_clip"])}
 
 
