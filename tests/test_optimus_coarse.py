@@ -183,8 +183,7 @@ def fit(t: float, d: float, busy, shift: float) -> float:
     for lo, hi in busy:
         if t + d <= lo + shift + _EPS:
             break
-        if t < hi + shift:
-            t = hi + shift
+        t = max(t, hi + shift)
     return t
 
 

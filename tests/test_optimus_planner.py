@@ -12,6 +12,7 @@ from loom.cost.hardware import Cluster
 from loom.cost.memory import static_memory
 from loom.cost.model import Workload
 from loom.cost.model_configs import EmbeddingConfig, FrontendConfig, ModuleConfig, TransformerConfig
+from loom.plan.plan import even_boundaries
 from loom.planner.optimus import (
     EncoderParallel,
     LLMParallel,
@@ -24,19 +25,20 @@ from loom.planner.optimus import (
 )
 from loom.planner.optimus.model_planner import OptimusPlanError, _count_grouped, _grouped
 from loom.planner.optimus.paper import LLM_PLAN, NUM_MICROBATCHES, paper_arch, paper_workload
-from loom.plan.plan import even_boundaries
 
 
 def tiny_arch(enc_layers: int = 4, llm_layers: int = 8) -> ModelArch:
     vision = ModuleConfig("tiny-vit", "vision", TransformerConfig(hidden=64, layers=enc_layers, heads=4, ffn=256),
                           frontend=FrontendConfig(type="patch", in_channels=3, patch=4))
-    llm = ModuleConfig("tiny-llm", "llm", TransformerConfig(hidden=64, layers=llm_layers, heads=4, ffn=256, causal=True),
+    llm = ModuleConfig("tiny-llm", "llm",
+                       TransformerConfig(hidden=64, layers=llm_layers, heads=4, ffn=256, causal=True),
                        embedding=EmbeddingConfig(vocab=100))
     return ModelArch({"vision": vision.module_arch("vision", "mlp", 64), "llm": llm.module_arch()})
 
 
 def plan_tiny(llm: LLMParallel, n_mb: int = 8, limit: float = 1e12, **kw):
-    return plan_encoders(tiny_arch(), llm, n_mb, llm_tokens=128, encoder_tokens={"vision": 64}, memory_limit=limit, **kw)
+    return plan_encoders(tiny_arch(), llm, n_mb, llm_tokens=128, encoder_tokens={"vision": 64}, memory_limit=limit,
+                         **kw)
 
 
 # ---- partitions -------------------------------------------------------------------------------

@@ -48,9 +48,8 @@ from loom.planner.optimus.timeline import LLMTimeline, StageTimeline, llm_timeli
 
 __all__ = [
     "BubbleSchedule", "ColocationMemory", "EncoderBlock", "EncoderCandidate", "EncoderParallel", "EncoderStageTimes",
-    "LLMParallel", "LLMTimeline", "OptimusResult", "PlannerResult", "PrunedPlan", "RankMemory", "ScheduleViolation", "StageTimeline",
-    "best_coarse_schedule", "best_fine_schedule", "check_bubble_schedule", "coarse_ranking", "coarse_schedule",
-    "fine_schedule", "compositions", "count_partitions",
-    "encoder_stage_times", "llm_timeline_from_sim", "optimus_search", "paper_model_memory", "paper_overhead_memory",
-    "plan_encoders",
+    "LLMParallel", "LLMTimeline", "OptimusResult", "PlannerResult", "PrunedPlan", "RankMemory", "ScheduleViolation",
+    "StageTimeline", "best_coarse_schedule", "best_fine_schedule", "check_bubble_schedule", "coarse_ranking",
+    "coarse_schedule", "compositions", "count_partitions", "encoder_stage_times", "fine_schedule",
+    "llm_timeline_from_sim", "optimus_search", "paper_model_memory", "paper_overhead_memory", "plan_encoders",
 ]

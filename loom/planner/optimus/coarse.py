@@ -189,8 +189,7 @@ class _Coarse:
             arrivals.extend((self.fend[k][last] + t, j, k) for k in range(nj))
         arrivals.sort()
         for (ef, _, _), f in zip(arrivals, self.F):
-            if ef - f > shift:
-                shift = ef - f
+            shift = max(shift, ef - f)
         return shift, arrivals
 
     def lower_bound(self, parts: Sequence[int], shift: float, arrivals: list[tuple[float, int, int]]) -> float:
@@ -214,8 +213,7 @@ class _Coarse:
             lo, hi = lo + shift, hi + shift
             if t + d <= lo + _EPS:
                 break
-            if t < hi:
-                t = hi
+            t = max(t, hi)
         return t
 
     def backward(self, parts: Sequence[int], shift: float, arrivals: list[tuple[float, int, int]],

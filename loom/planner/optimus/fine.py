@@ -48,12 +48,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from loom.planner.optimus.coarse import (
+    _EPS,
     BACKWARD,
     FORWARD,
     BubbleSchedule,
     EncoderBlock,
     _Coarse,
-    _EPS,
     coarse_ranking,
     coarse_schedule,
     fill,
@@ -282,7 +282,8 @@ class _Fine:
                     blocks.append(EncoderBlock(FORWARD, j, k, feed_of[(j, k)], s, cand.llm_stage(j, s),
                                                cand.ranks(j, s), end - times.forward[s], end))
         for j, k, i, s, start, end in record:
-            blocks.append(EncoderBlock(BACKWARD, j, k, i, s, cand.llm_stage(j, s), cand.ranks(j, s), start + x, end + x))
+            blocks.append(EncoderBlock(BACKWARD, j, k, i, s, cand.llm_stage(j, s), cand.ranks(j, s), start + x,
+                                       end + x))
         for (d, j, k), (layers, point) in st.moved.items():
             i = feed_of[(j, k)]
             for s, layer, start, end in layers:

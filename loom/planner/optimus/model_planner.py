@@ -56,7 +56,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 from loom.cost import comm
 from loom.cost.analytic import AnalyticCostModel
@@ -285,7 +285,7 @@ def count_partitions(n: int, m: int) -> int:
     return math.comb(n - 1, m - 1) if 1 <= m <= n else 0
 
 
-@lru_cache(maxsize=None)
+@cache
 def _count_nonincreasing(total: int, parts: int, lo: int, hi: int) -> int:
     """Non-increasing sequences of ``parts`` integers in ``[lo, hi]`` summing to ``total``."""
     if parts == 0:
@@ -535,7 +535,7 @@ def encoder_stage_times(arch: ModelArch, candidate: EncoderCandidate, cluster: C
     def message(stage: int, src: int, dst: int) -> float:
         nbytes = 0.0
         for e in encoders:
-            lo, hi = plan.layers_of(e, stage)
+            _, hi = plan.layers_of(e, stage)
             last = arch.module(e).layers[hi - 1]
             nbytes += stage_output_bytes_per_token(last, dtype_bytes) * work[e].tokens
         return comm.p2p_time(nbytes, comm.link_for(cluster, [src, dst])) if src != dst else 0.0

@@ -80,7 +80,8 @@ class LLMTimeline:
             raise OptimusPlanError("LLMTimeline.stages is empty: give one StageTimeline per LLM pipeline stage")
         if not self.forward_points or len(self.forward_points) != len(self.backward_points):
             raise OptimusPlanError(f"LLMTimeline: {len(self.forward_points)} forward points and "
-                                   f"{len(self.backward_points)} backward points; give F_i and B_i for every microbatch")
+                                   f"{len(self.backward_points)} backward points; give F_i and B_i for every "
+                                   "microbatch")
         if list(self.forward_points) != sorted(self.forward_points):
             raise OptimusPlanError("LLMTimeline.forward_points must be in the order stage 0 runs the forwards")
         for i, (f, b) in enumerate(zip(self.forward_points, self.backward_points)):
