@@ -125,3 +125,28 @@ def test_layer_times_must_add_up_to_the_stage():
         EncoderStageTimes((1.0,), (2.0,), layer_forward=((0.5, 0.4),))
     with pytest.raises(OptimusPlanError, match="layer_backward"):
         EncoderStageTimes((1.0, 1.0), (2.0, 2.0), layer_backward=((2.0,),))
+
+
+def test_schedule_as_timeline_events(tmp_path):
+    """The filled step in the executor's timeline format: encoder events sit on the rows of
+    their ranks and never overlap the LLM's compute there; the Gantt chart draws it."""
+    from loom.planner.optimus import schedule_events
+    from loom.sim.gantt import plot_gantt
+
+    res = llm_sim(4, 8)
+    tl = llm_timeline_from_sim(res)
+    cand = candidate(4, 2, 2, 1, 8)  # TP_enc 1 under TP_llm 2: two encoder pipelines side by side per stage
+    times = layered(EncoderStageTimes((0.6, 0.4), (1.0, 0.9), transfer=0.05))
+    sched = fine_schedule(tl, cand, times, next(iter(cand.partitions(8))))
+    events = schedule_events(sched, res, module="vision")
+    llm_events = [e for e in res.timeline if e.module == "llm"]
+    enc = [e for e in events if e.module == "vision"]
+    assert len(enc) == len(sched.blocks) and len(events) == len(enc) + cand.group_size * len(llm_events)
+    rows = {e.rank for e in events}
+    assert len(rows) == 4 * cand.group_size
+    for r in rows:
+        busy = [(e.start_s, e.end_s) for e in events if e.rank == r and e.module == "llm"
+                and e.kind in ("forward", "backward", "optimizer_step")]
+        for e in (x for x in enc if x.rank == r):
+            assert all(e.end_s <= lo + _EPS or e.start_s >= hi - _EPS for lo, hi in busy)
+    assert plot_gantt(events, tmp_path / "optimus.png").stat().st_size > 0

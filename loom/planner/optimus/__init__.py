@@ -11,6 +11,7 @@
 - `loom.planner.optimus.fine`: the fine step at layer granularity (OptimizeSchedule,
   findCritical, ScheduleKernels, §3.5);
 - `loom.planner.optimus.search`: Algorithm 1, the search over plans and partitions;
+- `loom.planner.optimus.events`: a schedule as timeline events (Chrome trace, Gantt chart);
 - `loom.planner.optimus.paper`: the configuration of optimus.md §4.6 the issue times.
 
 The colocated placement in `Plan`, the IR transform and the executor are not built yet
@@ -26,6 +27,7 @@ from loom.planner.optimus.coarse import (
     coarse_ranking,
     coarse_schedule,
 )
+from loom.planner.optimus.events import schedule_events
 from loom.planner.optimus.fine import best_fine_schedule, fine_schedule
 from loom.planner.optimus.model_planner import (
     ColocationMemory,
@@ -52,4 +54,5 @@ __all__ = [
     "StageTimeline", "best_coarse_schedule", "best_fine_schedule", "check_bubble_schedule", "coarse_ranking",
     "coarse_schedule", "compositions", "count_partitions", "encoder_stage_times", "fine_schedule",
     "llm_timeline_from_sim", "optimus_search", "paper_model_memory", "paper_overhead_memory", "plan_encoders",
+    "schedule_events",
 ]
