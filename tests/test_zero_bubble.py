@@ -297,3 +297,21 @@ def test_input_then_weight_pass_equals_one_backward(tie, recompute, loss, use_x)
     assert got.keys() == ref.keys()
     for n in ref:
         torch.testing.assert_close(got[n], ref[n], msg=n)
+
+
+def test_split_passes_on_transformer_layers():
+    """Attention's packed in-projection and the feed-forward: parameter groups that merge (a
+    parameter reaching several boundaries) still give one backward's gradients."""
+    torch.manual_seed(1)
+    layers = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True, dropout=0.0)
+                                   for _ in range(2)])
+    x, g = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    x1 = x.clone().requires_grad_()
+    torch.autograd.backward(layers(x1), g)
+    ref = {n: p.grad.clone() for n, p in layers.named_parameters()}
+    layers.zero_grad(set_to_none=True)
+    x2 = x.clone().requires_grad_()
+    backward_weight(backward_input(layers(x2), g, [x2], list(layers.parameters())))
+    torch.testing.assert_close(x2.grad, x1.grad)
+    for n, p in layers.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], msg=n)

@@ -74,7 +74,7 @@ def _reach(starts: list[Node], consumers: dict[Node, list[Node]], stop: set[Node
     return seen, met
 
 
-@dataclass
+@dataclass(eq=False)  # groups are told apart by identity (their fields hold tensors)
 class _Group:
     params: list[torch.Tensor]
     boundaries: list[Node]
