@@ -115,7 +115,7 @@ from loom.runtime.stage import trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.timeline import events_from_dicts, events_to_dicts
 from loom.sim.dispatch import DISPATCH, Links, metadata_bytes, price_dispatch
-from loom.sim.sharing import CoreSharing
+from loom.sim.sharing import CoreSharing, contention_slowdown
 from loom.sim.simulator import simulate
 from loom.train.build import build_data, build_model
 from loom.train.rank import build_rank
@@ -167,14 +167,14 @@ def batch_indices(cfg: TrainConfig, step: int) -> list[int]:
 # ---- 1. the profile: a separate `loom profile` run -------------------------------------------
 def run_profiler(out: Path, co_runners: int, repeats: int, layers_only: bool = False) -> float:
     """``loom profile`` of the demo config as a subprocess, written to ``out``; returns its wall
-    seconds. ``layers_only`` skips the communication and dispatcher measurements (``--no-comm
-    --no-dispatch``): a later round's profile, whose round takes those fits from the first
-    round's stored profile (`round_profile`)."""
+    seconds. ``layers_only`` skips the communication, dispatcher and contention measurements
+    (``--no-comm --no-dispatch --no-contention``): a later round's profile, whose round takes
+    those from the first round's stored profile (`round_profile`)."""
     # `python -m loom.cli` of this checkout (what the `loom` script runs), so the profile is of
     # this tree's code whatever the installed entry point points at
     cmd = [sys.executable, "-m", "loom.cli", "profile", "--config", str(CONFIG), "--out", str(out), "--threads", "1",
-           "--co-runners", str(co_runners), "--repeats", str(repeats)] + (["--no-comm", "--no-dispatch"]
-                                                                         if layers_only else [])
+           "--co-runners", str(co_runners), "--repeats", str(repeats)] + (
+               ["--no-comm", "--no-dispatch", "--no-contention"] if layers_only else [])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     print("  $ loom " + " ".join(cmd[3:]), flush=True)
     t0 = time.perf_counter()
@@ -186,13 +186,14 @@ def run_profiler(out: Path, co_runners: int, repeats: int, layers_only: bool = F
 
 def round_profile(path: Path, first: Path, model) -> Profile:
     """A round's stored profile as production loads it (`load_profile_for`); where it was taken
-    ``layers_only``, its communication and dispatcher fits come from the first round's stored
-    profile ``first`` (both files exist before the round's steps run)."""
+    ``layers_only``, its communication and dispatcher fits and its CPU contention come from
+    the first round's stored profile ``first`` (both files exist before the round's steps run)."""
     profile = load_profile_for(path, model)
-    if path != first and (profile.comm is None or not profile.dispatch):
+    if path != first and (profile.comm is None or not profile.dispatch or not profile.contention):
         base = load_profile_for(first, model)
         profile.comm = profile.comm or base.comm
         profile.dispatch = profile.dispatch or base.dispatch
+        profile.contention = profile.contention or base.contention
     if profile.comm is None:
         raise SystemExit(f"the profile {first} has no communication fits: profile without --no-comm")
     return profile
@@ -429,6 +430,17 @@ def parse_args(argv=None):
     return args
 
 
+def round_sharing(profile: Profile, no_sharing: bool, contention: bool = True) -> CoreSharing | None:
+    """The core sharing a round is simulated under: this host's cores shared by the world's
+    ranks, with the CPU slowdown of the profile's contention measurement (`loom.profile.contention`,
+    `contention_slowdown`) where it has one (and ``contention``); None with ``--no-sharing``."""
+    if no_sharing:
+        return None
+    c = profile.contention
+    slowdown = (contention_slowdown(float(c["cpu_ratio"]), int(c["busy"]), WORLD_SIZE) if c and contention else ())
+    return CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE, slowdown=slowdown)
+
+
 def compare_round(selected: list[Case], models: list[CaseModel], measured: list[dict], steps: list[int],
                   profile: Profile, decisions: list[float], sharing: CoreSharing | None) -> dict[str, Any]:
     """One round's comparison: per case the median measured and simulated step (the same
@@ -438,13 +450,16 @@ def compare_round(selected: list[Case], models: list[CaseModel], measured: list[
     cases_out, observations = [], {k: [] for k in KINDS}
     for case, cm, meas, decide_s in zip(selected, models, measured, decisions):
         sims = [predict(cm, step, profile, links, decide_s, sharing) for step in steps]
-        # each rank's simulated CPU: its solo compute and collectives, the dispatcher's host
-        # work and the decision (a play without core sharing: what the rank computes, whatever
-        # the contention), against its measured CPU time
+        # each rank's simulated CPU: its compute's core-time (solo times the CPU slowdown each
+        # action met beside the host's other busy ranks, `SimResult.cpu`; no time slicing, which
+        # costs waiting, not CPU), its collectives, the dispatcher's host work and the decision
+        # (at the slowdown of every rank deciding at once), against its measured CPU time
         solo = [predict(cm, step, profile, links, decide_s, None) for step in steps]
-        sim_cpu = [statistics.median(p.result.compute[r] + p.result.sync[r] + p.dispatch.decide
-                                     + (p.dispatch.host_per_rank[r] if p.dispatch.host_per_rank else p.dispatch.host)
-                                     for p in solo) for r in range(WORLD_SIZE)]
+        slow = sharing.slowdown_at(WORLD_SIZE) if sharing is not None else 1.0
+        sim_cpu = [statistics.median(
+            (s.result.cpu if sharing is not None else p.result.compute)[r] + p.result.sync[r] + p.dispatch.decide * slow
+            + (p.dispatch.host_per_rank[r] if p.dispatch.host_per_rank else p.dispatch.host)
+            for s, p in zip(sims, solo)) for r in range(WORLD_SIZE)]
         real_cpu = [statistics.median(c[r] for c in meas["cpu"]) for r in range(WORLD_SIZE)]
         real = statistics.median(meas["times"])
         predicted = statistics.median(p.iteration_s for p in sims)
@@ -494,7 +509,6 @@ def main(argv=None) -> dict:
           f"{WORLD_SIZE} gloo processes x 1 thread; {args.rounds} rounds of (profile -> {args.warmup} warmup + "
           f"{args.steps} timed steps of every case)")
     models = [case_model(c) for c in selected]
-    sharing = None if args.no_sharing else CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE)
     rounds, profile_seconds, loads = [], [], []
     with tempfile.TemporaryDirectory(prefix="loom-sim-fidelity-") as tmp:
         group = WorkerGroup(NAME, _worker, WORLD_SIZE, [asdict(c) for c in selected])
@@ -526,8 +540,13 @@ def main(argv=None) -> dict:
                 if p.is_alive():
                     p.terminate()
         print(f"  measured in {time.perf_counter() - t_start:.0f} s")
+        without = []  # the same rounds without the CPU slowdown of sharing, for comparison
         for profile, steps, measured, decisions in measured_rounds:
-            rounds.append(compare_round(selected, models, measured, steps, profile, decisions, sharing))
+            rounds.append(compare_round(selected, models, measured, steps, profile, decisions,
+                                        round_sharing(profile, args.no_sharing)))
+            if profile.contention and not args.no_sharing:
+                without.append(compare_round(selected, models, measured, steps, profile, decisions,
+                                             round_sharing(profile, args.no_sharing, contention=False)))
 
     print()
     header = ["case"] + [f"r{k + 1} {h}" for k in range(len(rounds)) for h in ("measured", "predicted", "error")]
@@ -578,6 +597,12 @@ def main(argv=None) -> dict:
           f"{' '.join(f'{v:.3f}' for v in med_r)}), action_median_abs_rel_error = {action:.3f} (target <= "
           f"{TARGET_ACTION}; rounds {' '.join(f'{v:.3f}' for v in act_r)}), max_abs_rel_error = {worst:.3f}, "
           f"cpu_median_abs_rel_error = {cpu:.3f} (rounds {' '.join(f'{v:.3f}' for v in cpu_r)})")
+    contention = [p.contention for p, *_ in measured_rounds][0] if measured_rounds else {}
+    if without:
+        print(f"without the CPU slowdown of sharing (contention {contention.get('cpu_ratio', 1.0):.3f} x at "
+              f"{contention.get('busy')} busy ranks): median_abs_rel_error = "
+              f"{statistics.median(rd['median_abs_rel_error'] for rd in without):.3f}, cpu_median_abs_rel_error = "
+              f"{statistics.median(rd['cpu_median_abs_rel_error'] for rd in without):.3f}")
 
     sim_s, sim_info = simulator_speed()
     print(f"sim_seconds_1024gpu_64mb = {sim_s:.3f} s ({sim_info['pipeline_units']} pipeline units, "
@@ -611,8 +636,13 @@ def main(argv=None) -> dict:
                           f"decision CPU time measured before each round's steps with {args.co_runners} co-runners",
         "loss_all_reduce": "RankRun.step's scalar loss all-reduce after engine.step, added to the simulated "
                            "iteration (ProfiledCostModel.clip_time: the all-reduce fit carried to the world)",
-        "core_sharing": None if args.no_sharing else {"cores": host_cores(), "ranks_per_host": WORLD_SIZE,
-                                                      "model": "loom.sim.sharing (processor sharing, fixed point)"},
+        "core_sharing": None if args.no_sharing else {
+            "cores": host_cores(), "ranks_per_host": WORLD_SIZE,
+            "model": "loom.sim.sharing (processor sharing, fixed point; CPU slowdown beside busy ranks from the "
+                     "first profile's contention measurement, loom.profile.contention)",
+            "contention": contention,
+            "without_slowdown": {k: round(statistics.median(rd[k] for rd in without), 4) for k in (
+                "median_abs_rel_error", "action_median_abs_rel_error", "cpu_median_abs_rel_error")} if without else None},
         "kind_errors_per_round": [{k: round(v, 4) for k, v in rd["kind_errors"].items()} for rd in rounds],
         "rounds": [{"load_avg_1m_around_steps": load, "median_abs_rel_error": round(rd["median_abs_rel_error"], 4),
                     "action_median_abs_rel_error": round(rd["action_median_abs_rel_error"], 4),

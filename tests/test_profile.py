@@ -58,6 +58,28 @@ def test_profile_round_trips_through_json(quick_profile: Profile, tmp_path: Path
                 assert a.time(phase, w) == b.time(phase, w)
 
 
+def test_contention_round_trips_and_older_files_have_none(quick_profile: Profile, tmp_path: Path):
+    """The CPU slowdown beside co-runners (`loom.profile.contention`) survives the file; a file
+    without the field (written before it existed) loads with none."""
+    measured = {"busy": 4, "cpu_ratio": 1.07, "solo_s": [1.5, 1.4], "shared_s": [1.6, 1.5], "passes": 2}
+    with_contention = Profile.from_dict(quick_profile.to_dict())
+    with_contention.contention = dict(measured)
+    back = Profile.load(with_contention.save(tmp_path / "c.json"))
+    assert back.contention == measured
+    old = quick_profile.to_dict()
+    del old["contention"]
+    assert Profile.from_dict(old).contention == {}
+
+
+@pytest.mark.parametrize("argument,value", [("co_runners", 0), ("co_runners", True), ("passes", 0)])
+def test_contention_settings_are_refused_before_any_process_starts(argument: str, value):
+    from loom.profile.contention import measure_contention
+
+    kwargs = {"co_runners": 1, "passes": 1} | {argument: value}
+    with pytest.raises(ValueError, match=argument):
+        measure_contention(tiny_model(), **kwargs)
+
+
 def test_profile_of_another_model_is_refused_with_a_clear_error(quick_profile: Profile, tmp_path: Path):
     path = quick_profile.save(tmp_path / "tiny.json")
     other = tiny_model(llm_hidden=48)  # same layers, wider LLM
@@ -216,12 +238,13 @@ def test_loom_profile_command_writes_a_loadable_profile(tmp_path: Path):
     tiny = ["model.vision.hidden_size=32", "model.audio.hidden_size=32", "model.llm.hidden_size=32",
             "model.llm.intermediate_size=64"]
     run = subprocess.run([sys.executable, "-m", "loom.cli", "profile", "--config", str(root / "configs/demo.toml"),
-                          "--out", str(out), "--tokens", "16,64", "--repeats", "1", "--no-comm", *tiny],
+                          "--out", str(out), "--tokens", "16,64", "--repeats", "1", "--no-comm", "--no-contention",
+                          *tiny],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "model.layers.0" in run.stdout and str(out) in run.stdout
     prof = Profile.load(out)
-    assert list(prof.layers) == ["vision", "audio", "llm"] and prof.comm is None
+    assert list(prof.layers) == ["vision", "audio", "llm"] and prof.comm is None and prof.contention == {}
     # the dispatcher's host work, timed on the demo plan's 4 local ranks, survives the file
     assert "dispatch host work" in run.stdout and int(prof.dispatch["world_size"]) == 4
     host = prof.dispatch_host_seconds(16, 4)

@@ -11,7 +11,7 @@ from loom.cost.uniform import UniformCostModel
 from loom.plan.plan import ModuleSpec, Plan
 from loom.schedule import build_schedule
 from loom.sim import simulate
-from loom.sim.sharing import TOLERANCE, CoreSharing, SharingError, service
+from loom.sim.sharing import TOLERANCE, CoreSharing, SharingError, contention_slowdown, cpu_seconds, service
 
 from plans import multimodal
 
@@ -118,3 +118,58 @@ def test_dispatch_host_work_per_rank_is_priced_by_sharing():
     assert shared.dispatch == pytest.approx(6.5)
     with pytest.raises(DispatchModelError, match="host_seconds has 3 values for 4 ranks"):
         price_dispatch(4, links, metadata_bytes=0, decision_seconds=0.0, payload={}, host_seconds=[1.0, 1.0, 1.0])
+
+
+# ---- the CPU slowdown of sharing (loom.profile.contention's measurement) ----------------------
+def test_contention_slowdown_table_from_one_measurement():
+    """Measured 1.3 x the solo CPU with 4 busy: linear from 1 at one busy rank; measured 1.2 at
+    2 busy, held past it (no extrapolation)."""
+    assert contention_slowdown(1.3, 4, 4) == pytest.approx((1.0, 1.1, 1.2, 1.3))
+    assert contention_slowdown(1.2, 2, 4) == pytest.approx((1.0, 1.2, 1.2, 1.2))
+    sharing = CoreSharing(cores=2, ranks_per_host=4, slowdown=contention_slowdown(1.3, 4, 4))
+    assert [sharing.slowdown_at(k) for k in (0.5, 1, 1.5, 2, 4, 9)] == pytest.approx([1.0, 1.0, 1.1, 1.1, 1.3, 1.3])
+    assert CoreSharing(cores=2, ranks_per_host=4).slowdown_at(4) == 1.0
+    # every rank deciding at once: the time slicing (4 on 2 cores) and the slowdown at 4 busy
+    assert sharing.concurrent_stretch(4) == pytest.approx(2 * 1.3)
+    with pytest.raises(SharingError, match="busy"):
+        contention_slowdown(1.3, 1, 4)
+    with pytest.raises(SharingError, match="cpu_ratio"):
+        contention_slowdown(float("nan"), 4, 4)
+
+
+@pytest.mark.parametrize("value", [(1.0, 0.0), (1.0, float("inf")), (-1.0,)])
+def test_bad_slowdown_is_refused_naming_the_field(value):
+    with pytest.raises(SharingError, match="slowdown"):
+        CoreSharing(cores=2, ranks_per_host=2, slowdown=value)
+
+
+def test_slowdown_stretches_compute_that_overlaps_busy_ranks():
+    """Two replicas on two cores (no time slicing) whose CPU work costs 1.5 x beside another busy
+    rank. Replica 0 (F=1, B=2) runs beside replica 1 (F=3) throughout: forward [0, 1.5], backward
+    [1.5, 4.5]; replica 1's forward receives 3 of solo work by 4.5, then its backward (6) runs
+    alone: 10.5. CPU: replica 0 all at 1.5 x (4.5 s), replica 1 4.5 + 6."""
+    g = 0.5
+    plan = Plan([ModuleSpec("llm", data_parallel=2)], num_microbatches=2).resolve({"llm": 4})
+    cost = TokenCost(plan, grad_sync=g)
+    work = [{"llm": Workload(1)}, {"llm": Workload(3)}]
+    plain = simulate(build_schedule(plan), plan, cost, work, sharing=CoreSharing(cores=2, ranks_per_host=2))
+    assert plain.iteration_time == pytest.approx(9 + g)
+    assert plain.cpu == pytest.approx({0: 3.0, 1: 9.0})  # no slowdown: CPU = solo work
+    slow = simulate(build_schedule(plan), plan, cost, work,
+                    sharing=CoreSharing(cores=2, ranks_per_host=2, slowdown=(1.0, 1.5)))
+    assert slow.iteration_time == pytest.approx(10.5 + g, rel=2 * TOLERANCE)
+    spans = {(e.rank, e.kind): (e.start_s, e.end_s) for e in slow.timeline if e.kind in ("forward", "backward")}
+    assert spans[(0, "forward")] == pytest.approx((0, 1.5), abs=0.05)
+    assert spans[(0, "backward")] == pytest.approx((1.5, 4.5), abs=0.05)
+    assert spans[(1, "forward")] == pytest.approx((0, 4.5), abs=0.05)
+    assert spans[(1, "backward")] == pytest.approx((4.5, 10.5), abs=0.05)
+    assert slow.cpu == pytest.approx({0: 4.5, 1: 10.5}, rel=0.02)
+    # without sharing the CPU is the solo compute
+    alone = simulate(build_schedule(plan), plan, cost, work)
+    assert alone.cpu == alone.compute
+
+
+def test_cpu_seconds_is_the_core_time_received():
+    """One core, ranks 0 and 1 on a host: [0, 2) and [1, 3) overlap on [1, 2) at 1/2 each."""
+    got = cpu_seconds(CoreSharing(cores=1, ranks_per_host=2), [0, 1], [1, 1], [[(0.0, 2.0)], [(1.0, 3.0)]])
+    assert got == pytest.approx([1.5, 1.5])

@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip timing the dispatcher's host work on the plan's world of local processes")
     p.add_argument("--co-runners", type=int, default=0,
                    help="processes kept computing while timing (the other ranks sharing this machine)")
+    p.add_argument("--no-contention", action="store_true",
+                   help="skip measuring (on a CPU) how much more CPU the layers take beside the plan's other "
+                        "local ranks")
     p.set_defaults(fn=cmd_profile)
 
     p = sub.add_parser("simulate", help="simulate plans of a scenario at cluster scale")

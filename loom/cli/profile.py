@@ -40,6 +40,8 @@ def check_out(out: Path) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from torch import device as torch_device
+
     from loom.profile import check_settings, profile_model
     from loom.train.build import build_data, build_model
 
@@ -79,6 +81,15 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print("dispatch host work (CPU time per step, by rank): " + ", ".join(
             f"r{r} {a * 1e3:.2f} ms + {c * 1e6:.1f} us/sample" for r, (a, c) in enumerate(zip(d["fixed_s"],
                                                                                              d["per_sample_s"]))))
+    world = cfg.plan.resolve(model.layer_counts()).world_size
+    if not args.no_contention and torch_device(args.device).type == "cpu" and world > 1:
+        from loom.profile.contention import measure_contention
+
+        print(f"loom: timing the layers' CPU beside {world - 1} co-running processes (the plan's other ranks)",
+              flush=True)
+        profile.contention = measure_contention(model, world - 1, token_counts=token_counts, device=args.device,
+                                                threads=args.threads, dtype=cfg.run.dtype)
+        print(f"contention: {profile.contention['cpu_ratio']:.3f} x the solo CPU time with {world} ranks computing")
     profile.save(out)
     print(profile.table())
     print(f"profiled in {profile.settings['seconds']:.1f} s; wrote {out} (model signature {profile.signature_hash})")

@@ -6,7 +6,9 @@ fit is `loom.cost.profile_fit`), the activation bytes each layer saves for backw
 per-microbatch context build and, for the LLM, the loss; an AdamW step as a function of
 parameter and tensor counts; the matmul FLOP/s of the device; the autograd engine's fixed
 per-call cost; the measured message and all-reduce costs (`Communication`); and the
-dispatcher's host work per step (``dispatch``, `loom.profile.dispatch`).
+dispatcher's host work per step (``dispatch``, `loom.profile.dispatch`); and the CPU slowdown of
+that work with the host's other ranks computing alongside (``contention``,
+`loom.profile.contention`, priced by `loom.sim.sharing`).
 
 A profile is tied to the model it measured: it stores the model's *signature* (per module, the
 layer names and parameter shapes) and its hash, and a model whose signature differs is refused
@@ -83,6 +85,9 @@ class Profile:
     # the dispatcher's host work per step (`loom.profile.dispatch`): per rank fixed_s and
     # per_sample_s, and the world size it was measured at; empty when not measured
     dispatch: dict[str, Any] = field(default_factory=dict)
+    # the CPU slowdown of the layers' work with other ranks computing on the host
+    # (`loom.profile.contention`): busy (ranks computing at once), cpu_ratio; empty when not measured
+    contention: dict[str, Any] = field(default_factory=dict)
     path: str | None = None  # where it was loaded from (not saved)
 
     # ---- lookups ---------------------------------------------------------------------------
@@ -136,6 +141,7 @@ class Profile:
             "matmul_flops_per_s": self.matmul_flops_per_s,
             "settings": self.settings,
             "dispatch": self.dispatch,
+            "contention": self.contention,
         }
         return copy.deepcopy(d)
 
@@ -173,6 +179,7 @@ class Profile:
                 matmul_flops_per_s=float(d.get("matmul_flops_per_s", 0.0)),
                 settings=dict(d.get("settings", {})),
                 dispatch=dict(d.get("dispatch") or {}),
+                contention=dict(d.get("contention") or {}),
             )
         except (KeyError, TypeError, IndexError) as e:
             raise ProfileError(f"{where} is malformed ({type(e).__name__}: {e}); re-run `loom profile`") from e

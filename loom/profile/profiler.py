@@ -250,6 +250,14 @@ class Profiler:
         self.passes += int(keep)
         self.seconds += time.perf_counter() - started
 
+    def module_pass_cpu(self) -> float:
+        """CPU seconds (``time.thread_time``, this thread) of one untimed pass over every
+        module's layers: the work `loom.profile.contention` times alone and beside co-runners."""
+        t0 = time.thread_time()
+        for st in self.modules:
+            self._module_pass(st, keep=False)
+        return time.thread_time() - t0
+
     def _module_pass(self, st: _ModuleState, keep: bool, until: Callable[[], bool] | None = None) -> bool:
         """Per workload: the context build; the forward of every layer *chained*, as a stage
         runs them (each layer right after the previous one, so its weights come in cold as they

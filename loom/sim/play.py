@@ -75,6 +75,7 @@ class Play:
         self.stretch = stretch
         self.solo: list[list[float]] = [[] for _ in range(n)]
         self.spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        self.cpu: list[float] | None = None  # per unit, CPU seconds under core sharing (`simulate` sets it)
         self.messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
         self.waiting: dict[tuple, int] = {}  # message key -> the unit blocked on it
         self.arrived: dict[tuple[str, int], dict[int, float]] = {}  # stage -> {unit: arrival} at its grad sync

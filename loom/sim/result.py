@@ -16,6 +16,8 @@ class SimResult:
     figures are dicts keyed by pipeline unit.
 
     - ``compute[u]``: time in ``FORWARD``, ``BACKWARD`` and ``OPTIMIZER_STEP``;
+    - ``cpu[u]``: CPU seconds of those actions: ``compute[u]`` without core sharing; with it, the
+      core-time they received (solo time times the CPU slowdown they met, `loom.sim.sharing`);
     - ``sync[u]``: time in gradient synchronisation proper (``cost.grad_sync_time`` for each
       ``GRAD_SYNC``; waiting there for slower replicas is idle);
     - ``dispatch``: the batch dispatch before the schedule starts (`loom.sim.dispatch`: metadata
@@ -58,6 +60,7 @@ class SimResult:
     timeline: list[TimelineEvent]
     dispatch: float = 0.0
     dispatch_parts: DispatchCost | None = None
+    cpu: dict[int, float] | None = None
 
     def role_names(self) -> dict[int, str]:
         """First rank -> a readable role, ``"vision.1 dp0 (unit 3, 4 ranks)"``, for traces."""

@@ -16,6 +16,13 @@ factors, compute for every compute action the service it received, ``∫ min(1, 
 over its span (``k(t)``: the ranks of its host computing at time ``t``), and rescale its stretch
 by solo time over service; repeat until every action receives its solo time (`converged`). A
 rank waiting in a receive or a collective is taken to hold no core (gloo's waits block).
+
+Sharing also costs CPU: co-running processes evict each other's caches at every context switch
+and share the last-level cache and memory bandwidth, so a second of solo work takes more than a
+second of CPU beside other busy ranks. ``slowdown[k - 1]`` is that factor with ``k`` ranks of the
+host computing at once, measured by the profiler (`loom.profile.contention`, built into a table
+by `contention_slowdown`); an action then needs ``solo x slowdown`` of core-time, and the fixed
+point serves it at ``min(1, c / k) / slowdown(k)`` of its solo work per second.
 """
 
 from __future__ import annotations
@@ -36,20 +43,35 @@ class CoreSharing:
 
     cores: int
     ranks_per_host: int
+    # CPU seconds per second of solo work with k ranks of the host computing at once, at index
+    # k - 1 (past the end: the last entry; empty: 1, no cost beyond the time slicing)
+    slowdown: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("cores", "ranks_per_host"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SharingError(f"{name} = {v!r}: give a positive integer (cores per host, ranks per host)")
+        bad = [f for f in self.slowdown if not (isinstance(f, (int, float)) and np.isfinite(f) and f > 0)]
+        if bad:
+            raise SharingError(f"slowdown = {self.slowdown!r}: give positive finite CPU-time factors (1.0: none), "
+                               f"not {bad}")
 
     def host_of(self, rank: int) -> int:
         return rank // self.ranks_per_host
 
+    def slowdown_at(self, busy: float) -> float:
+        """The CPU slowdown with ``busy`` ranks of a host computing at once (rounded up)."""
+        if not self.slowdown:
+            return 1.0
+        k = max(int(np.ceil(busy - 1e-9)), 1)
+        return float(self.slowdown[min(k, len(self.slowdown)) - 1])
+
     def concurrent_stretch(self, ranks_on_host: int) -> float:
         """The stretch of an equal action that every rank of a host runs at once (the
-        dispatch's decision, the same on every rank)."""
-        return max(1.0, min(ranks_on_host, self.ranks_per_host) / self.cores)
+        dispatch's decision, the same on every rank): the time slicing and the CPU slowdown."""
+        busy = min(ranks_on_host, self.ranks_per_host)
+        return max(1.0, busy / self.cores) * self.slowdown_at(busy)
 
     def concurrent_finish(self, work: "list[float] | tuple[float, ...]") -> float:
         """When the last of jobs that every rank starts at once ends (``work[r]``: rank ``r``'s
@@ -68,14 +90,30 @@ class CoreSharing:
         return end
 
 
+def contention_slowdown(cpu_ratio: float, busy: int, ranks_per_host: int) -> tuple[float, ...]:
+    """The `CoreSharing.slowdown` table for ``ranks_per_host`` ranks from one measurement: CPU
+    time ``cpu_ratio`` times the solo time with ``busy`` processes computing at once
+    (`loom.profile.contention`). One busy rank has no slowdown; between 1 and ``busy`` the
+    factor grows linearly in the number of busy ranks (each co-runner adds the same share of
+    cache and memory traffic), beyond ``busy`` it stays at the measured factor (only measured
+    points, no extrapolation)."""
+    if not isinstance(busy, int) or isinstance(busy, bool) or busy < 2:
+        raise SharingError(f"busy = {busy!r}: a contention measurement has 2 or more processes computing at once")
+    if not (isinstance(cpu_ratio, (int, float)) and np.isfinite(cpu_ratio) and cpu_ratio > 0):
+        raise SharingError(f"cpu_ratio = {cpu_ratio!r}: give the measured positive CPU-time ratio (shared over solo)")
+    return tuple(1.0 + (cpu_ratio - 1.0) * (min(k, busy) - 1) / (busy - 1) for k in range(1, ranks_per_host + 1))
+
+
 # the fixed point is met when every compute action received its solo time within this fraction
 TOLERANCE = 0.005
 MAX_ROUNDS = 60
 
 
-def service(spans: np.ndarray, weights: np.ndarray, cores: int) -> np.ndarray:
+def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSharing | None = None) -> np.ndarray:
     """Per span ``[start, end)`` of one host's compute actions (``weights``: ranks computing in
-    it), the core-time it received under processor sharing: ``∫ min(1, cores / k(t)) dt``."""
+    it), the core-time it received under processor sharing: ``∫ min(1, cores / k(t)) dt``; given
+    ``sharing`` with a slowdown, the solo work that core-time does: ``∫ min(1, cores / k(t)) /
+    slowdown(k(t)) dt``."""
     if len(spans) == 0:
         return np.zeros(0)
     times = np.unique(spans.ravel())
@@ -84,6 +122,8 @@ def service(spans: np.ndarray, weights: np.ndarray, cores: int) -> np.ndarray:
     np.add.at(delta, np.searchsorted(times, spans[:, 1]), -weights)
     busy = np.cumsum(delta)[:-1]  # ranks computing in each segment between consecutive times
     rate = np.minimum(1.0, cores / np.maximum(busy, 1e-12))
+    if sharing is not None and sharing.slowdown:
+        rate = rate / np.array([sharing.slowdown_at(k) for k in busy])
     received = np.concatenate(([0.0], np.cumsum(rate * np.diff(times))))
     return received[np.searchsorted(times, spans[:, 1])] - received[np.searchsorted(times, spans[:, 0])]
 
@@ -101,7 +141,7 @@ def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int]
     for units in hosts.values():
         flat_spans = np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2)
         weights = np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64)
-        got = service(flat_spans, weights, sharing.cores)
+        got = service(flat_spans, weights, sharing.cores, sharing)
         need = np.array([d for u in units for d in solo[u]], dtype=np.float64)
         ok = need > 0
         ratio = np.ones_like(need)
@@ -116,3 +156,23 @@ def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int]
             new[u] = np.maximum(1.0, old * np.sqrt(ratio[k:k + n])).tolist()
             k += n
     return new, worst
+
+
+def cpu_seconds(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
+                spans: list[list[tuple[float, float]]]) -> list[float]:
+    """Per unit, the core-time (CPU seconds) its compute actions received over their spans
+    ``spans[u]``: at the fixed point, each action's solo time times the slowdown it met."""
+    out = [0.0] * len(spans)
+    hosts: dict[int, list[int]] = {}
+    for u, r in enumerate(first_rank):
+        hosts.setdefault(sharing.host_of(r), []).append(u)
+    for units in hosts.values():
+        flat = np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2)
+        weights = np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64)
+        got = service(flat, weights, sharing.cores)
+        k = 0
+        for u in units:
+            n = len(spans[u])
+            out[u] = float(got[k:k + n].sum())
+            k += n
+    return out

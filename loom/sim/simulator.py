@@ -56,7 +56,7 @@ from loom.sim.dispatch import DISPATCH, DispatchCost
 from loom.sim.memory import peak_memory, peak_memory_of
 from loom.sim.play import DeadlockError, Play
 from loom.sim.result import SimResult
-from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, restretch
+from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, cpu_seconds, restretch
 from loom.sim.work import PartWork, work_table
 
 __all__ = ["DeadlockError", "SimResult", "peak_memory", "simulate"]
@@ -127,6 +127,7 @@ def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Microbatc
         stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch)
         if worst <= TOLERANCE:
             break
+    play.cpu = cpu_seconds(sharing, play.first_rank, unit_ranks, play.spans)
     return play
 
 
@@ -160,6 +161,7 @@ def _result(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Microba
         ranks=ranks,
         finish={u: play.clock[u] for u in units},
         compute={u: play.compute[u] for u in units},
+        cpu={u: (play.cpu or play.compute)[u] for u in units},
         sync={u: play.sync[u] for u in units},
         busy=busy,
         idle=idle,
