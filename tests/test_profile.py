@@ -318,3 +318,21 @@ def test_a_bf16_profile_times_bf16_layers_and_is_refused_for_another_dtype(quick
     (tmp_path / "bad.json").write_text(json.dumps(old))
     with pytest.raises(ProfileError, match="\"dtype\": 'fp8'"):
         Profile.load(tmp_path / "bad.json")
+
+
+def test_optimizer_steps_are_timed_with_their_tensors_out_of_cache():
+    """On a CPU the optimizer bench writes twice the last-level cache before each timed step
+    (a run's optimizer step finds its tensors evicted by the step's other work)."""
+    from loom.profile.optimizer import OptimizerBench, evict_caches, last_level_cache_bytes
+
+    llc = last_level_cache_bytes()
+    assert llc > 0
+    bench = OptimizerBench(torch.device("cpu"))
+    assert bench._evict is not None and bench._evict.numel() * bench._evict.element_size() >= 2 * llc
+    buf = torch.zeros(8)
+    evict_caches(buf)
+    evict_caches(None)  # a GPU bench evicts nothing
+    assert torch.equal(buf, torch.ones(8))
+    bench.run_pass(keep=True)
+    fit = bench.fit()
+    assert all(np.isfinite(v) and v >= 0 for v in fit.values()) and fit["per_param_s"] > 0
