@@ -2,7 +2,8 @@
 pipelined, data-parallel run of 20 training steps (the production `build_rank` / `RankRun.step`
 path: dispatcher, AdamW, LR schedule, clipping) follows a single-process bf16 run of the same
 model on the same batches within 2 % at every step; point-to-point messages are bf16, master
-weights, gradients and optimizer state fp32."""
+weights, gradients and optimizer state fp32. The LLM runs ZeRO 3 (FSDP2): its all-gathers move
+bf16 parameters (``MixedPrecisionPolicy``), its reduce-scatters fp32 gradients."""
 
 from __future__ import annotations
 
@@ -28,10 +29,14 @@ MAX_NORM = 1.0
 
 def _bf16_config(dtype: str = "bf16") -> TrainConfig:
     cfg = _config("multimodal_1f1b")
-    # encoders on a rank each, the LLM in 2 stages x 2 replicas: every edge kind (encoder -> LLM,
-    # LLM stage -> stage) and a data-parallel gradient sync
-    cfg.plan = Plan([ModuleSpec("vision"), ModuleSpec("audio"), ModuleSpec("llm", num_stages=2, data_parallel=2)],
-                    num_microbatches=4)
+    # encoders on a rank each, the LLM in 2 stages x 2 replicas with ZeRO 3: every edge kind
+    # (encoder -> LLM, LLM stage -> stage) and FSDP2's bf16 gathers with fp32 reduction. GPipe:
+    # one encoder rank feeds both LLM replicas, whose FSDP collectives pair their microbatches;
+    # under 1F1B a replica's first forward would wait on the encoder, which waits on the other
+    # replica's backward (a deadlock, not a precision matter)
+    cfg.plan = Plan([ModuleSpec("vision"), ModuleSpec("audio"),
+                     ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=3)], num_microbatches=4,
+                    schedule="gpipe")
     cfg.run = dataclasses.replace(cfg.run, steps=STEPS, dtype=dtype)
     cfg.optim = dataclasses.replace(cfg.optim, max_grad_norm=MAX_NORM)
     return cfg.check()
@@ -60,10 +65,12 @@ def _worker(rank: int, world_size: int, out: str) -> None:
             lambda opt, *_: grads.update(str(p.grad.dtype) for g in opt.param_groups for p in g["params"]
                                          if p.grad is not None))
     computed: set[str] = set()  # what the stage's matrix products give: bf16 under autocast
+    weights: set[str] = set()  # a linear's weight as its forward reads it: FSDP's gathered dtype
     for layer in run.engine.stage.layers:
         for m in layer.module.modules():
             if isinstance(m, torch.nn.Linear):
                 m.register_forward_hook(lambda mod, args, out: computed.add(str(out.dtype)))
+                m.register_forward_pre_hook(lambda mod, args: weights.add(str(mod.weight.dtype)))
     losses = [run.step(s).loss for s in range(STEPS)]
     state = set()
     if run.optimizer is not None:
@@ -71,7 +78,8 @@ def _worker(rank: int, world_size: int, out: str) -> None:
                  if torch.is_tensor(v) and k != "step"}
     params = {str(p.dtype) for p in run.engine.stage.named_parameters().values()}
     torch.save({"losses": losses, "sent": sorted(sent), "received": sorted(received), "grads": sorted(grads),
-                "state": sorted(state), "params": sorted(params), "computed": sorted(computed), "module": run.engine.stage.module},
+                "state": sorted(state), "params": sorted(params), "computed": sorted(computed), "weights": sorted(weights),
+                "fsdp": run.engine.executor.zero is not None, "module": run.engine.stage.module},
                Path(out) / f"rank{rank}.pt")
     run.close()
 
@@ -102,6 +110,9 @@ def test_bf16_pipeline_follows_single_process_bf16_within_2_percent(tmp_path: Pa
         assert res["received"] == ["torch.bfloat16"], (r, res)
         assert res["grads"] == ["torch.float32"], f"rank {r}: gradients {res['grads']}"
         assert res["state"] == ["torch.float32"], f"rank {r}: optimizer state {res['state']}"
+        # FSDP (the LLM's ranks) gathers bf16 parameters; the encoders' ranks read their fp32 weights
+        assert res["fsdp"] == (res["module"] == "llm"), (r, res["module"])
+        assert res["weights"] == (["torch.bfloat16"] if res["fsdp"] else ["torch.float32"]), (r, res["weights"])
 
 
 def test_run_dtype_is_checked():
@@ -154,6 +165,19 @@ def test_bf16_on_a_cuda_device_without_it_is_refused_before_launch(tmp_path, cap
     assert not any(tmp_path.iterdir())
     with pytest.raises(ValueError, match='run.dtype = "bf16": this CUDA device has no bf16 support'):
         Precision("bf16", "cuda")
+
+
+def test_fsdp_policy_follows_run_dtype():
+    """ZeRO 2/3 under ``run.dtype = "bf16"``: FSDP2 gathers bf16 and reduces fp32, without
+    casting the stage's inputs (the residual stream stays fp32); under fp32 FSDP's defaults."""
+    from loom.runtime.zero import mixed_precision_policy
+
+    policy = mixed_precision_policy(Precision("bf16", "cpu"))
+    assert (policy.param_dtype, policy.reduce_dtype, policy.cast_forward_inputs) == (torch.bfloat16, torch.float32,
+                                                                                      False)
+    for fp32 in (Precision("fp32", "cpu"), None):
+        policy = mixed_precision_policy(fp32)
+        assert (policy.param_dtype, policy.reduce_dtype) == (None, None)
 
 
 def test_recomputed_forward_replays_under_autocast():

@@ -172,3 +172,27 @@ def test_zero_gradient_syncs() -> None:
         comm.all_reduce_time(nbytes, 16, g.dp_link) + comm.all_gather_time(nbytes, 16, g.dp_link))
     for z in (2, 3):
         assert costs[z].grad_sync_time("llm", 0) == pytest.approx(comm.reduce_scatter_time(nbytes, 16, g.dp_link))
+
+
+def test_zero_with_tp_on_one_module_divides_by_both() -> None:
+    """ZeRO over a module's TP shards (`loom.runtime.zero`: FSDP2 on the (dp, tp) mesh, ZeRO-1's
+    owners over TP shards): a rank stores its TP shard's share of the ZeRO shard, and the
+    gradient sync reduce-scatters the TP shard's gradients over the dp group."""
+    arch = load_model_arch(llm="llama3-8b")
+
+    def cost(tp: int, zero: int) -> AnalyticCostModel:
+        plan = Plan([ModuleSpec("llm", data_parallel=4, tensor_parallel=tp, zero_stage=zero)], num_microbatches=16)
+        return AnalyticCostModel(arch, plan, Cluster("H100", 4 * tp, 8))
+
+    for zero in (1, 3):
+        with_tp, without = cost(2, zero).static_breakdown("llm", 0), cost(1, zero).static_breakdown("llm", 0)
+        assert with_tp.optimizer == pytest.approx(without.optimizer / 2)  # Adam's state: / tp / dp
+        assert with_tp.optimizer == pytest.approx(cost(2, 0).static_breakdown("llm", 0).optimizer / 4)
+        if zero == 3:
+            assert with_tp.params == pytest.approx(without.params / 2)
+            assert with_tp.params == pytest.approx(cost(2, 0).static_breakdown("llm", 0).params / 4)
+    model = cost(2, 3)
+    g = model.groups("llm", 0)
+    assert g.shards == 4
+    shard_bytes = sum(l.stored_params for l, _ in model.stage_layers("llm", 0)) / 2 * MASTER_BYTES
+    assert model.grad_sync_time("llm", 0) == pytest.approx(comm.reduce_scatter_time(shard_bytes, 4, g.dp_link))

@@ -18,9 +18,10 @@ Under ``"bf16"`` the runtime follows PyTorch's automatic mixed precision (Micike
 - **the loss in fp32**: logits are upcast before the cross-entropy
   (`loom.model.multimodal.loss_sum`).
 
-With FSDP2 (ZeRO-3) under autocast the sharded parameters are fp32, so its all-gathers move
-fp32 (FSDP's ``MixedPrecisionPolicy`` would gather bf16; loom keeps one precision rule for every
-plan and the cost model prices fp32 gathers).
+With FSDP2 (ZeRO 2/3) the sharded master parameters stay fp32 and FSDP's
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` gathers them in bf16 (half the
+all-gather bytes, no separate autocast copy) and reduce-scatters fp32 gradients
+(`loom.runtime.zero.mixed_precision_policy`; stage inputs are not cast, autocast runs alongside).
 
 The single-process reference runs ``model.loss`` under `Precision.autocast` too: the same rule
 without the message casts.
