@@ -3,8 +3,8 @@
 parallelism through `loom.runtime.tensor_parallel`) feeding an LLM at PP 2 x DP 2 with ZeRO 3
 (4 ranks, FSDP2 through `loom.runtime.zero`), 8 gloo processes in one launch, one step: the
 loss and every gradient (TP shards and FSDP shards gathered whole) equal the single-process
-model's on the same global batch. ZeRO on one module beside TP on another is allowed; ZeRO with
-TP on the same module is refused (`loom.runtime.zero`)."""
+model's on the same global batch. ZeRO on one module beside TP on another; ZeRO with TP on the
+same module is tests/test_zero.py's and tests/test_tensor_parallel.py's."""
 
 from __future__ import annotations
 
