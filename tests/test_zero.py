@@ -37,10 +37,12 @@ def _case(case: str):
         cfg = _config("llm_only_1f1b")
         cfg.plan = Plan([ModuleSpec("llm", data_parallel=4, zero_stage=3, shard_degree=2)], num_microbatches=4)
         return cfg, 0.0
-    if case == "pp2_dp2_zero3_clip":
+    if case in ("pp2_dp2_zero3_clip", "pp2_dp2_zero3_zb-h1_clip", "pp2_dp2_zero2_zb-h1"):
+        # zb-h1: the last stage splits its backward; FSDP reduces after its last weight pass
         cfg = _config("llm_only_1f1b")
-        cfg.plan = Plan([ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=3)], num_microbatches=4)
-        return cfg, MAX_NORM
+        cfg.plan = Plan([ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=3 if "zero3" in case else 2)],
+                        num_microbatches=4, schedule="zb-h1" if "zb-h1" in case else "1f1b")
+        return cfg, MAX_NORM if case.endswith("clip") else 0.0
     if case.startswith("tp2_dp2_zero"):  # ZeRO over the TP shards of the same module, clipped
         cfg = _config("llm_only_1f1b")
         cfg.plan = Plan([ModuleSpec("llm", data_parallel=2, tensor_parallel=2, zero_stage=int(case[-1]))],
@@ -147,7 +149,7 @@ def test_zero_1_2_3_with_dp2_match_the_single_process(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_hybrid_pipelined_clipped_frozen_and_tp_zero_match_the_single_process(tmp_path: Path) -> None:
     cases = ["hybrid_2x2", "pp2_dp2_zero3_clip", "frozen_encoder_zero3", "frozen_stage_zero3", "tp2_dp2_zero3",
-             "tp2_dp2_zero1"]
+             "tp2_dp2_zero1", "pp2_dp2_zero3_zb-h1_clip", "pp2_dp2_zero2_zb-h1"]
     run_local(_worker, 4, cases, str(tmp_path))
     for case in cases:
         _check(case, 4, tmp_path)

@@ -252,12 +252,9 @@ class Plan:
                     raise PlanError(f"{where}.{degree} = {getattr(m, degree)}: must be at least 1")
             if m.zero_stage not in (0, 1, 2, 3):
                 raise PlanError(f"{where}.zero_stage = {m.zero_stage}: choose 0, 1, 2 or 3")
-            if self.schedule == "zb-h1" and (m.zero_stage >= 2 or m.context_parallel > 1):
-                # FSDP2 reduce-scatters and reshards in its post-backward hooks, which the input pass
-                # would fire before any weight gradient exists; CP's split backward is untested
-                what = f"zero_stage = {m.zero_stage}" if m.zero_stage >= 2 else f"context_parallel = {m.context_parallel}"
-                raise PlanError(f"plan.schedule = 'zb-h1' with {where}.{what} is not supported: use plan.schedule = "
-                                f"'1f1b', or ZeRO stage 0 or 1 and no context parallelism for zb-h1")
+            if self.schedule == "zb-h1" and m.context_parallel > 1:  # CP's split backward is untested
+                raise PlanError(f"plan.schedule = 'zb-h1' with {where}.context_parallel = {m.context_parallel} is "
+                                f"not supported: use plan.schedule = '1f1b' with context parallelism")
             if m.shard_degree is not None and (m.shard_degree < 1 or m.data_parallel % m.shard_degree):
                 raise PlanError(f"{where}.shard_degree = {m.shard_degree}: must divide data_parallel = "
                                 f"{m.data_parallel}; choose a divisor, or leave it unset to shard over every replica")

@@ -48,7 +48,7 @@ from loom.runtime.comm import P2PCommunicator
 from loom.runtime.context_parallel import RankContext, microbatch_context, select_features
 from loom.runtime.precision import Precision
 from loom.runtime.rows import RowMap
-from loom.runtime.split_backward import WeightPass, backward_input, backward_weight
+from loom.runtime.split_backward import WeightPass, backward_input, backward_weight, fsdp_defer, fsdp_reduce
 from loom.runtime.stage import Stage, move_batch
 from loom.runtime.unit import UnitPlace, local_tensor, settle_gradients, sync_gradients
 from loom.runtime.zero import ZeroStage
@@ -420,10 +420,11 @@ class PipelineExecutor:
         st = it.states[j]
         grad, st.out_grad = (None if self.stage.computes_loss else st.out_grad), None
         st.backward_left -= 1
+        if self.zero is not None:
+            fsdp_defer(self.zero.modules)
         if st.output.requires_grad:
-            params = [p for p in self.stage.trainable_parameters() if p.requires_grad]
             with self.unit.loss_context():
-                st.weight_pass = backward_input(st.output, grad, list(st.inputs.values()), params)
+                st.weight_pass = backward_input(st.output, grad, list(st.inputs.values()))
         st.inputs = {k: t for k, t in st.inputs.items() if t.requires_grad}
         st.batch = st.context = st.output = None  # the graph lives on in the weight pass
 
@@ -433,10 +434,14 @@ class PipelineExecutor:
         j = a.microbatch
         st = it.states[j]
         st.backward_left -= 1
+        if self.zero is not None:
+            fsdp_defer(self.zero.modules)
         if st.weight_pass is not None:
             with self.unit.loss_context():
                 backward_weight(st.weight_pass)
             st.weight_pass = None
+        if self.zero is not None and i == it.plan.last_backward:
+            fsdp_reduce(self.zero.modules)  # ZeRO 2/3 reduce after the stage's last weight pass
         if not st.inputs and st.backward_left == 0:
             del it.states[j]
 

@@ -16,6 +16,12 @@ nodes between them, and the lower boundary is handed its recorded gradient inste
 re-derived one, so it is counted once (correct, at the price of that stretch of the input
 chain run again; loom's stages share no layer unless an LLM of one stage ties its embeddings).
 
+Under ZeRO 2/3 (FSDP2, `loom.runtime.zero`) FSDP's hooks sit on the input path: they fire in
+the input pass, when no weight gradient exists yet, and not at all in the weight pass. So every
+pass runs with FSDP told to neither reduce nor reshard (`fsdp_defer`: the parameters stay
+gathered, their gradients accumulate unsharded), and after the stage's last weight pass
+`fsdp_reduce` runs FSDP's post-backward by hand: reduce-scatter, reshard, end of backward.
+
 This is how ``torch.distributed.pipelining``'s ``stage_backward_input`` /
 ``stage_backward_weight`` split a stage, written for loom's stages: the stage output is one
 tensor (or the loss), inputs are the received activations, parameters may be DTensors (tensor
@@ -30,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 
 def _node_of(t: torch.Tensor) -> Node | None:
@@ -89,25 +96,29 @@ class WeightPass:
     groups: list[_Group]
 
 
-def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list[torch.Tensor],
-                   params: list[torch.Tensor]) -> WeightPass:
+def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inputs: list[torch.Tensor]) -> WeightPass:
     """The input pass: each of ``inputs`` gets ``.grad`` = d(output . grad)/d(input) (``grad``
-    ``None``: ``output`` is the scalar loss), nothing is accumulated into ``params``; returns
-    what `backward_weight` needs. The graph is kept for it."""
+    ``None``: ``output`` is the scalar loss), nothing is accumulated into the parameters;
+    returns what `backward_weight` needs. The graph is kept for it.
+
+    The parameters are the graph's other leaves that require grad (what one whole backward
+    would accumulate into), read from the graph itself: under FSDP the tensors the forward used
+    are its gathered parameters, not the ones the module holds between passes."""
     root = output.grad_fn
     if root is None:
         return WeightPass([])
     wanted = [t for t in inputs if t.requires_grad]
     consumers = _consumers(root)
-    input_path, _ = _reach([n for n in map(_node_of, wanted) if n is not None], consumers, set())
+    input_nodes = {n for n in map(_node_of, wanted) if n is not None}
+    input_path, _ = _reach(list(input_nodes), consumers, set())
     input_path.add(root)  # a parameter whose path meets no input (none used) starts at the output
     # parameters -> their boundary nodes; parameters sharing a boundary are one group
     owner: dict[Node, _Group] = {}
     groups: list[_Group] = []
-    for p in params:
-        acc = _node_of(p)
-        if acc is None or acc not in consumers:
-            continue  # unused by this microbatch's forward: no gradient, as in a whole backward
+    for acc in consumers:
+        p = getattr(acc, "variable", None)  # a gradient accumulator's leaf
+        if p is None or acc in input_nodes or not p.requires_grad:
+            continue
         _, met = _reach([acc], consumers, input_path)
         group = _Group([p], list(met))
         for other in {id(owner[b]): owner[b] for b in met if b in owner}.values():
@@ -171,3 +182,27 @@ def backward_weight(wp: WeightPass) -> None:
             if dp is not None:
                 p.grad = dp if p.grad is None else p.grad + dp
     wp.groups = []
+
+
+def fsdp_defer(modules: list[FSDPModule]) -> None:
+    """Before an input or weight pass: FSDP neither reduces nor reshards (module docstring)."""
+    for m in modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+        m.set_is_last_backward(False)
+        m.set_reshard_after_backward(False, recurse=False)
+
+
+def fsdp_reduce(modules: list[FSDPModule]) -> None:
+    """After the stage's last weight pass: FSDP's post-backward by hand, as its hooks would run
+    it at the end of the last backward: reduce-scatter the accumulated gradients into the
+    shards, reshard the parameters, finish the iteration's backward."""
+    for m in modules:
+        m.set_requires_gradient_sync(True, recurse=False)
+        m.set_is_last_backward(True)
+        m.set_reshard_after_backward(True, recurse=False)
+    for m in modules:
+        state = fully_shard.state(m)
+        for group in state._fsdp_param_groups:
+            group.post_backward()
+    for m in modules:  # each layer is its own FSDP root (`loom.runtime.zero.shard_stage`)
+        fully_shard.state(m)._root_post_backward_final_callback()
