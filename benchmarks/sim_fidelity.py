@@ -8,9 +8,10 @@ What runs: ``--rounds`` rounds (default 3), each
    simulator prices the core sharing), written to a file *before any step of its round is
    measured*; the simulator loads that file as production would
    (`loom.cost.profile_file.load_profile_for`, then `loom.cost.profiled.ProfiledCostModel`). The
-   first round's run measures everything; later rounds' runs time the layers only (``--no-comm
-   --no-dispatch``, about a third of the time) and take the communication and dispatcher fits
-   from the first round's file. ``--profile PATH`` uses a stored profile in every round instead
+   first round's run measures everything (the CPU slowdown of sharing the host too,
+   `loom.profile.contention`); later rounds' runs time the layers only (``--no-comm
+   --no-dispatch --no-contention``) and take the communication and dispatcher fits and the
+   contention from the first round's file. ``--profile PATH`` uses a stored profile in every round instead
    (it must match the model);
 2. then **real steps on the production path** of ``loom train``: 4 local gloo processes (started
    once, idle while a profile runs), one thread each, the demo config with each case's
@@ -48,7 +49,9 @@ its CPU time measured here before each round's steps, the median of repeated ``s
 ``make_layout`` calls on the gathered metadata), and the loss all-reduce that ends the step (one
 scalar over the world, `ProfiledCostModel.clip_time`'s pricing). The 4 ranks share this
 machine's cores: the simulation prices that with `loom.sim.sharing.CoreSharing` (processor
-sharing), the profile being solo (``--no-sharing`` plays each rank on a core of its own).
+sharing, with the CPU slowdown beside busy ranks that the profile measured, ``contention``), the
+profile being solo (``--no-sharing`` plays each rank on a core of its own). The figures without
+that slowdown are printed and stored beside (``core_sharing.without_slowdown``).
 
 Figures:
 
@@ -68,10 +71,12 @@ Figures:
 - ``max_abs_rel_error``: the worst case's iteration-level error (per round; median over rounds);
 - ``cpu_median_abs_rel_error``: per round the median over every case's ranks of ``|sim - real| /
   real`` of one rank's CPU seconds per step (measured: ``time.process_time`` over `RankRun.step`,
-  every thread; simulated: its solo compute and collectives, the dispatcher's host work and the
-  decision, from a play without core sharing), the median over rounds. No target: it checks the
-  cost model apart from contention and drift (what the ranks compute, not when), so a large
-  iteration error beside a small CPU error is the machine's load, not the profile's prices;
+  every thread, its main thread's share stored beside; simulated: its compute's core-time in the
+  shared play, each action's solo time times the CPU slowdown it met beside busy ranks
+  (`SimResult.cpu`; the time slicing costs waiting, not CPU), its collectives, the dispatcher's
+  host work and the decision), the median over rounds. No target: it checks the cost model apart
+  from the time slicing and drift (what the ranks compute, not when), so a large iteration error
+  beside a small CPU error is the machine's load, not the profile's prices;
 - ``sim_seconds_1024gpu_64mb``: seconds of one ``simulate`` of a 1024-GPU plan (simulated, not
   a measurement of training).
 
@@ -209,11 +214,11 @@ def _worker(rank: int, world_size: int, name: str, case_dicts: list[dict], comma
         records = []
         for run in runs:
             dist.barrier()  # every rank is idle: the step's clock starts here
-            start, cpu = time.time(), time.process_time()
+            start, cpu, main = time.time(), time.process_time(), time.thread_time()
             got = run.step(r, exact_timing=True)  # what `loom train` runs: sampler, dispatcher, engine, LR step
-            end, cpu = time.time(), time.process_time() - cpu
+            end, cpu, main = time.time(), time.process_time() - cpu, time.thread_time() - main
             dist.barrier()
-            records.append({"start": start, "dispatched": start + got.dispatch_s, "end": end, "cpu": cpu,
+            records.append({"start": start, "dispatched": start + got.dispatch_s, "end": end, "cpu": cpu, "main": main,
                             "timeline": events_to_dicts(got.result.timeline)})
         replies.put(("step", rank, records))
     replies.put(("done", rank, 0.0))
@@ -223,7 +228,7 @@ def measure(group: WorkerGroup, selected: list[Case], steps: list[int], warmup: 
     """Per case: step times, per-rank CPU seconds and, per timed step, every rank's measured
     events (the dispatch as one ``dispatch`` event per rank). ``warmup`` untimed steps run
     first (steps ``steps[0] - warmup`` on), then ``steps``; cases alternate within each."""
-    per_case = [{"times": [], "steps": [], "cpu": []} for _ in selected]
+    per_case = [{"times": [], "steps": [], "cpu": [], "main": []} for _ in selected]
     for r in list(range(steps[0] - warmup, steps[0])) + steps:
         got = group.command(r)
         if r < steps[0]:
@@ -232,6 +237,7 @@ def measure(group: WorkerGroup, selected: list[Case], steps: list[int], warmup: 
             rows = [g[2][i] for g in got]
             acc["times"].append(max(x["end"] for x in rows) - min(x["start"] for x in rows))
             acc["cpu"].append([x["cpu"] for x in rows])
+            acc["main"].append([x["main"] for x in rows])
             events = []
             for rank, x in enumerate(rows):
                 events.append({"rank": rank, "kind": DISPATCH, "label": "dispatch", "module": "", "stage": 0,
@@ -483,6 +489,10 @@ def compare_round(selected: list[Case], models: list[CaseModel], measured: list[
             # CPU seconds of each rank's whole step (every thread): what it computed, whatever
             # the contention; beside the wall times it separates work from waiting
             "cpu_ms_per_rank": [round(t * 1e3, 3) for t in real_cpu],
+            # of which the rank's main thread (the rest: gloo's threads moving messages and
+            # running collectives, which the simulator does not price as CPU)
+            "main_thread_cpu_ms_per_rank": [round(statistics.median(c[r] for c in meas["main"]) * 1e3, 3)
+                                            for r in range(WORLD_SIZE)],
             "simulated_cpu_ms_per_rank": [round(t * 1e3, 3) for t in sim_cpu],
             "cpu_abs_rel_error": [abs(s - r) / r for s, r in zip(sim_cpu, real_cpu)],
             "dispatch_first_step": sims[0].dispatch.summary(), "per_rank_kind": per_kind})
@@ -564,12 +574,14 @@ def main(argv=None) -> dict:
     def per_rank(i: int, key: str) -> str:  # median over rounds, per rank
         return " ".join(f"{statistics.median(rd['cases'][i][key][r] for rd in rounds):.0f}" for r in range(WORLD_SIZE))
 
-    print("dispatch, and each rank's CPU time per step (ms, ranks 0-3; medians over rounds): measured, and simulated "
-          "(solo compute and collectives, dispatcher host work, decision)")
-    print(format_table(["case", "dispatch measured", "dispatch simulated", "CPU measured", "CPU simulated"],
+    print("dispatch, and each rank's CPU time per step (ms, ranks 0-3; medians over rounds): measured (all threads, "
+          "and the main thread alone), and simulated (compute's core-time, collectives, dispatcher host work, decision)")
+    print(format_table(["case", "dispatch measured", "dispatch simulated", "CPU measured", "main thread",
+                        "CPU simulated"],
                        [[c.name, statistics.median(rd["cases"][i]["dispatch_measured_s"] for rd in rounds) * 1e3,
                          statistics.median(rd["cases"][i]["dispatch_simulated_s"] for rd in rounds) * 1e3,
-                         per_rank(i, "cpu_ms_per_rank"), per_rank(i, "simulated_cpu_ms_per_rank")]
+                         per_rank(i, "cpu_ms_per_rank"), per_rank(i, "main_thread_cpu_ms_per_rank"),
+                         per_rank(i, "simulated_cpu_ms_per_rank")]
                         for i, c in enumerate(selected)]))
     kind_rows = []
     for kind in KINDS:
