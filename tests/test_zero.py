@@ -43,6 +43,11 @@ def _case(case: str):
         cfg.plan = Plan([ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=3 if "zero3" in case else 2)],
                         num_microbatches=4, schedule="zb-h1" if "zb-h1" in case else "1f1b")
         return cfg, MAX_NORM if case.endswith("clip") else 0.0
+    if case == "hybrid_tp2":  # hybrid sharding over TP shards: 2 shard groups of 1 replica, each TP 2
+        cfg = _config("llm_only_1f1b")
+        cfg.plan = Plan([ModuleSpec("llm", data_parallel=2, tensor_parallel=2, zero_stage=3, shard_degree=1)],
+                        num_microbatches=4)
+        return cfg, MAX_NORM
     if case.startswith("tp2_dp2_zero"):  # ZeRO over the TP shards of the same module, clipped
         cfg = _config("llm_only_1f1b")
         cfg.plan = Plan([ModuleSpec("llm", data_parallel=2, tensor_parallel=2, zero_stage=int(case[-1]))],
@@ -114,10 +119,17 @@ def _check(case: str, world: int, out: Path) -> None:
     zero = {m.name: m.zero_stage for m in cfg.plan.modules}
     if max(zero.values()) >= 2:
         assert any(r["fsdp"] for r in results), f"{case}: no rank's parameters are FSDP-sharded"
+    if case == "hybrid_tp2":  # hybrid sharding over TP shards: 2 shard groups of 1 replica, each TP 2
+        cfg = _config("llm_only_1f1b")
+        cfg.plan = Plan([ModuleSpec("llm", data_parallel=2, tensor_parallel=2, zero_stage=3, shard_degree=1)],
+                        num_microbatches=4)
+        return cfg, MAX_NORM
     if case.startswith("tp2_dp2_zero"):
         # TP shards (and FSDP's on top of them under ZeRO 3) on the module's own mesh
         expected = ["('dp', 'tp')"] if case.endswith("3") else ["('tp',)"]
         assert all(r["meshes"] == expected for r in results), [r["meshes"] for r in results]
+    if case == "hybrid_tp2":  # HSDP over TP shards: FSDP2's 3-D mesh from the hybrid mesh
+        assert all(r["meshes"] == ["('dp_replicate', 'dp_shard', 'tp')"] for r in results), [r["meshes"] for r in results]
     if case == "tp2_dp2_zero1":  # optimizer state sharded over dp: each rank of a dp pair holds part of it
         assert {r["optimizer"] for r in results} == {"ShardedStateOptimizer"}
         for tp in (0, 1):  # ranks (tp, tp + 2) form a dp group (rank layout: dp outer, tp inner)
@@ -149,17 +161,17 @@ def test_zero_1_2_3_with_dp2_match_the_single_process(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_hybrid_pipelined_clipped_frozen_and_tp_zero_match_the_single_process(tmp_path: Path) -> None:
     cases = ["hybrid_2x2", "pp2_dp2_zero3_clip", "frozen_encoder_zero3", "frozen_stage_zero3", "tp2_dp2_zero3",
-             "tp2_dp2_zero1", "pp2_dp2_zero3_zb-h1_clip", "pp2_dp2_zero2_zb-h1"]
+             "tp2_dp2_zero1", "hybrid_tp2", "pp2_dp2_zero3_zb-h1_clip", "pp2_dp2_zero2_zb-h1"]
     run_local(_worker, 4, cases, str(tmp_path))
     for case in cases:
         _check(case, 4, tmp_path)
 
 
-def test_zero_with_tp_on_one_module_is_accepted_hybrid_with_tp_refused() -> None:
-    """ZeRO 1-3 over a module's TP shards runs (the cases above); hybrid sharding under TP is
-    refused before launch, naming the field and the fix (`loom.runtime.zero.check_zero`)."""
+def test_zero_with_tp_on_one_module_is_accepted() -> None:
+    """ZeRO 1-3 and hybrid sharding over a module's TP shards pass the check (and run: the cases
+    above); hybrid sharding still needs ZeRO 2/3 (`loom.runtime.zero.check_zero`)."""
     for stage in (1, 2, 3):
         check_zero(ModuleSpec("llm", data_parallel=2, tensor_parallel=2, zero_stage=stage))
-    with pytest.raises(PlanError, match=r"plan.modules\['llm'\].shard_degree = 2 with tensor_parallel = 2: .*"
-                                        r"leave shard_degree unset"):
-        check_zero(ModuleSpec("llm", data_parallel=4, tensor_parallel=2, zero_stage=3, shard_degree=2))
+    check_zero(ModuleSpec("llm", data_parallel=4, tensor_parallel=2, zero_stage=3, shard_degree=2))
+    with pytest.raises(PlanError, match=r"plan.modules\['llm'\].shard_degree = 2 needs zero_stage 2 or 3"):
+        check_zero(ModuleSpec("llm", data_parallel=4, tensor_parallel=2, zero_stage=1, shard_degree=2))

@@ -40,9 +40,9 @@ no gradient and reduces none; a fully frozen stage only all-gathers for its no-g
 **Hybrid sharding** (``ModuleSpec.shard_degree`` below ``data_parallel``): FSDP2 on a 2-D
 (replicate, shard) mesh of the stage's dp ranks (`loom.runtime.mesh.build_hybrid_meshes`):
 parameters sharded inside each group of ``shard_degree`` consecutive replicas, gradients
-reduce-scattered inside and all-reduced across the groups. Hybrid sharding of a module under TP
-is refused (`check_zero`): the hybrid mesh is a mesh of its own, not the root of the unit's TP
-mesh, which FSDP2 needs to join them.
+reduce-scattered inside and all-reduced across the groups. Under TP the unit's TP mesh is sliced
+from the same hybrid mesh (the engine passes it to `loom.runtime.unit.UnitPlace.of`), so FSDP2
+joins them into one 3-D (replicate, shard, tp) mesh.
 """
 
 from __future__ import annotations
@@ -216,10 +216,6 @@ def check_zero(spec: ModuleSpec) -> None:
     if shard != spec.data_parallel and spec.zero_stage < 2:
         raise PlanError(f"{where}.shard_degree = {spec.shard_degree} needs zero_stage 2 or 3 (hybrid sharding "
                         f"is FSDP's); set zero_stage = 2 or 3, or leave shard_degree unset")
-    if shard != spec.data_parallel and spec.tensor_parallel > 1:
-        raise PlanError(f"{where}.shard_degree = {spec.shard_degree} with tensor_parallel = {spec.tensor_parallel}: "
-                        f"hybrid sharding over TP shards is not executed; leave shard_degree unset (ZeRO shards "
-                        f"over all {spec.data_parallel} replicas) or set tensor_parallel = 1")
 
 
 def apply_zero(stage: Stage, plan: Plan, meshes: dict[str, DeviceMesh],
