@@ -72,7 +72,9 @@ class ParallelEngine:
         meshes = build_meshes(plan, device.type)
         hybrid = build_hybrid_meshes(plan, device.type)  # ZeRO hybrid sharding (loom.runtime.zero)
         replicas = build_replica_meshes(plan, device.type)  # dp x cp gradient groups (context parallelism)
-        unit = UnitPlace.of(plan, rank, meshes)  # the rank's pipeline unit (loom.runtime.unit)
+        # the rank's pipeline unit (loom.runtime.unit); under hybrid sharding its TP mesh is sliced from the
+        # hybrid mesh, the root FSDP2 needs to join it with (dp_replicate, dp_shard) (loom.runtime.zero)
+        unit = UnitPlace.of(plan, rank, {**meshes, **hybrid})
         # each layer split over the unit's TP ranks as soon as it has values (loom.runtime.tensor_parallel)
         stage = build_stage(model, plan, rank, release_others=release_others, device=device,
                             shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
