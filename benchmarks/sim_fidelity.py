@@ -656,6 +656,10 @@ def main(argv=None) -> dict:
             "without_slowdown": {k: round(statistics.median(rd[k] for rd in without), 4) for k in (
                 "median_abs_rel_error", "action_median_abs_rel_error", "cpu_median_abs_rel_error")} if without else None},
         "kind_errors_per_round": [{k: round(v, 4) for k, v in rd["kind_errors"].items()} for rd in rounds],
+        # the first round's message and all-reduce fits (what the simulator charges per message)
+        "profile_comm": {k: {"alpha_ms": round(v["alpha_s"] * 1e3, 4), "ms_per_mb": round(v["seconds_per_byte"] * 1e9, 4)}
+                         for k, v in measured_rounds[0][0].comm.to_dict().items() if isinstance(v, dict)}
+                        if measured_rounds and measured_rounds[0][0].comm else None,
         "rounds": [{"load_avg_1m_around_steps": load, "median_abs_rel_error": round(rd["median_abs_rel_error"], 4),
                     "action_median_abs_rel_error": round(rd["action_median_abs_rel_error"], 4),
                     "cpu_median_abs_rel_error": round(rd["cpu_median_abs_rel_error"], 4),
