@@ -30,13 +30,12 @@ MAX_NORM = 1.0
 def _bf16_config(dtype: str = "bf16") -> TrainConfig:
     cfg = _config("multimodal_1f1b")
     # encoders on a rank each, the LLM in 2 stages x 2 replicas with ZeRO 3: every edge kind
-    # (encoder -> LLM, LLM stage -> stage) and FSDP2's bf16 gathers with fp32 reduction. GPipe:
-    # one encoder rank feeds both LLM replicas, whose FSDP collectives pair their microbatches;
-    # under 1F1B a replica's first forward would wait on the encoder, which waits on the other
-    # replica's backward (a deadlock, not a precision matter)
+    # (encoder -> LLM, LLM stage -> stage) and FSDP2's bf16 gathers with fp32 reduction. 1F1B
+    # with one encoder rank feeding both LLM replicas, whose FSDP collectives pair their
+    # microbatches: the encoders look far enough ahead (generators._lockstep_slack)
     cfg.plan = Plan([ModuleSpec("vision"), ModuleSpec("audio"),
                      ModuleSpec("llm", num_stages=2, data_parallel=2, zero_stage=3)], num_microbatches=4,
-                    schedule="gpipe")
+                    schedule="1f1b")
     cfg.run = dataclasses.replace(cfg.run, steps=STEPS, dtype=dtype)
     cfg.optim = dataclasses.replace(cfg.optim, max_grad_norm=MAX_NORM)
     return cfg.check()

@@ -176,6 +176,14 @@ def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0
     ``eager``: encoder stages forward that many more of their own microbatches before their
     first backward (Entrain's eager forward execution, entrain.md §3.6: the deferred backward
     parts then find free slots mid-iteration), at the price of as many more activations held.
+
+    Replicas in lockstep: under ZeRO 2/3 (FSDP2, `loom.runtime.zero`) every forward and
+    backward of a replica issues collectives that pair with the other replicas' actions of
+    the same position, so replica ``r``'s ``i``-th backward cannot finish before every
+    replica's ``i``-th has started, after their forwards ``j <= i dp + r' + D``. A sender
+    feeding several replicas of such a module (fewer replicas than it) must therefore forward
+    ``dp - 1`` further ahead than the receiver, or one replica's forward waits for the sender,
+    which waits for the gradient of a backward that waits for that replica.
     """
     stages = pipeline_stages(plan)
     if kind == "gpipe":
@@ -185,8 +193,19 @@ def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0
     lookahead: dict[Stage, float] = {}
     for st in reversed(stages):  # successors first
         d = (warmup_count(plan, st) + (eager if st[0] != LLM else 0)) * plan.spec(st[0]).data_parallel
-        lookahead[st] = max([d] + [lookahead[dst] + (route_slack if st[0] != dst[0] else 0) for dst in succs[st]])
+        lookahead[st] = max([d] + [lookahead[dst] + (route_slack if st[0] != dst[0] else 0) + _lockstep_slack(plan, st, dst)
+                                   for dst in succs[st]])
     return lookahead
+
+
+def _lockstep_slack(plan: Plan, src: Stage, dst: Stage) -> int:
+    """How much further ahead ``src`` forwards because ``dst``'s replicas run in lockstep
+    (`warmup_lookahead`): ``dp - 1`` when ``dst``'s module pairs its replicas' actions (ZeRO
+    2/3) and ``src`` feeds several of them."""
+    spec, feeder = plan.spec(dst[0]), plan.spec(src[0])
+    if spec.zero_stage >= 2 and feeder.data_parallel < spec.data_parallel:
+        return spec.data_parallel - 1
+    return 0
 
 
 def _compute_order(microbatches: list[int], lookahead: float | None) -> list[tuple[ActionKind, int]]:
