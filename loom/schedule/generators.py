@@ -1,4 +1,4 @@
-"""Schedule generators: GPipe and (multimodal) 1F1B over a plan's stage graph.
+"""Schedule generators: GPipe, (multimodal) 1F1B and ZB-H1 over a plan's stage graph.
 
 The pipeline graph comes from a resolved `Plan`. Its nodes are stages ``(module, stage)``;
 its edges run inside each module from stage ``s`` to ``s + 1``, and from every encoder's last
@@ -227,22 +227,24 @@ def _compute_order(microbatches: list[int], lookahead: float | None) -> list[tup
     return order
 
 
-def _weight_slots(order: list[tuple[ActionKind, int]], depth: int) -> dict[int, list[int]]:
+def _weight_slots(order: list[tuple[ActionKind, int]], lag: int) -> dict[int, list[int]]:
     """ZB-H1's placement of one rank's weight-gradient actions (zero-bubble, Qi et al., §3.1
     "ZB-H1"): own backward ``a`` -> the weight passes to run right after the input pass ``B(a)``.
 
-    A weight pass normally follows its input pass at once, so the rank holds 1F1B's
-    microbatches. Over the rank's last ``depth`` backwards (``depth``: the stages on the
-    pipeline graph's longest path, the length of 1F1B's drain) each weight pass is deferred by
-    one backward: it runs after the *next* input pass, so every input gradient leaves as early
-    as possible and the weight work fills the waits 1F1B has there (the cooldown bubbles), at
-    the price of at most one more microbatch held. The last weight passes end the rank's
-    backward work, before its ``GRAD_SYNC``."""
+    The weight pass of the rank's ``i``-th backward runs after the input pass of its
+    ``i + lag``-th, the last ones at the end of its backward work (before ``GRAD_SYNC``);
+    ``lag`` is the stage's position on the pipeline graph's longest path (0 for the first
+    stage, ``s`` for stage ``s`` of a chain). A stage holds ``warmup + 1`` microbatches between
+    forward and input pass under 1F1B, and ``lag`` more until their weight passes:
+    ``warmup + 1 + lag`` is the path's depth, the first stage's 1F1B peak, so no rank holds
+    more than 1F1B's deepest one (the paper's "same peak memory as 1F1B"). Meanwhile each
+    input gradient leaves without waiting for weight work, so the gradients climb the pipeline
+    at the pace of the input passes, and the deferred weight passes fill the waits that 1F1B
+    has downstream at the start of its steady phase and upstream in its cooldown."""
     backwards = [j for k, j in order if k is ActionKind.BACKWARD]
-    tail = backwards[len(backwards) - min(depth, len(backwards)):]
-    slots: dict[int, list[int]] = {a: [] if a in set(tail) else [a] for a in backwards}
-    for i, a in enumerate(tail):
-        slots[tail[min(i + 1, len(tail) - 1)]].append(a)
+    slots: dict[int, list[int]] = {a: [] for a in backwards}
+    for i, a in enumerate(backwards):
+        slots[backwards[min(i + lag, len(backwards) - 1)]].append(a)
     return slots
 
 
@@ -271,6 +273,10 @@ def build_schedule(
     multimodal warmup (cornstarch.md §3.1, `warmup_count`), capped at the rank's microbatch
     count, then alternates one forward and one backward, then drains; see `warmup_lookahead` for how
     the warmup carries over to modules of different data-parallel degrees.
+    ZB-H1 (zero-bubble, Qi et al., §3.1) is 1F1B with the backward of each stage that has
+    both parts (trainable parameters and an incoming gradient edge) split into
+    ``BACKWARD_INPUT``, at the backward's place and followed by its ``SEND_GRAD``s, and a
+    deferred ``BACKWARD_WEIGHT`` (`_weight_slots`).
 
     With a ``layout`` (`loom.schedule.layout.BatchLayout`, one per iteration) the microbatch
     count is the layout's, and an encoder's microbatch ``j`` and the LLM's ``k`` may hold
@@ -331,7 +337,7 @@ def build_schedule(
         acts: list[Action] = []
         mine = plan.microbatches_of(m, replica)
         order = _compute_order(mine, lookahead[me] if needs_backward[me] else None)
-        weight_after = _weight_slots(order, depth) if me in split_stages else {}
+        weight_after = _weight_slots(order, depth - 1 - warmup_count(plan, me)) if me in split_stages else {}
         deferred: dict[int, list[Action]] = {}  # own microbatch -> deferred backward parts to run before it
         tail: list[Action] = []  # deferred parts with no later own backward
         for kind_, j in order:
