@@ -13,27 +13,39 @@ Two LLM batchings, each a run of its own: ``padded`` (one right-padded row per s
 default of ``data.pack_sequences = false``) and ``packed`` (each LLM microbatch one packed row,
 ``data.pack_sequences = true``). In each, one group per policy (``none`` and every policy of
 `loom.balance.policy.POLICIES`), each its own 2 fresh gloo processes with one thread each, all
-fed the same global batches (`GlobalBatchSampler`, a new batch every step). The groups take
-turns step by step (the order rotates every step), so slow phases of a shared machine hit every
-group alike; after ``--warmup`` untimed steps, ``--repeats`` repeats of ``--steps-per-repeat``
-timed steps follow. A timed step runs, inside the worker, from a barrier to a barrier around one
-`RankRun.step` and holds everything a trainer pays per iteration: the dispatch (metadata
-all-gather, the policy, the payload all-to-all), the schedule for a new layout (cached per
-layout), the step itself with the optimizer, the LR scheduler's step and the loss all-reduce.
+fed the same global batches (`GlobalBatchSampler`: every group trains the same batch at step
+``i``, a new batch every step). The groups take turns step by step in a Williams order
+(`turn_orders`: over one cycle every group takes every turn position once and follows every
+other group once), so slow phases of a shared machine, going first, or the group just before
+hit every group alike; after ``--warmup`` untimed steps, ``--repeats`` repeats of
+``--steps-per-repeat`` timed steps follow (4 by default: one cycle for the 4 groups). A timed
+step runs, inside the worker, from a barrier to a barrier around one `RankRun.step` and holds
+everything a trainer pays per iteration: the dispatch (metadata all-gather, the policy, the
+payload all-to-all), the schedule for a new layout (cached per layout), the step itself with
+the optimizer, the LR scheduler's step and the loss all-reduce.
 
 Figures (``better``: higher for every ratio):
 
-- ``real_step_time_ratio_<policy>`` / ``real_step_time_ratio_packed_<policy>``: per repeat, the
-  median step time of ``none`` over that of ``<policy>`` (above 1: the policy is faster); the
-  value is the median over the repeats, the spread their IQR (5 or more repeats) or min-max;
+- ``real_step_time_ratio_<policy>`` / ``real_step_time_ratio_packed_<policy>``: per repeat,
+  the sum of ``none``'s step times over the sum of ``<policy>``'s on the same steps, so the
+  same global batches (`paired_ratio`: throughput on identical work; above 1: the policy is
+  faster); the value is the median over the repeats, the spread their IQR (5 or more
+  repeats) or min-max;
 - ``real_step_time_ratio`` / ``real_step_time_ratio_packed``: the same for the best policy of
   that batching (the highest median ratio; ``config`` names it), padded rows and packed rows;
-- ``real_<batching>_<policy>_step_ms``: the median step time over the repeats' medians.
+- ``real_<batching>_<policy>_step_ms``: the median over the repeats of each repeat's mean
+  step time.
+
+``config.batchings.<rows>.groups.<policy>.minus_none_ms`` holds, per policy, the median over
+the timed steps of (policy minus none) on the same step for the whole step, its dispatch, its
+``engine.step``, and per rank the compute and the process CPU time (`paired_differences`):
+what a policy pays beyond its layout (one that keeps ``none``'s layout should pay only its
+decision).
 
 The step-0 losses of all groups of a batching must agree (the same global batch, reference
 semantics); the script fails otherwise.
 
-    python -m benchmarks.balance_real [--repeats 5 --steps-per-repeat 3 --warmup 2 ...]
+    python -m benchmarks.balance_real [--repeats 6 --steps-per-repeat 4 --warmup 2 ...]
 
 ``--min-gain`` sets ``balance.min_gain``: a negative value makes every policy use its own
 layout even where its cost model predicts no gain (what the layouts themselves would do; the
@@ -72,8 +84,10 @@ COMPUTE_KINDS = ("forward", "backward")
 
 @dataclass
 class RealConfig:
-    repeats: int = 5  # timed repeats per batching; each gives one ratio per policy
-    steps_per_repeat: int = 3  # timed steps per repeat (the repeat's figure is their median)
+    repeats: int = 6  # timed repeats per batching; each gives one ratio per policy
+    # timed steps per repeat: one whole cycle of `turn_orders` for the default 4 groups (each
+    # group in every turn position once); the repeat's ratio is that of its step-time sums
+    steps_per_repeat: int = 4
     warmup: int = 2  # untimed steps per group before the repeats
     policies: str = "none,orchmllm,disttrain,entrain"  # the groups; must hold none
     batchings: str = "padded,packed"  # LLM batchings to run, each a run of its own
@@ -176,8 +190,9 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
     replies.put(("ready", rank))
     while (i := commands[rank].get()) is not None:
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         done = run.step(i)
+        c1 = time.process_time()
         dist.barrier()
         t1 = time.perf_counter()
         got = done.dispatched
@@ -191,6 +206,7 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
                       if not train.data.pack_sequences else llm_tokens)
         info = {
             "total": t1 - t0, "dispatch": done.dispatch_s, "engine_step": done.engine_s, "compute": compute,
+            "cpu": c1 - c0, "indices": list(done.indices),
             "num_microbatches": got.layout.num_microbatches, "llm_padded_over_real": llm_padded / llm_tokens,
             "mb_max_over_mean": {phase: s["microbatches"] for phase, s in stats.items()},
             "slots": {phase: [list(slot) for slot in slots] for phase, slots in got.layout.slots.items()},
@@ -224,8 +240,9 @@ class Group(WorkerGroup):
         # both ranks leave at the closing barrier: the slower clock; parts: the slower rank's
         step = {k: max(info[k] for info in infos) for k in ("total", "dispatch", "engine_step")}
         step["compute"] = [info["compute"] for info in infos]
+        step["cpu"] = [info["cpu"] for info in infos]
         step.update({k: infos[0][k] for k in ("num_microbatches", "mb_max_over_mean", "llm_padded_over_real",
-                                              "slots", "kept_given", "predicted_gain")})
+                                              "slots", "kept_given", "predicted_gain", "indices")})
         self.steps.append(step)
         return step
 
@@ -251,9 +268,10 @@ def run_batching(cfg: RealConfig, llm_batching: str, say: Any, trace_dir: str | 
             g.wait_ready()
         say(f"  [{llm_batching}] groups set up in {time.perf_counter() - t0:.1f} s")
         total = cfg.warmup + cfg.repeats * cfg.steps_per_repeat
+        orders = turn_orders(names)
         for i in range(total):
-            order = names[i % len(names):] + names[:i % len(names)]  # rotate: nobody always goes first
-            for name in order:
+            # timed step t takes row t of the balanced cycle, so a repeat of len(orders) steps is whole
+            for name in orders[(i - cfg.warmup) % len(orders)]:
                 groups[name].step(i)
             kind = "warmup" if i < cfg.warmup else f"repeat {(i - cfg.warmup) // cfg.steps_per_repeat + 1}"
             say(f"  [{llm_batching}] step {i + 1:3d} ({kind}): " + ", ".join(
@@ -273,6 +291,12 @@ def run_batching(cfg: RealConfig, llm_batching: str, say: Any, trace_dir: str | 
         raise RuntimeError(f"[{llm_batching}] the groups compute different losses on the first step "
                            f"({ {n: g.losses[0] for n, g in groups.items()} }): they do not do the same work, "
                            f"the timing would be meaningless")
+    # the pairing: every group trained the same global batch at every step
+    for i, st in enumerate(groups[BASELINE].steps):
+        other = [n for n, g in groups.items() if g.steps[i]["indices"] != st["indices"]]
+        if other:
+            raise RuntimeError(f"[{llm_batching}] step {i}: {other} trained other samples than {BASELINE}; the "
+                               f"paired ratio needs the same global batch in every group")
     timed = {n: g.steps[cfg.warmup:] for n, g in groups.items()}
     repeats = {n: [st[r * cfg.steps_per_repeat:(r + 1) * cfg.steps_per_repeat] for r in range(cfg.repeats)]
                for n, st in timed.items()}
@@ -282,20 +306,24 @@ def run_batching(cfg: RealConfig, llm_batching: str, say: Any, trace_dir: str | 
 
 
 def summarize_batching(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per policy: per-repeat median step times, per-repeat ratios none / policy, and what
-    the layouts looked like."""
+    """Per policy: per-repeat mean step times, per-repeat paired ratios (none's step-time sum
+    over the policy's, on the same global batches), the per-step paired differences of the
+    step's parts (policy minus none, same batch, adjacent turns) and what the layouts looked
+    like."""
     base_steps = run["timed"][BASELINE]
+    base_reps = run["repeats"][BASELINE]
     out: dict[str, dict[str, Any]] = {}
     for name, reps in run["repeats"].items():
-        medians = [median([s["total"] for s in rep]) for rep in reps]
-        base = [median([s["total"] for s in rep]) for rep in run["repeats"][BASELINE]]
         st = run["timed"][name]
         out[name] = {
-            "repeat_step_s": medians,
-            "repeat_ratio": [b / m for b, m in zip(base, medians)],
+            "repeat_step_s": [_mean([s["total"] for s in rep]) for rep in reps],
+            "repeat_ratio": [paired_ratio([s["total"] for s in b], [s["total"] for s in rep])
+                             for b, rep in zip(base_reps, reps)],
             "dispatch_ms": median([s["dispatch"] for s in st]) * 1e3,
             "engine_step_ms": median([s["engine_step"] for s in st]) * 1e3,
             "compute_ms": [median([s["compute"][r] for s in st]) * 1e3 for r in range(WORLD_SIZE)],
+            "cpu_ms": [median([s["cpu"][r] for s in st]) * 1e3 for r in range(WORLD_SIZE)],
+            "minus_none_ms": paired_differences(st, base_steps),
             "mean_microbatches": _mean([s["num_microbatches"] for s in st]),
             "llm_padded_over_real": _mean([s["llm_padded_over_real"] for s in st]),
             "mb_max_over_mean": {phase: _mean([s["mb_max_over_mean"][phase] for s in st])
@@ -308,6 +336,47 @@ def summarize_batching(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "peak_rss_mb": run["peak_rss_mb"][name],
         }
     return out
+
+
+def turn_orders(names: list[str]) -> list[list[str]]:
+    """The groups' turn orders, one per step, cycled: a Williams design (a Latin square balanced
+    for first-order carry-over). Over one cycle (``n`` steps for ``n`` groups when ``n`` is even,
+    ``2n`` when odd: the square and its mirror) every group takes every turn position equally
+    often and directly follows every other group equally often, so neither going first (a CPU
+    left idle by the driver) nor the group before it (its caches, the memory it leaves behind)
+    favours one group. A plain rotation always puts the same group after each group."""
+    n = len(names)
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]  # 0, 1, n-1, 2, n-2, ...
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return [[names[x] for x in row] for row in rows]
+
+
+def paired_ratio(base: list[float], policy: list[float]) -> float:
+    """None over the policy on the same global batches: the ratio of their step-time sums
+    (throughput on identical work, so which batches a repeat drew cancels out)."""
+    if len(base) != len(policy) or not base:
+        raise ValueError(f"paired_ratio: {len(base)} baseline steps against {len(policy)} policy steps; "
+                         "pair the same steps (at least one)")
+    return sum(base) / sum(policy)
+
+
+def paired_differences(steps: list[dict[str, Any]], base_steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median over the timed steps of (policy minus none) on the same global batch, in ms: the
+    whole step, its dispatch and ``engine.step`` (the slower rank's), and per rank the compute
+    (forward and backward actions) and the process CPU time. What a policy pays beyond its
+    layout shows here without the batch-to-batch variation of the totals."""
+    def diff(get) -> float:
+        return median([get(s) - get(b) for s, b in zip(steps, base_steps)]) * 1e3
+
+    return {
+        "total": diff(lambda s: s["total"]),
+        "dispatch": diff(lambda s: s["dispatch"]),
+        "engine_step": diff(lambda s: s["engine_step"]),
+        "compute": [diff(lambda s, r=r: s["compute"][r]) for r in range(WORLD_SIZE)],
+        "cpu": [diff(lambda s, r=r: s["cpu"][r]) for r in range(WORLD_SIZE)],
+    }
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -360,8 +429,10 @@ def real_run(verbose: bool = True, trace_dir: str | Path | None = None, **overri
                      "LR schedule",
         "path": "loom.train.rank.build_rank + RankRun.step, as loom train",
         "timing": "barrier to barrier per step around RankRun.step (dispatch, engine.step with its schedule and "
-                  "optimizer step, LR scheduler, loss all-reduce); groups take turns step by step; a repeat's step "
-                  "time is the median of its steps, a repeat's ratio none / policy of those",
+                  "optimizer step, LR scheduler, loss all-reduce); every group trains the same global batch at step "
+                  "i, the groups taking turns step by step in a Williams order (every turn position and every "
+                  "predecessor equally often per cycle); a repeat's ratio is none's step-time sum over the "
+                  "policy's on the repeat's steps (the same batches), its step time their mean",
         "headline": "real_step_time_ratio[_packed]: the policy with the highest median ratio (best_policy)",
         "batchings": details, "wall_s": round(wall, 1),
     }
@@ -401,7 +472,16 @@ def _print_table(batching: str, summary: dict[str, dict[str, Any]], ratio_figs: 
                         "none's layout", "kept given", "predicted gain", "peak RSS MB"], rows))
     per_repeat = "; ".join(f"{p} " + " ".join(f"{r:.3f}" for r in summary[p]["repeat_ratio"])
                            for p in names if p != BASELINE)
-    print(f"per-repeat none / policy: {per_repeat}")
+    print(f"per-repeat none / policy (step-time sums on the same batches): {per_repeat}")
+    paired = []
+    for n in names:
+        if n == BASELINE:
+            continue
+        d = summary[n]["minus_none_ms"]
+        paired.append([n, f"{d['total']:+.1f}", f"{d['dispatch']:+.1f}", f"{d['engine_step']:+.1f}",
+                       f"{d['compute'][0]:+.1f}/{d['compute'][1]:+.1f}", f"{d['cpu'][0]:+.1f}/{d['cpu'][1]:+.1f}"])
+    print("policy minus none on the same step (median over the timed steps, ms; CPU: the rank's process time)")
+    print(format_table(["policy", "step", "dispatch", "engine step", "compute r0/r1", "CPU r0/r1"], paired))
     print(f"best policy ({batching}): {best}, none / {best} = {spread(ratio_figs[best], '.3f')}")
 
 

@@ -156,7 +156,7 @@ def build_torch_pipeline(cfg: BenchConfig, train: TrainConfig, model: Multimodal
     all_layers = model.module_layers(LLM)
     mine = all_layers[start:end]
     held = {id(layer.module) for layer in mine}
-    for layer in all_layers:  # release the other stage's weights, as loom's build_stage does
+    for layer in all_layers:  # release the other stage's weights, as loom's build_stages does
         if id(layer.module) not in held:
             layer.module.to("meta")
     module = TorchStageModule(model, mine, is_first=rank == 0)

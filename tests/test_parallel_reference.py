@@ -42,7 +42,12 @@ def _config(case: str) -> TrainConfig:
     if case.startswith("llm_only"):
         model = dataclasses.replace(model, vision=None, audio=None)
         demo = dataclasses.replace(demo, mix={"text": 1.0})
-        plan = Plan([llm2], num_microbatches=4, schedule=case.split("_")[-1])
+        if case == "llm_only_interleaved":  # 2 positions x 2 chunks, one layer each (optimus.md §3.11)
+            plan = Plan([ModuleSpec("llm", num_stages=4, virtual_stages=2)], num_microbatches=4)
+        else:
+            plan = Plan([llm2], num_microbatches=4, schedule=case.split("_")[-1])
+    elif case == "multimodal_interleaved":
+        plan = Plan([*enc, ModuleSpec("llm", num_stages=4, virtual_stages=2)], num_microbatches=4)
     elif case in ("multimodal_1f1b", "multimodal_gpipe", "multimodal_zb-h1"):
         plan = Plan([*enc, llm2], num_microbatches=4, schedule=case.split("_")[-1])
     elif case == "frozen_encoders_zb-h1":
@@ -82,11 +87,11 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
         # two steps without an optimizer: the second sends what the first taught both sides of a
         # channel without headers
         for step in range(2):
-            for p in engine.stage.named_parameters().values():
+            for p in engine.named_parameters().values():
                 p.grad = None
             _, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH, step)
         save_rank(Path(out) / (f"rank{rank}.pt" if c == case else f"{c}_rank{rank}.pt"), loss,
-                  engine.stage.named_parameters())
+                  engine.named_parameters())
         engine.close()
 
 
@@ -110,7 +115,8 @@ CASES = {
 
 
 # cases run inside another case's launch (same world size): the suite's time is in the launches
-FOLDED = {"multimodal_1f1b": ["multimodal_zb-h1", "frozen_encoders_zb-h1"]}
+FOLDED = {"multimodal_1f1b": ["multimodal_zb-h1", "frozen_encoders_zb-h1", "multimodal_interleaved"],
+          "llm_only_1f1b": ["llm_only_interleaved"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))

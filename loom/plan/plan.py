@@ -6,15 +6,17 @@ and its pipeline stages with layer boundaries, plus the microbatching and the sc
 Placement here is *disaggregated*: every module has ranks of its own and the encoders run in
 parallel on disjoint ranks (Cornstarch modality parallelism, ``cornstarch.md`` §3.1).
 
-A *pipeline unit* is one (module, stage, replica): the group of ``tensor_parallel x
-context_parallel`` ranks that run that stage replica together. Schedules (the IR) and the
-simulator address units; with TP = CP = 1, as the runtime requires today, a unit is a rank.
+A *pipeline unit* is one (module, pipeline position, replica): the group of
+``tensor_parallel x context_parallel`` ranks that run that position's stages of one replica
+together. A position hosts one stage, or ``virtual_stages`` of them (interleaved 1F1B: stage
+``s`` lives on position ``s % pipeline_depth``, `ModuleSpec.hosted_stages`). Schedules (the IR)
+and the simulator address units; with TP = CP = 1 a unit is a rank.
 
 Rank layout (as Cornstarch's ``[global_stage, dp, cp, tp]`` mesh): modules in plan order, inside
-a module stage-major, then replica, then CP, then TP, so TP groups are contiguous ranks (inside
-a node) and unit ``offset(m) + s * dp(m) + d`` owns ranks starting at
-``rank_offset(m) + (s * dp(m) + d) * cp(m) * tp(m)``. Equivalently, a module's ranks reshaped
-to ``MESH_DIMS`` = ``(pp, dp, cp, tp)`` sizes ``(num_stages, data_parallel, context_parallel,
+a module position-major, then replica, then CP, then TP, so TP groups are contiguous ranks
+(inside a node) and unit ``offset(m) + p * dp(m) + d`` owns ranks starting at
+``rank_offset(m) + (p * dp(m) + d) * cp(m) * tp(m)``. Equivalently, a module's ranks reshaped
+to ``MESH_DIMS`` = ``(pp, dp, cp, tp)`` sizes ``(pipeline_depth, data_parallel, context_parallel,
 tensor_parallel)`` form its device mesh, and `Plan.coordinate_of` is a rank's index in it.
 """
 
@@ -58,13 +60,30 @@ class ModuleSpec:
     # data_parallel; None = data_parallel, plain sharding); the groups replicate each other
     shard_degree: int | None = None
     recompute: str = "none"  # activation checkpointing: one of RECOMPUTE_MODES
+    # model chunks per pipeline rank (Megatron's virtual pipeline, interleaved 1F1B, optimus.md
+    # §3.11): the ``num_stages`` stages are dealt round-robin over ``num_stages //
+    # virtual_stages`` pipeline positions, stage ``s`` on position ``s % pipeline_depth``
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         check_recompute(self.name, self.recompute)
 
     @property
+    def pipeline_depth(self) -> int:
+        """Pipeline positions (ranks along the pipeline): ``num_stages / virtual_stages``."""
+        return max(1, self.num_stages // max(1, self.virtual_stages))
+
+    def position_of(self, stage: int) -> int:
+        """The pipeline position hosting ``stage`` (chunk ``stage // pipeline_depth`` there)."""
+        return stage % self.pipeline_depth
+
+    def hosted_stages(self, position: int) -> list[int]:
+        """The stages of pipeline position ``position``, chunk by chunk."""
+        return list(range(position, self.num_stages, self.pipeline_depth))
+
+    @property
     def num_units(self) -> int:
-        return self.data_parallel * self.num_stages
+        return self.data_parallel * self.pipeline_depth
 
     @property
     def ranks_per_unit(self) -> int:
@@ -99,6 +118,41 @@ def check_recompute(module: str, value: Any) -> None:
     shown = str(value).lower() if isinstance(value, bool) else repr(value)
     raise PlanError(f"plan.modules[{module!r}].recompute = {shown}: use one of \"none\", \"selective\" "
                     f"(attention core only) or \"full\" (every block){hint}")
+
+
+def check_virtual_stages(plan: "Plan", m: ModuleSpec) -> None:
+    """``virtual_stages`` (interleaved 1F1B, optimus.md §3.11): it must divide the stages (every
+    chunk is a stage, cut like any other: layer counts need not divide, the boundaries say
+    where) and leave each replica whole rounds of ``pipeline_depth`` microbatches; what the
+    runtime does not run with it yet is refused here, so the simulator refuses it too."""
+    where, v = f"plan.modules[{m.name!r}]", m.virtual_stages
+    if not isinstance(v, int) or v < 1:
+        raise PlanError(f"{where}.virtual_stages = {v!r}: must be an integer, at least 1 (1: no interleaving)")
+    if v == 1:
+        return
+    if m.name != LLM:
+        raise PlanError(f"{where}.virtual_stages = {v}: interleaved pipelines are supported on the {LLM!r} module only; "
+                        f"set it to 1 on encoders")
+    if m.num_stages % v:
+        raise PlanError(f"{where}.virtual_stages = {v} does not divide num_stages = {m.num_stages}: the stages are "
+                        f"dealt round-robin over num_stages / virtual_stages pipeline positions; make num_stages a "
+                        f"multiple of {v}")
+    if m.num_stages // v < 2:
+        raise PlanError(f"{where}.virtual_stages = {v} with num_stages = {m.num_stages} leaves one pipeline position: "
+                        f"interleaving needs at least 2 (num_stages = 2 x virtual_stages or more)")
+    rounds = m.data_parallel * m.pipeline_depth
+    if plan.num_microbatches % rounds:
+        raise PlanError(f"plan.num_microbatches = {plan.num_microbatches} with {where}.virtual_stages = {v}: each of the "
+                        f"{m.data_parallel} replicas needs a multiple of the {m.pipeline_depth} pipeline positions "
+                        f"(Megatron's interleaving rule); use a multiple of {rounds}")
+    for name, bad in (("tensor_parallel", m.tensor_parallel > 1), ("context_parallel", m.context_parallel > 1),
+                      ("zero_stage", m.zero_stage > 0)):
+        if bad:
+            raise PlanError(f"{where}.virtual_stages = {v} with {name} = {getattr(m, name)} is not supported yet: "
+                            f"use virtual_stages = 1 with {name}, or {name} = {0 if name == 'zero_stage' else 1}")
+    if plan.schedule == "zb-h1":
+        raise PlanError(f"plan.schedule = 'zb-h1' with {where}.virtual_stages = {v} is not supported: use "
+                        f"plan.schedule = '1f1b' (interleaved 1F1B) or virtual_stages = 1")
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
@@ -147,22 +201,28 @@ class Plan:
 
     def rank_of(self, name: str, stage: int, replica: int, tp: int = 0, cp: int = 0) -> int:
         spec = self.spec(name)
-        unit = stage * spec.data_parallel + replica
+        unit = spec.position_of(stage) * spec.data_parallel + replica
         return self.rank_offset(name) + (unit * spec.context_parallel + cp) * spec.tensor_parallel + tp
 
     def role_of(self, rank: int) -> tuple[str, int, int]:
-        """``(module, stage, replica)`` held by ``rank``."""
+        """``(module, position, replica)`` of ``rank``: its pipeline position is the first stage
+        it hosts (the only one unless the module has virtual stages, `stages_of`)."""
         offset = 0
         for m in self.modules:
             if 0 <= rank < offset + m.num_ranks:
-                stage, replica = divmod((rank - offset) // m.ranks_per_unit, m.data_parallel)
-                return m.name, stage, replica
+                position, replica = divmod((rank - offset) // m.ranks_per_unit, m.data_parallel)
+                return m.name, position, replica
             offset += m.num_ranks
         raise PlanError(f"rank {rank} is outside the plan's world size {self.world_size}")
 
+    def stages_of(self, rank: int) -> list[tuple[str, int, int]]:
+        """Every ``(module, stage, replica)`` that ``rank`` hosts, chunk by chunk."""
+        return self.stages_of_unit(self.unit_of(*self.role_of(rank)))
+
     def coordinate_of(self, rank: int) -> MeshCoordinate:
-        """``rank``'s module and its (stage, replica, context, tensor) index in that module's
-        mesh: the inverse of `rank_of`, and the rank's `DeviceMesh` coordinate at runtime."""
+        """``rank``'s module and its (position, replica, context, tensor) index in that module's
+        mesh: the inverse of `rank_of` (for a stage's first chunk), and the rank's `DeviceMesh`
+        coordinate at runtime."""
         offset = 0
         for m in self.modules:
             if 0 <= rank < offset + m.num_ranks:
@@ -176,7 +236,7 @@ class Plan:
     def mesh_shape(self, name: str) -> tuple[int, int, int, int]:
         """Sizes of module ``name``'s mesh, ordered as `MESH_DIMS`."""
         m = self.spec(name)
-        return m.num_stages, m.data_parallel, m.context_parallel, m.tensor_parallel
+        return m.pipeline_depth, m.data_parallel, m.context_parallel, m.tensor_parallel
 
     # ---- pipeline units (what the IR addresses) ----------------------------------------------
     @property
@@ -187,19 +247,25 @@ class Plan:
         offset = 0
         for m in self.modules:
             if m.name == name:
-                return offset + stage * m.data_parallel + replica
+                return offset + m.position_of(stage) * m.data_parallel + replica
             offset += m.num_units
         raise PlanError(f"plan.modules has no module named {name!r}; it has {self.module_names}")
 
     def role_of_unit(self, unit: int) -> tuple[str, int, int]:
-        """``(module, stage, replica)`` of a pipeline unit."""
+        """``(module, position, replica)`` of a pipeline unit: its first stage (`stages_of_unit`)."""
         offset = 0
         for m in self.modules:
             if 0 <= unit < offset + m.num_units:
-                stage, replica = divmod(unit - offset, m.data_parallel)
-                return m.name, stage, replica
+                position, replica = divmod(unit - offset, m.data_parallel)
+                return m.name, position, replica
             offset += m.num_units
         raise PlanError(f"unit {unit} is outside the plan's {self.num_units} pipeline units")
+
+    def stages_of_unit(self, unit: int) -> list[tuple[str, int, int]]:
+        """Every ``(module, stage, replica)`` a pipeline unit hosts, chunk by chunk: one stage,
+        or ``virtual_stages`` of them (interleaved pipelines)."""
+        name, position, replica = self.role_of_unit(unit)
+        return [(name, s, replica) for s in self.spec(name).hosted_stages(position)]
 
     def replica_of_microbatch(self, name: str, microbatch: int) -> int:
         """Which data-parallel replica of ``name`` runs ``microbatch`` (round-robin, so edges
@@ -259,6 +325,7 @@ class Plan:
                 raise PlanError(f"{where}.shard_degree = {m.shard_degree}: must divide data_parallel = "
                                 f"{m.data_parallel}; choose a divisor, or leave it unset to shard over every replica")
             n_layers = layer_counts[m.name]
+            check_virtual_stages(self, m)
             if m.num_stages > n_layers:
                 raise PlanError(
                     f"{where}.num_stages = {m.num_stages} exceeds the module's {n_layers} layers; use at most "
@@ -286,11 +353,11 @@ class Plan:
                 raise PlanError(f"{where}.stage_boundaries = {b}: must strictly increase (no empty stage)")
         if world_size is not None and world_size != self.world_size:
             detail = " + ".join(
-                f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
+                f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
                 for m in self.modules
             )
             raise PlanError(
-                f"plan needs {self.world_size} ranks ({detail}, stages x data x tensor x context "
+                f"plan needs {self.world_size} ranks ({detail}, pipeline x data x tensor x context "
                 f"parallel) but the "
                 f"world size is {world_size}: change the degrees or launch {self.world_size} processes"
             )
@@ -318,7 +385,7 @@ class Plan:
             raise PlanError("plan.modules must be a list of module specs ([[plan.modules]] in TOML)")
         specs = []
         spec_fields = {"name", "data_parallel", "num_stages", "stage_boundaries", "tensor_parallel",
-                       "context_parallel", "zero_stage", "recompute", "shard_degree"}
+                       "context_parallel", "zero_stage", "recompute", "shard_degree", "virtual_stages"}
         for i, m in enumerate(mods):
             if not isinstance(m, dict) or "name" not in m:
                 raise PlanError(f"plan.modules[{i}] must be a table with a 'name'")
@@ -352,5 +419,7 @@ class Plan:
                 lines.append(f"stage_boundaries = {list(m.stage_boundaries)}")
             if m.shard_degree is not None:
                 lines.append(f"shard_degree = {m.shard_degree}")
+            if m.virtual_stages != 1:
+                lines.append(f"virtual_stages = {m.virtual_stages}")
             lines.append("")
         return "\n".join(lines)

@@ -23,7 +23,7 @@ from loom.runtime.recompute import apply_recompute
 from loom.runtime.context_parallel import check_context_parallel
 from loom.runtime.mesh import build_hybrid_meshes, build_meshes, build_replica_meshes, data_parallel_group
 from loom.runtime.rows import RowMap
-from loom.runtime.stage import Stage, build_stage, trainable_stages
+from loom.runtime.stage import Stage, build_stages, trainable_stages
 from loom.runtime.tensor_parallel import check_tp_degree, layer_sharder, module_config
 from loom.runtime.unit import UnitPlace
 from loom.runtime.zero import apply_zero, check_zero, zero_optimizer
@@ -38,7 +38,7 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 class ParallelEngine:
     plan: Plan
     schedule: Schedule
-    stage: Stage
+    stages: list[Stage]  # the stages this rank hosts: one, or its chunks under virtual stages
     executor: PipelineExecutor
     optimizer: torch.optim.Optimizer | None
     trainable: dict[tuple[str, int], bool] = field(default_factory=dict)
@@ -76,18 +76,30 @@ class ParallelEngine:
         # hybrid mesh, the root FSDP2 needs to join it with (dp_replicate, dp_shard) (loom.runtime.zero)
         unit = UnitPlace.of(plan, rank, {**meshes, **hybrid})
         # each layer split over the unit's TP ranks as soon as it has values (loom.runtime.tensor_parallel)
-        stage = build_stage(model, plan, rank, release_others=release_others, device=device,
-                            shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
-        apply_recompute(stage.layers, plan.spec(stage.module).recompute, stage.module)  # loom.runtime.recompute
-        groups = {(stage.module, stage.stage): data_parallel_group(meshes, plan, rank, replicas)}
+        stages = build_stages(model, plan, rank, release_others=release_others, device=device,
+                              shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
+        stage = stages[0]  # virtual stages share a module and replica (ZeRO is refused with them)
+        dp_group = data_parallel_group(meshes, plan, rank, replicas)
+        groups = {(st.module, st.stage): dp_group for st in stages}
+        for st in stages:
+            apply_recompute(st.layers, plan.spec(st.module).recompute, st.module)  # loom.runtime.recompute
         zero = apply_zero(stage, plan, meshes, hybrid, precision, replicas)  # ZeRO 2/3: FSDP2 over dp (x tp) (loom.runtime.zero)
-        params = stage.trainable_parameters()
+        params = [p for st in stages for p in st.trainable_parameters()]
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
         if optimizer is not None and plan.spec(stage.module).zero_stage == 1:
-            optimizer = zero_optimizer(optimizer, params, groups[(stage.module, stage.stage)])
-        executor = PipelineExecutor(model, plan, stage, rank, device, groups, trainable, optimizer, max_grad_norm,
+            optimizer = zero_optimizer(optimizer, params, dp_group)
+        executor = PipelineExecutor(model, plan, stages, rank, device, groups, trainable, optimizer, max_grad_norm,
                                     precision, unit, zero)
-        return cls(plan, schedule, stage, executor, optimizer, trainable, meshes=meshes)
+        return cls(plan, schedule, stages, executor, optimizer, trainable, meshes=meshes)
+
+    @property
+    def stage(self) -> Stage:
+        """The rank's first stage: its module and replica, and its only stage without virtual stages."""
+        return self.stages[0]
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter this rank holds, by its name in the full model (all hosted stages)."""
+        return {n: p for st in self.stages for n, p in st.named_parameters().items()}
 
     def microbatches_to_load(self) -> list[int]:
         """Global indices of the microbatches this rank works on."""

@@ -13,7 +13,9 @@ labels, how many backward parts and sends each microbatch has) is computed once 
 
 A rank runs its pipeline unit's actions (``schedule.actions[unit]``); with tensor or context
 parallelism a unit has several ranks, and `loom.runtime.unit.UnitPlace` says which ranks each
-message goes to and comes from, who reports the loss and how gradients are counted.
+message goes to and comes from, who reports the loss and how gradients are counted. A unit
+hosts one stage, or several (virtual stages, interleaved 1F1B): each action names its stage,
+and per-microbatch state is kept per (stage, microbatch).
 
 Semantics that make a parallel run equal the single-process reference:
 - the LLM's last stage scales each microbatch's summed token loss by the *global* number of
@@ -58,6 +60,8 @@ from loom.schedule.timeline import TimelineEvent
 
 StageId = tuple[str, int]
 Edge = tuple[StageId, StageId]
+# per-microbatch state on a rank: (stage index, microbatch), several stages under virtual stages
+_Key = tuple[int, int]
 # a channel whose activation shape is leading dims both sides derive from metadata plus fixed
 # trailing dims, learned from the first message on it: (dtype, trailing dims)
 _ActShape = tuple[torch.dtype, tuple[int, ...]]
@@ -111,11 +115,11 @@ class ActionPlan:
     handlers: list[Callable[..., None]]
     tags: list[int]
     labels: list[str]
-    backward_parts: dict[int, int]  # microbatch -> its backward actions (split parts)
-    last_send: dict[int, int]  # microbatch -> index of its last SEND_ACT
+    backward_parts: dict[_Key, int]  # (stage, microbatch) -> its backward actions (split parts)
+    last_send: dict[_Key, int]  # (stage, microbatch) -> index of its last SEND_ACT
     split: dict[int, list[tuple[int, ...]]]  # microbatch -> split-backward parts (encoder first stages)
     routed: bool  # some action names samples: the iteration needs a RowMap
-    steps: bool = False  # the list has an OPTIMIZER_STEP (where clipping joins the norm's all-reduce)
+    last_step: int = -1  # index of the last OPTIMIZER_STEP (the rank's optimizer steps there; clipping joins the norm's all-reduce)
     last_backward: int = -1  # index of the last BACKWARD or weight pass (where ZeRO 2/3 reduce: loom.runtime.zero)
 
 
@@ -128,16 +132,16 @@ class _Iteration:
     def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
                  loss_total: torch.Tensor, cp_blocks: dict[int, int] | None = None):
         self.plan, self.microbatches, self.num_targets, self.rows = plan, microbatches, num_targets, rows
-        self.states: dict[int, MicrobatchState] = {}
+        self.states: dict[_Key, MicrobatchState] = {}
         self.loss_total = loss_total
         self.grad_norm: float | None = None
         self.cp: dict[int, RankContext] = {}  # per LLM microbatch, this rank's CP context
         self.cp_blocks = cp_blocks or {}  # per LLM microbatch, its CP block size (UnitPlace.prepare_microbatches)
 
-    def state(self, j: int) -> MicrobatchState:
-        st = self.states.get(j)
+    def state(self, key: _Key) -> MicrobatchState:
+        st = self.states.get(key)
         if st is None:
-            st = self.states[j] = MicrobatchState(backward_left=self.plan.backward_parts.get(j, 0))
+            st = self.states[key] = MicrobatchState(backward_left=self.plan.backward_parts.get(key, 0))
         return st
 
 
@@ -148,7 +152,7 @@ class PipelineExecutor:
         self,
         model: MultimodalModel,
         plan: Plan,
-        stage: Stage,
+        stages: list[Stage],
         rank: int,
         device: torch.device,
         dp_groups: dict[StageId, dist.ProcessGroup | None],
@@ -159,16 +163,19 @@ class PipelineExecutor:
         unit: UnitPlace | None = None,
         zero: ZeroStage | None = None,
     ):
-        self.model, self.plan, self.stage = model, plan, stage
+        self.model, self.plan = model, plan
+        # the stages this rank hosts (one, or its chunks under virtual stages); they share the
+        # module and replica, so `stage` (the first) answers for the rank as a whole
+        self.stages: dict[StageId, Stage] = {(st.module, st.stage): st for st in stages}
+        self.stage = stages[0]
         # run.dtype: autocast around forwards, stage outputs sent in bf16 (loom.runtime.precision)
         self.precision = precision if precision is not None else Precision(device_type=device.type)
         self.max_grad_norm = max_grad_norm or 0.0  # 0 (or None): no clipping
         self.rank, self.device, self.optimizer = rank, device, optimizer
         # the rank's pipeline unit: which actions it runs and its peers' ranks (loom.runtime.unit)
         self.unit = unit if unit is not None else UnitPlace.of(plan, rank)
-        self.me: StageId = (stage.module, stage.stage)
         self.zero = zero  # ZeRO 2/3: FSDP reduces the stage's gradients in its last backward
-        self.dp_group = dp_groups.get(self.me)
+        self.dp_groups = dp_groups
         self.needs_backward, self.grad_edges = backward_flow(plan, trainable)
         self.edge_ids = _edge_ids(plan)
         self.comm = P2PCommunicator(device)
@@ -189,7 +196,6 @@ class PipelineExecutor:
         # message (see _lead_dims); None: the channel's shapes do not follow the rule, its
         # messages keep their header
         self._act_shapes: dict[tuple[StageId, StageId, int], _ActShape | None] = {}
-        self._grad_mode = self.needs_backward[self.me]
         # the last iteration's CP context per LLM microbatch (context parallelism; for inspection)
         self.cp_contexts: dict[int, RankContext] = {}
 
@@ -231,7 +237,7 @@ class PipelineExecutor:
                 torch.cuda.synchronize(self.device)
             times.append(start)
             times.append(clock())
-        if self.max_grad_norm > 0 and not plan.steps:  # no optimizer step here: join the norm now
+        if self.max_grad_norm > 0 and plan.last_step < 0:  # no optimizer step here: join the norm now
             it.grad_norm = self._clip_gradients()
         self.comm.wait_sends()
         self.cp_contexts = it.cp
@@ -250,12 +256,12 @@ class PipelineExecutor:
             return got[1]
         actions = schedule.actions[self.unit.unit]
         n = schedule.num_microbatches
-        backward_parts: dict[int, int] = {}
-        last_send: dict[int, int] = {}
+        backward_parts: dict[_Key, int] = {}
+        last_send: dict[_Key, int] = {}
         split: dict[int, list[tuple[int, ...]]] = {}
         tags = []
-        me = self.me
         for i, a in enumerate(actions):
+            me = (a.module, a.stage)
             if a.kind not in self._handlers:  # pragma: no cover - the validator rejects unknown kinds
                 raise ValueError(f"rank {self.rank}: cannot execute {a.short()}")
             peer = (a.peer_module, a.peer_stage)
@@ -265,13 +271,13 @@ class PipelineExecutor:
                 tag = self._tag(peer, me, k, j, n, grad=False)
             elif a.kind is ActionKind.SEND_ACT:
                 tag = self._tag(me, peer, j, k, n, grad=False)
-                last_send[j] = i
+                last_send[(a.stage, j)] = i
             elif a.kind is ActionKind.RECV_GRAD:
                 tag = self._tag(me, peer, j, k, n, grad=True)
             elif a.kind is ActionKind.SEND_GRAD:
                 tag = self._tag(peer, me, k, j, n, grad=True)
             elif a.kind in BACKWARDS:
-                backward_parts[j] = backward_parts.get(j, 0) + 1
+                backward_parts[(a.stage, j)] = backward_parts.get((a.stage, j), 0) + 1
                 if a.samples is not None:
                     split.setdefault(j, []).append(a.samples)
             tags.append(tag)
@@ -281,7 +287,7 @@ class PipelineExecutor:
             split = {}
         plan = ActionPlan(actions, [self._handlers[a.kind] for a in actions], tags, [a.short() for a in actions],
                           backward_parts, last_send, split, any(a.samples is not None for a in actions),
-                          any(a.kind is ActionKind.OPTIMIZER_STEP for a in actions),
+                          max((i for i, a in enumerate(actions) if a.kind is ActionKind.OPTIMIZER_STEP), default=-1),
                           max((i for i, a in enumerate(actions)
                                if a.kind in (ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT)), default=-1))
         if len(self._plans) >= 64:
@@ -291,9 +297,9 @@ class PipelineExecutor:
 
     # ---- one handler per action kind -----------------------------------------------------
     def _recv_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        src = (a.peer_module, a.peer_stage)
-        channel = (src, self.me, a.peer)
-        lead = self._lead_dims(it, src, self.me, a.other_microbatch, a.microbatch, a.samples)
+        src, me = (a.peer_module, a.peer_stage), (a.module, a.stage)
+        channel = (src, me, a.peer)
+        lead = self._lead_dims(it, src, me, a.other_microbatch, a.microbatch, a.samples)
         known = self._act_shapes.get(channel) if lead is not None else None
         if known is not None:
             x = self.comm.recv_shaped((*lead, *known[1]), known[0], self.unit.source(a.peer), tag)
@@ -301,38 +307,39 @@ class PipelineExecutor:
             x = self.comm.recv(self.unit.source(a.peer), tag)
             if lead is not None and channel not in self._act_shapes:
                 self._act_shapes[channel] = _learn(x, lead)
-        if (src, self.me) in self.grad_edges:
+        if (src, me) in self.grad_edges:
             x.requires_grad_(True)
-        it.state(a.microbatch).inputs[(a.peer_module, a.other_microbatch)] = x
+        it.state((a.stage, a.microbatch)).inputs[(a.peer_module, a.other_microbatch)] = x
 
     def _forward(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j = a.microbatch
-        st = it.state(j)
+        stage = self.stages[(a.module, a.stage)]
+        st = it.state((a.stage, j))
         split = it.plan.split.get(j)
         if st.batch is None:
             st.batch = move_batch(self._microbatch(it.microbatches, j), self.device)
             if split is None:  # a split microbatch builds one context per part
-                st.context = self.model.module_context(self.stage.module, st.batch, self._cp_context(it, j))
+                st.context = self.model.module_context(stage.module, st.batch, self._cp_context(it, j))
         with self.precision.autocast():
-            if self._grad_mode:
-                out = self._run_forward(it, j, st, split)
+            if self.needs_backward[(a.module, a.stage)]:
+                out = self._run_forward(it, stage, j, st, split)
             else:
                 with torch.no_grad():
-                    out = self._run_forward(it, j, st, split)
+                    out = self._run_forward(it, stage, j, st, split)
         st.output = out
 
-    def _run_forward(self, it: _Iteration, j: int, st: MicrobatchState, split) -> torch.Tensor:
+    def _run_forward(self, it: _Iteration, stage: Stage, j: int, st: MicrobatchState, split) -> torch.Tensor:
         if split is not None:
-            st.parts = [self.precision.message(p) for p in self._forward_parts(st.batch, j, split, it.rows)]
+            st.parts = [self.precision.message(p) for p in self._forward_parts(stage, st.batch, j, split, it.rows)]
             out = torch.cat(st.parts)
         else:
-            x = self._stage_input(st.inputs, j, it.rows)
+            x = self._stage_input(stage, st.inputs, j, it.rows)
             rc = self._cp_context(it, j)
-            if rc is not None and self.stage.is_first:  # the encoder tokens of this rank's placeholders
+            if rc is not None and stage.is_first:  # the encoder tokens of this rank's placeholders
                 x = {m: select_features(st.batch.input_ids == self.model.placeholder_ids[m], f, rc.tokens)
                      for m, f in x.items()}
-            out = run_layers(self.stage.layers, self.precision.stage_input(x), st.context)
-        if self.stage.computes_loss:  # loss_sum upcasts the logits: the loss is fp32
+            out = run_layers(stage.layers, self.precision.stage_input(x), st.context)
+        if stage.computes_loss:  # loss_sum upcasts the logits: the loss is fp32
             rc = self._cp_context(it, j)
             labels = st.batch.labels if rc is None else rc.select(st.batch.labels)  # labels follow the tokens
             with self.unit.loss_context():  # vocabulary-parallel under TP: the loss is replicated
@@ -343,16 +350,16 @@ class PipelineExecutor:
         return self.precision.message(out)  # sent in the compute dtype, graph included
 
     def _send_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        j = a.microbatch
-        st = it.states[j]
+        j, me = a.microbatch, (a.module, a.stage)
+        st = it.states[(a.stage, j)]
         out = st.output
         if a.samples is not None:  # a routed edge: only the rows of the named samples
-            out = out.detach().index_select(0, it.rows.index(self.stage.module, j, a.samples, out.device))
+            out = out.detach().index_select(0, it.rows.index(a.module, j, a.samples, out.device))
         header = True
         dst = (a.peer_module, a.peer_stage)
-        lead = self._lead_dims(it, self.me, dst, j, a.other_microbatch, a.samples)
+        lead = self._lead_dims(it, me, dst, j, a.other_microbatch, a.samples)
         if lead is not None:
-            channel = (self.me, dst, a.peer)
+            channel = (me, dst, a.peer)
             if channel not in self._act_shapes:
                 self._act_shapes[channel] = _learn(out, lead)  # the receiver learns the same from this message
             elif self._act_shapes[channel] is not None:
@@ -361,29 +368,29 @@ class PipelineExecutor:
         for peer in self.unit.destinations(a.peer):
             self.comm.send(out, peer, tag, header=header)
         self.comm.release_completed()
-        if not self._grad_mode and i == it.plan.last_send[j]:
-            del it.states[j]  # nothing will flow back: drop the microbatch now
+        if not self.needs_backward[me] and i == it.plan.last_send[(a.stage, j)]:
+            del it.states[(a.stage, j)]  # nothing will flow back: drop the microbatch now
 
     def _recv_grad(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         # the gradient has the shape of what this rank sent: no header needed
         j = a.microbatch
-        st = it.states[j]
+        st = it.states[(a.stage, j)]
         out = st.output
         if a.samples is None:
             st.out_grad = self.comm.recv_shaped(out.shape, out.dtype, self.unit.source(a.peer), tag)
         else:  # rows of some samples: scatter into this microbatch's pending gradient
-            index = it.rows.index(self.stage.module, j, a.samples, out.device)
+            index = it.rows.index(a.module, j, a.samples, out.device)
             g = self.comm.recv_shaped((index.numel(), *out.shape[1:]), out.dtype, self.unit.source(a.peer), tag)
             if st.out_grad is None:
                 st.out_grad = torch.zeros_like(out)
             st.out_grad.index_copy_(0, index, g)
 
     def _backward(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        j = a.microbatch
-        st = it.states[j]
+        j, key = a.microbatch, (a.stage, a.microbatch)
+        st = it.states[key]
         out = st.output
         # each part consumes the gradient rows received since the previous part
-        grad, st.out_grad = (None if self.stage.computes_loss else st.out_grad), None
+        grad, st.out_grad = (None if self.stages[(a.module, a.stage)].computes_loss else st.out_grad), None
         st.backward_left -= 1
         last_part = st.backward_left == 0
         if self.zero is not None:
@@ -410,15 +417,14 @@ class PipelineExecutor:
             if st.inputs:
                 st.batch = st.context = st.output = st.parts = st.out_grad = None
             else:
-                del it.states[j]
+                del it.states[key]
 
     def _backward_input(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         """ZB-H1's input pass (`loom.runtime.split_backward`): only the gradients of the
         received activations, which the SEND_GRADs after it ship; the weights wait for
         `_backward_weight`, from the same graph."""
-        j = a.microbatch
-        st = it.states[j]
-        grad, st.out_grad = (None if self.stage.computes_loss else st.out_grad), None
+        st = it.states[(a.stage, a.microbatch)]
+        grad, st.out_grad = (None if self.stages[(a.module, a.stage)].computes_loss else st.out_grad), None
         st.backward_left -= 1
         if self.zero is not None:
             fsdp_defer(self.zero.modules)
@@ -431,8 +437,8 @@ class PipelineExecutor:
     def _backward_weight(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         """ZB-H1's weight pass: the parameters' gradients of the microbatch, accumulated into
         ``.grad`` as a whole backward would."""
-        j = a.microbatch
-        st = it.states[j]
+        key = (a.stage, a.microbatch)
+        st = it.states[key]
         st.backward_left -= 1
         if self.zero is not None:
             fsdp_defer(self.zero.modules)
@@ -443,15 +449,14 @@ class PipelineExecutor:
         if self.zero is not None and i == it.plan.last_backward:
             fsdp_reduce(self.zero.modules)  # ZeRO 2/3 reduce after the stage's last weight pass
         if not st.inputs and st.backward_left == 0:
-            del it.states[j]
+            del it.states[key]
 
     def _send_grad(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        j = a.microbatch
-        st = it.states[j]
-        key = (a.peer_module, a.other_microbatch)
-        x = st.inputs.pop(key)
+        key = (a.stage, a.microbatch)
+        st = it.states[key]
+        x = st.inputs.pop((a.peer_module, a.other_microbatch))
         g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
-        if self.unit.cp_group is not None and a.peer_module != self.stage.module:
+        if self.unit.cp_group is not None and a.peer_module != a.module:
             # each CP rank merged the encoder tokens of its own placeholders: the whole
             # gradient is the sum over the CP group (cornstarch.md §3.3.6), sent by the leader
             dist.all_reduce(g, group=self.unit.cp_group)
@@ -459,14 +464,20 @@ class PipelineExecutor:
             self.comm.send(g, peer, tag, header=False)
         self.comm.release_completed()
         if not st.inputs and st.backward_left == 0:
-            del it.states[j]
+            del it.states[key]
 
     def _grad_sync(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         if self.zero is None or not self.zero.shards_gradients:  # FSDP reduced them in backward
-            self._sync_gradients()
+            # SUM all-reduce over the stage's replicas, one flat bucket (TP shards sync their
+            # local parts: `loom.runtime.unit.sync_gradients`)
+            me = (a.module, a.stage)
+            sync_gradients(self.stages[me].trainable_parameters(), self.dp_groups.get(me))
 
     def _optimizer_step(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        settle_gradients(self.stage.trainable_parameters())  # TP gradients in their parameters' placements
+        # one optimizer holds every hosted stage's parameters: it steps at the last stage's share
+        if i != it.plan.last_step:
+            return
+        settle_gradients(self._trainable_parameters())  # TP gradients in their parameters' placements
         if self.max_grad_norm > 0:
             it.grad_norm = self._clip_gradients()
         if self.optimizer is not None:
@@ -481,7 +492,7 @@ class PipelineExecutor:
         shape; from an encoder to the LLM (with the layout's `RowMap`) the message's row count,
         the tokens of its samples. The trailing dims are learned from the edge's first message."""
         if src[0] == LLM:
-            st = it.states.get(src_mb)
+            st = it.states.get((src[1], src_mb))  # this rank's own state when it sends
             batch = st.batch if st is not None and st.batch is not None else self._microbatch(it.microbatches, src_mb)
             rc = self._cp_context(it, src_mb)  # under CP, this rank's tokens of the rows
             return tuple(batch.input_ids.shape) if rc is None else (batch.input_ids.shape[0], rc.tokens.numel())
@@ -491,10 +502,11 @@ class PipelineExecutor:
             return (sum(tokens[s] for s in members),)
         return None
 
-    def _stage_input(self, received: dict[tuple[str, int], torch.Tensor], j: int, rows: RowMap | None) -> Any:
-        if self.stage.is_first and self.stage.module != LLM:
+    def _stage_input(self, stage: Stage, received: dict[tuple[str, int], torch.Tensor], j: int,
+                     rows: RowMap | None) -> Any:
+        if stage.is_first and stage.module != LLM:
             return None  # encoder first stages read the microbatch from their context
-        if self.stage.is_first:  # the LLM's first stage merges every encoder's tokens
+        if stage.is_first:  # the LLM's first stage merges every encoder's tokens
             parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
             for (module, source), x in received.items():
                 parts.setdefault(module, []).append((source, x))
@@ -505,11 +517,12 @@ class PipelineExecutor:
         (x,) = received.values()
         return x
 
-    def _forward_parts(self, batch: Batch, j: int, parts: list[tuple[int, ...]], rows: RowMap) -> list[torch.Tensor]:
+    def _forward_parts(self, stage: Stage, batch: Batch, j: int, parts: list[tuple[int, ...]],
+                       rows: RowMap) -> list[torch.Tensor]:
         """Forward of an encoder microbatch one part at a time (each part's samples in the
         microbatch's order); the rows of the concatenated output follow the parts, which
         ``rows`` is told so routed messages still pick the right rows."""
-        module = self.stage.module
+        module = stage.module
         slot = rows.layout.slots[module][j]
         key, items = next(iter(batch.modality_inputs[module].items()))
         first_item, n = {}, 0
@@ -522,7 +535,7 @@ class PipelineExecutor:
             sub_items = [items[i] for s in members for i in range(first_item[s], first_item[s] + rows.items[module][s])]
             sub = dataclasses.replace(batch, modality_inputs={module: {key: sub_items}},
                                       sample_ids=[batch.sample_ids[slot.index(s)] for s in members])
-            outs.append(run_layers(self.stage.layers, None, self.model.module_context(module, sub)))
+            outs.append(run_layers(stage.layers, None, self.model.module_context(module, sub)))
             order.extend(members)
         rows.set_order(module, j, order)
         return outs
@@ -554,7 +567,7 @@ class PipelineExecutor:
         """Scale this rank's gradients by the global norm's clip coefficient (module docstring);
         returns the norm before clipping. A collective over the world: every rank calls it once
         per iteration."""
-        params = [p for p in self.stage.trainable_parameters() if p.grad is not None]
+        params = [p for p in self._trainable_parameters() if p.grad is not None]
         # every TP shard once, a replicated parameter once per unit, the first replica only
         if self.zero is not None and self.zero.shards_gradients:  # every dp shard once (loom.runtime.zero)
             local = self.zero.grad_norm_sq(params).to(self.device)
@@ -568,10 +581,8 @@ class PipelineExecutor:
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return float(norm)
 
-    def _sync_gradients(self) -> None:
-        """SUM all-reduce of the stage's trainable gradients across its data-parallel replicas,
-        in one flat bucket (TP shards sync their local parts: `loom.runtime.unit.sync_gradients`)."""
-        sync_gradients(self.stage.trainable_parameters(), self.dp_group)
+    def _trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for st in self.stages.values() for p in st.trainable_parameters()]
 
 def _learn(x: torch.Tensor, ids: tuple[int, ...]) -> _ActShape | None:
     """The shape rule of a channel from its first message: the leading dims both sides derive

@@ -1,8 +1,8 @@
 """Pipeline stages cut from a `MultimodalModel` by a `Plan`, and the process groups they need.
 
 A rank allocates only its own stage: the model comes built on the meta device
-(`loom.train.build.build_model` with ``device="meta"``), and `build_stage` materialises the
-stage's layers one at a time, each from its own seed, so their values equal the
+(`loom.train.build.build_model` with ``device="meta"``), and `build_stages` materialises the
+stages' layers one at a time, each from its own seed, so their values equal the
 single-process reference's (`loom.model.materialise`). A model built with values (older
 callers, the profiler) still works: its stage is moved to the device and the other layers are
 released to meta. Parameter names stay those of the full model.
@@ -57,29 +57,32 @@ def trainable_stages(model: MultimodalModel, plan: Plan) -> dict[tuple[str, int]
     }
 
 
-def build_stage(
+def build_stages(
     model: MultimodalModel, plan: Plan, rank: int, release_others: bool = True, device: torch.device | str = "cpu",
     shard_layer: Callable[[Layer], None] | None = None,
-) -> Stage:
-    """The stage ``rank`` runs, with its layers (and its module's context modules) on ``device``.
-    With ``release_others``, layers of other stages that hold values go to meta. ``shard_layer``
+) -> list[Stage]:
+    """The stages ``rank`` runs (one, or its chunks under virtual stages, `Plan.stages_of`),
+    with their layers (and their module's context modules) on ``device``. With
+    ``release_others``, layers of other stages that hold values go to meta. ``shard_layer``
     (tensor parallelism: `loom.runtime.tensor_parallel.layer_sharder`) runs on each layer right
     after it is materialised, so a rank holds at most one whole layer next to its shards."""
-    module, stage, replica = plan.role_of(rank)
-    start, end = plan.layers_of(module, stage)
-    layers = stage_layers(model, plan, module, stage)
-    for index, layer in zip(range(start, end), layers):
-        model.materialise(module, device, index, index + 1)
-        if shard_layer is not None:
-            shard_layer(layer)
+    stages = []
+    for module, stage, replica in plan.stages_of(rank):
+        start, end = plan.layers_of(module, stage)
+        layers = stage_layers(model, plan, module, stage)
+        for index, layer in zip(range(start, end), layers):
+            model.materialise(module, device, index, index + 1)
+            if shard_layer is not None:
+                shard_layer(layer)
+        stages.append(Stage(module, stage, replica, layers, is_first=stage == 0,
+                            is_last=stage == plan.spec(module).num_stages - 1))
     if release_others:
-        held = {id(l.module) for l in layers}
+        held = {id(l.module) for st in stages for l in st.layers}
         for name in plan.module_names:
             for layer in model.module_layers(name):
                 if id(layer.module) not in held:
                     layer.module.to("meta")
-    return Stage(module, stage, replica, layers, is_first=stage == 0,
-                 is_last=stage == plan.spec(module).num_stages - 1)
+    return stages
 
 
 def move_batch(batch, device: torch.device):

@@ -211,7 +211,7 @@ def _is_hf_llama(llm: nn.Module) -> bool:
 
 def layer_sharder(model: MultimodalModel, module: str, mesh: DeviceMesh | None) -> Callable[[Layer], None] | None:
     """What splits one materialised layer of ``module`` over the unit's TP ``mesh`` with its
-    model family's plan (None: TP = 1, nothing to do); `loom.runtime.stage.build_stage` calls it
+    model family's plan (None: TP = 1, nothing to do); `loom.runtime.stage.build_stages` calls it
     on each layer as soon as it has values. A layer is split once, however often it is passed."""
     if mesh is None:
         return None

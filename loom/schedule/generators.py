@@ -155,7 +155,8 @@ def warmup_count(plan: Plan, stage: Stage) -> int:
     return plan.spec(m).num_stages + p_llm - s - 1
 
 
-def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0) -> dict[Stage, float]:
+def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0,
+                     given: dict[Stage, float] | None = None) -> dict[Stage, float]:
     """Per stage, how far ahead (in *global* microbatch indices) a rank forwards before each
     backward: before ``B(a)`` it runs every forward of its own microbatches ``j <= a + D``.
 
@@ -184,6 +185,9 @@ def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0
     feeding several replicas of such a module (fewer replicas than it) must therefore forward
     ``dp - 1`` further ahead than the receiver, or one replica's forward waits for the sender,
     which waits for the gradient of a backward that waits for that replica.
+
+    ``given``: stages whose lookahead their own order fixes (interleaved positions,
+    `interleaved_order`); their senders still look at least as far ahead.
     """
     stages = pipeline_stages(plan)
     if kind == "gpipe":
@@ -192,6 +196,9 @@ def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0
     _, succs = _neighbours(plan)
     lookahead: dict[Stage, float] = {}
     for st in reversed(stages):  # successors first
+        if given and st in given:
+            lookahead[st] = given[st]
+            continue
         d = (warmup_count(plan, st) + (eager if st[0] != LLM else 0)) * plan.spec(st[0]).data_parallel
         lookahead[st] = max([d] + [lookahead[dst] + (route_slack if st[0] != dst[0] else 0) + _lockstep_slack(plan, st, dst)
                                    for dst in succs[st]])
@@ -246,6 +253,44 @@ def _weight_slots(order: list[tuple[ActionKind, int]], lag: int) -> dict[int, li
     for i, a in enumerate(backwards):
         slots[backwards[min(i + lag, len(backwards) - 1)]].append(a)
     return slots
+
+
+def interleaved_order(plan: Plan, hosted: list[Stage], microbatches: list[int], kind: str,
+                      needs_backward: dict[Stage, bool]) -> list[tuple[Stage, ActionKind, int]]:
+    """One pipeline position's forwards and backwards over its ``virtual_stages`` chunks,
+    Megatron's interleaved 1F1B (optimus.md §3.11): the position's microbatches go in rounds
+    of ``pipeline_depth``; forwards run each round through chunk 0, then chunk 1, ...,
+    backwards through the chunks in reverse. The warmup is ``(P - p - 1) * 2 + (V - 1) * P``
+    forwards on position ``p`` of ``P`` (GPipe: all of them), then one forward and one backward
+    alternate, then the remaining backwards drain. Stages with no backward (frozen-aware) are
+    left out of the backward sequence."""
+    pp = plan.spec(hosted[0][0]).pipeline_depth
+    position = hosted[0][1] % pp
+    rounds = [microbatches[i:i + pp] for i in range(0, len(microbatches), pp)]
+    forwards = [(st, ActionKind.FORWARD, j) for group in rounds for st in hosted for j in group]
+    backwards = [(st, ActionKind.BACKWARD, j) for group in rounds for st in reversed(hosted) for j in group
+                 if needs_backward[st]]
+    warmup = len(forwards) if kind == "gpipe" else min(len(forwards), (pp - position - 1) * 2 + (len(hosted) - 1) * pp)
+    order = forwards[:warmup]
+    for i, f in enumerate(forwards[warmup:]):
+        order.append(f)
+        if i < len(backwards):
+            order.append(backwards[i])
+    return order + backwards[max(0, len(forwards) - warmup):]
+
+
+def _order_lookahead(order: list[tuple[Stage, ActionKind, int]], stage: Stage) -> float:
+    """How far ahead (in global microbatch indices) ``order`` forwards ``stage`` before each
+    of its backwards: the `warmup_lookahead` an interleaved position realises (inf: no backward)."""
+    seen, ahead = -1, -math.inf
+    for st, k, j in order:
+        if st != stage:
+            continue
+        if k is ActionKind.FORWARD:
+            seen = max(seen, j)
+        else:
+            ahead = max(ahead, seen - j)
+    return math.inf if ahead == -math.inf else ahead
 
 
 def build_schedule(
@@ -305,7 +350,18 @@ def build_schedule(
     rnd = math.lcm(*(m.data_parallel for m in plan.modules))
     if eager < 0:
         raise ValueError(f"eager = {eager}: the extra encoder warmup must be 0 or more microbatches")
-    lookahead = warmup_lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0, eager)
+    # interleaved positions set their stages' lookahead by their order; the encoders feeding the
+    # LLM's first stage then look at least that far ahead (`warmup_lookahead`)
+    given: dict[Stage, float] = {}
+    for spec in plan.modules:
+        if spec.virtual_stages > 1:
+            for p in range(spec.pipeline_depth):
+                hosted = [(spec.name, st) for st in spec.hosted_stages(p)]
+                for r in range(spec.data_parallel):
+                    order = interleaved_order(plan, hosted, plan.microbatches_of(spec.name, r), kind, needs_backward)
+                    for st in hosted:
+                        given[st] = max(given.get(st, -math.inf), _order_lookahead(order, st))
+    lookahead = warmup_lookahead(plan, kind, 2 * (rnd - 1) if layout is not None else 0, eager, given)
     # ZB-H1 splits the backward of a stage that has both parts: parameters to train and an
     # input gradient to send back; elsewhere the backward is one kind of work and stays whole
     split_stages = {st for st in needs_backward if kind == "zb-h1" and train[st]
@@ -331,18 +387,25 @@ def build_schedule(
         return [Action(kind_, m, s, j, peer_rank(there, j), there[0], there[1])]
 
     actions: dict[int, list[Action]] = {}
-    for rank in range(plan.num_units):  # a pipeline unit; a rank when TP = CP = 1
-        m, s, replica = plan.role_of_unit(rank)
-        me = (m, s)
-        acts: list[Action] = []
+    for unit in range(plan.num_units):  # a pipeline unit; a rank when TP = CP = 1
+        hosted = [(m, s) for m, s, _ in plan.stages_of_unit(unit)]
+        m, _, replica = plan.role_of_unit(unit)
         mine = plan.microbatches_of(m, replica)
-        order = _compute_order(mine, lookahead[me] if needs_backward[me] else None)
-        weight_after = _weight_slots(order, depth - 1 - warmup_count(plan, me)) if me in split_stages else {}
-        deferred: dict[int, list[Action]] = {}  # own microbatch -> deferred backward parts to run before it
+        if len(hosted) > 1:  # virtual stages: Megatron's interleaved order over the hosted chunks
+            order = interleaved_order(plan, hosted, mine, kind, needs_backward)
+        else:
+            me = hosted[0]
+            order = [(me, k, j) for k, j in _compute_order(mine, lookahead[me] if needs_backward[me] else None)]
+        acts: list[Action] = []
+        # per stage: own backward -> ZB-H1 weight passes after it; deferred split-backward parts
+        weight_after = {me: _weight_slots([(k, j) for st, k, j in order if st == me],
+                                          depth - 1 - warmup_count(plan, me)) for me in hosted if me in split_stages}
+        deferred: dict[tuple[Stage, int], list[Action]] = {}  # (stage, own microbatch) -> parts to run before it
         tail: list[Action] = []  # deferred parts with no later own backward
-        for kind_, j in order:
-            if kind_ is ActionKind.BACKWARD and j in deferred:
-                acts.extend(deferred.pop(j))
+        for me, kind_, j in order:
+            m, s = me
+            if kind_ is ActionKind.BACKWARD and (me, j) in deferred:
+                acts.extend(deferred.pop((me, j)))
             if kind_ is ActionKind.FORWARD:
                 for src in preds[me]:
                     acts.extend(edge_messages(me, src, j, ActionKind.RECV_ACT))
@@ -359,7 +422,7 @@ def build_schedule(
             if not later:
                 if me in split_stages:  # ZB-H1: the input gradient now, the weights where `_weight_slots` says
                     acts.extend(now + [Action(ActionKind.BACKWARD_INPUT, m, s, j)] + sends)
-                    acts.extend(Action(ActionKind.BACKWARD_WEIGHT, m, s, w) for w in weight_after.get(j, ()))
+                    acts.extend(Action(ActionKind.BACKWARD_WEIGHT, m, s, w) for w in weight_after[me].get(j, ()))
                 else:
                     acts.extend(now + [Action(ActionKind.BACKWARD, m, s, j)] + sends)
                 continue
@@ -375,16 +438,19 @@ def build_schedule(
             else:
                 acts.extend(now)
             rest = later + [Action(ActionKind.BACKWARD, m, s, j, samples=tuple(x for r in later for x in r.samples))] + sends
-            nxt = next((b for k_, b in order if k_ is ActionKind.BACKWARD and b > j), None)
+            nxt = next((b for st, k_, b in order if st == me and k_ is ActionKind.BACKWARD and b > j), None)
             if nxt is None:
                 tail.extend(rest)
             else:
-                deferred.setdefault(nxt, []).extend(rest)
+                deferred.setdefault((me, nxt), []).extend(rest)
         acts.extend(tail)
-        if train[me]:
-            acts.append(Action(ActionKind.GRAD_SYNC, m, s))
-            acts.append(Action(ActionKind.OPTIMIZER_STEP, m, s))
-        actions[rank] = acts
+        # gradients synced stage by stage, then each stage's share of the rank's optimizer step
+        acts.extend(Action(ActionKind.GRAD_SYNC, m, s) for m, s in hosted if train[(m, s)])
+        acts.extend(Action(ActionKind.OPTIMIZER_STEP, m, s) for m, s in hosted if train[(m, s)])
+        if len(hosted) > 1:  # name each action's chunk (traces; the stage already says it)
+            pp = plan.spec(m).pipeline_depth
+            acts = [dataclasses.replace(a, chunk=a.stage // pp) for a in acts]
+        actions[unit] = acts
 
     return Schedule(
         kind=kind,

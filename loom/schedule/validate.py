@@ -251,10 +251,13 @@ def _check_against_plan(schedule: Schedule, plan: Plan) -> None:
     edges = set(pipeline_edges(plan))
     forwarded: dict[tuple[str, int], set[int]] = defaultdict(set)
     for rank, acts in schedule.actions.items():
-        m, s, replica = plan.role_of_unit(rank)
+        m, _, replica = plan.role_of_unit(rank)
+        hosted = {(m_, s_) for m_, s_, _ in plan.stages_of_unit(rank)}
         for a in acts:
-            if (a.module, a.stage) != (m, s):
-                raise _fail(rank, a, f"the plan places {m}.{s} (replica {replica}) on this rank, not {a.module}.{a.stage}")
+            s = a.stage
+            if (a.module, a.stage) not in hosted:
+                names = ", ".join(f"{x}.{y}" for x, y in sorted(hosted))
+                raise _fail(rank, a, f"the plan places {names} (replica {replica}) on this rank, not {a.module}.{a.stage}")
             if a.microbatch >= 0 and plan.replica_of_microbatch(m, a.microbatch) != replica:
                 raise _fail(rank, a, f"microbatch {a.microbatch} belongs to replica "
                                      f"{plan.replica_of_microbatch(m, a.microbatch)} of {m}, this rank is replica {replica}")
@@ -263,9 +266,11 @@ def _check_against_plan(schedule: Schedule, plan: Plan) -> None:
             if a.kind in COMMUNICATION and a.peer is not None:
                 if not 0 <= a.peer < plan.num_units:
                     raise _fail(rank, a, f"peer {a.peer} outside the plan's {plan.num_units} pipeline units")
-                pm, ps, _ = plan.role_of_unit(a.peer)
-                if (a.peer_module, a.peer_stage) != (pm, ps):
-                    raise _fail(rank, a, f"peer rank {a.peer} runs {pm}.{ps}, not {a.peer_module}.{a.peer_stage}")
+                peer_hosts = {(x, y) for x, y, _ in plan.stages_of_unit(a.peer)}
+                if (a.peer_module, a.peer_stage) not in peer_hosts:
+                    names = ", ".join(f"{x}.{y}" for x, y in sorted(peer_hosts))
+                    raise _fail(rank, a, f"peer rank {a.peer} runs {names}, not {a.peer_module}.{a.peer_stage}")
+                pm, ps = a.peer_module, a.peer_stage
                 # Activations go downstream, gradients upstream, always along a graph edge.
                 downstream = a.kind in (ActionKind.SEND_ACT, ActionKind.RECV_GRAD)
                 edge = ((m, s), (pm, ps)) if downstream else ((pm, ps), (m, s))
