@@ -1,7 +1,7 @@
 """Balance quality: how much each balancing policy evens out the work and shortens the iteration,
 on skewed data mixes at cluster scale (SIMULATED), with a hook for a real 2-rank run.
 
-    python -m benchmarks.balance_quality [--steps 3] [--mixes caption,interleaved] [--real] [--real-repeats 5]
+    python -m benchmarks.balance_quality [--steps 3] [--mixes caption,interleaved] [--real] [--real-repeats 6]
 
 What runs (`simulated_quality`): for each skewed mix of `loom.data.synthetic.SKEWED_MIXES`
 (caption-like, multi-image, audio-heavy, interleaved documents) a scenario (`loom.sim.scenario`)
@@ -24,8 +24,9 @@ model. Per LLM batching ``<b>``, mix, policy and phase (each encoder and the LLM
 
 Every figure above is simulated (its unit says so; better: lower). The measured side is
 ``benchmarks/balance_real.py`` (a real 2-rank CPU run, every policy against ``none``, padded
-and packed LLM rows, alternating repeats), whose figures (``real_step_time_ratio``,
-``real_step_time_ratio_packed``: none over the best policy, better: higher, with their spread
+and packed LLM rows, the groups taking turns step by step on the same global batches), whose
+figures (``real_step_time_ratio``, ``real_step_time_ratio_packed``: none over the best policy,
+per repeat the ratio of step-time sums on the same batches, better: higher, with their spread
 over the repeats) live in ``balance_real.json``. ``--real`` also runs it here (``--real-repeats``,
 ``--real-steps-per-repeat``, ``--real-warmup``) and merges its figures. Writes
 ``benchmarks/results/balance_quality.json``.
@@ -187,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--real", action="store_true",
                     help="also run benchmarks/balance_real.py and merge its figures (by default they live in "
                          "balance_real.json alone, so `loom bench --all` measures them once)")
-    ap.add_argument("--real-repeats", type=int, default=5, help="balance_real: timed repeats per LLM batching")
-    ap.add_argument("--real-steps-per-repeat", type=int, default=3, help="balance_real: timed steps per repeat")
+    ap.add_argument("--real-repeats", type=int, default=6, help="balance_real: timed repeats per LLM batching")
+    ap.add_argument("--real-steps-per-repeat", type=int, default=4, help="balance_real: timed steps per repeat")
     ap.add_argument("--real-warmup", type=int, default=2, help="balance_real: untimed steps before the repeats")
     ap.add_argument("--out", type=Path, default=None, help="results directory; None: benchmarks/results")
     args = ap.parse_args(argv)
