@@ -38,7 +38,8 @@ Figures (``better``: higher for every ratio):
 
 ``config.batchings.<rows>.groups.<policy>.minus_none_ms`` holds, per policy, the median over
 the timed steps of (policy minus none) on the same step for the whole step, its dispatch, its
-``engine.step``, and per rank the compute and the process CPU time (`paired_differences`):
+``engine.step``, and per rank the compute, the process CPU time and the time in Python's
+garbage collector (`paired_differences`; ``gc_ms`` its mean per step):
 what a policy pays beyond its layout (one that keeps ``none``'s layout should pay only its
 decision).
 
@@ -186,13 +187,14 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
     cfg = RealConfig(**cfg_dict)
     train = train_config(cfg, llm_batching, policy)
     run = build_rank(train, torch.device("cpu"))
+    gc_clock = _GcClock()
     counters = run.token_counts
     replies.put(("ready", rank))
     while (i := commands[rank].get()) is not None:
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, g0 = time.perf_counter(), time.process_time(), gc_clock.seconds
         done = run.step(i)
-        c1 = time.process_time()
+        c1, g1 = time.process_time(), gc_clock.seconds
         dist.barrier()
         t1 = time.perf_counter()
         got = done.dispatched
@@ -206,7 +208,7 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
                       if not train.data.pack_sequences else llm_tokens)
         info = {
             "total": t1 - t0, "dispatch": done.dispatch_s, "engine_step": done.engine_s, "compute": compute,
-            "cpu": c1 - c0, "indices": list(done.indices),
+            "cpu": c1 - c0, "gc": g1 - g0, "indices": list(done.indices),
             "num_microbatches": got.layout.num_microbatches, "llm_padded_over_real": llm_padded / llm_tokens,
             "mb_max_over_mean": {phase: s["microbatches"] for phase, s in stats.items()},
             "slots": {phase: [list(slot) for slot in slots] for phase, slots in got.layout.slots.items()},
@@ -220,6 +222,23 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
         replies.put(("step", rank, i, done.loss, info))
     run.close()
     replies.put(("done", rank, peak_rss_mb()))
+
+
+class _GcClock:
+    """Seconds this process spent in Python's cyclic garbage collector (`gc.callbacks`): a
+    policy whose decision allocates many objects can trigger collections inside the step."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.seconds, self._start = 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
 
 
 class Group(WorkerGroup):
@@ -241,6 +260,7 @@ class Group(WorkerGroup):
         step = {k: max(info[k] for info in infos) for k in ("total", "dispatch", "engine_step")}
         step["compute"] = [info["compute"] for info in infos]
         step["cpu"] = [info["cpu"] for info in infos]
+        step["gc"] = [info["gc"] for info in infos]
         step.update({k: infos[0][k] for k in ("num_microbatches", "mb_max_over_mean", "llm_padded_over_real",
                                               "slots", "kept_given", "predicted_gain", "indices")})
         self.steps.append(step)
@@ -323,6 +343,7 @@ def summarize_batching(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "engine_step_ms": median([s["engine_step"] for s in st]) * 1e3,
             "compute_ms": [median([s["compute"][r] for s in st]) * 1e3 for r in range(WORLD_SIZE)],
             "cpu_ms": [median([s["cpu"][r] for s in st]) * 1e3 for r in range(WORLD_SIZE)],
+            "gc_ms": [_mean([s["gc"][r] for s in st]) * 1e3 for r in range(WORLD_SIZE)],  # mean: collections are rare
             "minus_none_ms": paired_differences(st, base_steps),
             "mean_microbatches": _mean([s["num_microbatches"] for s in st]),
             "llm_padded_over_real": _mean([s["llm_padded_over_real"] for s in st]),
@@ -376,6 +397,7 @@ def paired_differences(steps: list[dict[str, Any]], base_steps: list[dict[str, A
         "engine_step": diff(lambda s: s["engine_step"]),
         "compute": [diff(lambda s, r=r: s["compute"][r]) for r in range(WORLD_SIZE)],
         "cpu": [diff(lambda s, r=r: s["cpu"][r]) for r in range(WORLD_SIZE)],
+        "gc": [diff(lambda s, r=r: s["gc"][r]) for r in range(WORLD_SIZE)],
     }
 
 
@@ -479,9 +501,11 @@ def _print_table(batching: str, summary: dict[str, dict[str, Any]], ratio_figs: 
             continue
         d = summary[n]["minus_none_ms"]
         paired.append([n, f"{d['total']:+.1f}", f"{d['dispatch']:+.1f}", f"{d['engine_step']:+.1f}",
-                       f"{d['compute'][0]:+.1f}/{d['compute'][1]:+.1f}", f"{d['cpu'][0]:+.1f}/{d['cpu'][1]:+.1f}"])
-    print("policy minus none on the same step (median over the timed steps, ms; CPU: the rank's process time)")
-    print(format_table(["policy", "step", "dispatch", "engine step", "compute r0/r1", "CPU r0/r1"], paired))
+                       f"{d['compute'][0]:+.1f}/{d['compute'][1]:+.1f}", f"{d['cpu'][0]:+.1f}/{d['cpu'][1]:+.1f}",
+                       "/".join(f"{summary[n]['gc_ms'][r] - summary[BASELINE]['gc_ms'][r]:+.1f}" for r in range(WORLD_SIZE))])
+    print("policy minus none on the same step (median over the timed steps, ms; CPU: the rank's process time; "
+          "GC: mean time in Python's garbage collector)")
+    print(format_table(["policy", "step", "dispatch", "engine step", "compute r0/r1", "CPU r0/r1", "GC r0/r1"], paired))
     print(f"best policy ({batching}): {best}, none / {best} = {spread(ratio_figs[best], '.3f')}")
 
 

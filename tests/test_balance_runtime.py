@@ -67,6 +67,11 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4)
     elif layout == "deep":  # 2-stage vision -> 2-stage LLM: a split backward feeds an earlier encoder stage
         plan = Plan([ModuleSpec("vision", num_stages=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4)
+    elif layout == "interleaved":  # vision and audio -> a 2-position LLM of 2 chunks each (interleaved 1F1B)
+        model = dataclasses.replace(model, audio=AudioConfig(**small))
+        demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
+        plan = Plan([ModuleSpec("vision"), ModuleSpec("audio"), ModuleSpec("llm", num_stages=4, virtual_stages=2)],
+                    num_microbatches=4)
     elif layout == "omni":  # vision and audio encoders -> 2-stage LLM, frozen LLM, trainable projectors
         model = dataclasses.replace(model, audio=AudioConfig(**small), freeze=["vision.encoder", "llm"])
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
@@ -99,14 +104,14 @@ def _run_case(rank: int, case: str, path: Path) -> None:
     # two steps on the same batch without an optimizer: the first sets each channel's shape rule
     # (messages with a header), the second sends activations and gradients without headers
     for step in range(2):
-        for p in engine.stage.named_parameters().values():
+        for p in engine.named_parameters().values():
             p.grad = None
         got = dispatcher.dispatch(list(range(GLOBAL_BATCH)))
         result = engine.step(got.batches, got.num_targets, step, layout=got.layout, rows=got.rows)
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     engine.close()
-    save_rank(path, float(loss), engine.stage.named_parameters(),
+    save_rank(path, float(loss), engine.named_parameters(),
               role=cfg.plan.role_of(rank), samples={j: list(b.sample_ids) for j, b in got.batches.items()},
               # every action is timed from its own start (wall-clock epoch seconds) to its end
               timeline_ok=all(e.start_s > 1e9 and 0 <= e.duration_s < 600 for e in result.timeline))
@@ -141,7 +146,9 @@ CASES = {
 
 
 # cases run inside another case's launch (same world size): the suite's time is in the launches
-FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"]}  # zb-h1 with routed rows into split LLM stages
+# mixedzb: zb-h1 with routed rows into split LLM stages; interleaved: Entrain's deferral into an
+# interleaved LLM
+FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))

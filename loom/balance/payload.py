@@ -69,7 +69,7 @@ def slot_destinations(plan: Plan, phase: str, num_slots: int) -> np.ndarray:
     stage of replica ``j % dp``, tensor and context rank 0 as the dispatcher sends)."""
     spec = plan.spec(phase)
     # `Plan.rank_of(phase, stage, replica)` at tensor and context rank 0, over arrays
-    unit = np.arange(spec.num_stages)[None, :] * spec.data_parallel + np.arange(spec.data_parallel)[:, None]
+    unit = np.arange(spec.pipeline_depth)[None, :] * spec.data_parallel + np.arange(spec.data_parallel)[:, None]
     per_replica = plan.rank_offset(phase) + unit * (spec.context_parallel * spec.tensor_parallel)
     return per_replica.astype(np.int64)[np.arange(num_slots) % spec.data_parallel]
 

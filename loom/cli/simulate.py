@@ -109,8 +109,9 @@ def row_of(scenario, name: str, plan, label, result, balanced, baseline, files: 
     peak = max(result.peak_memory.values())
     row = {
         "plan": name,
-        "layout": ", ".join(f"{m.name} {m.num_stages}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
-                            for m in plan.modules),
+        # a stage count per module; under interleaving, pipeline positions and their chunks
+        "layout": ", ".join(f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
+                            + (f" ({m.virtual_stages} chunks)" if m.virtual_stages > 1 else "") for m in plan.modules),
         **result.summary(),
         "peak_memory_gib": peak / 2**30,
         "fits_memory": peak <= scenario.memory_capacity(),

@@ -94,7 +94,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     world = cfg.plan.world_size
     cmd = torchrun_command(cfg, config_path, run_dir)
     print(f"loom: {world} processes, plan " + ", ".join(
-        f"{m.name} {m.num_stages} stage(s) x dp {m.data_parallel}"
+        f"{m.name} {m.pipeline_depth} stage(s)"
+        + (f" of {m.virtual_stages} chunks (interleaved)" if m.virtual_stages > 1 else "") + f" x dp {m.data_parallel}"
         + "".join(f" x {k} {v}" for k, v in (("cp", m.context_parallel), ("tp", m.tensor_parallel)) if v > 1)
         for m in cfg.plan.modules)
         + f", {cfg.plan.num_microbatches} microbatches, {cfg.plan.schedule}; run dir {run_dir}", flush=True)

@@ -312,13 +312,21 @@ def in_flight_count(plan: Plan, module: str, stage: int) -> int:
     GPipe holds all of a replica's microbatches. 1F1B holds as many as there are stages from
     this one to the end of the pipeline (disttrain.md §3.1: "the first PP stage requires
     storage for PP microbatches"); an encoder's pipeline continues into the LLM's, so its
-    stages count the LLM's too.
+    stages count the LLM's too. Interleaved 1F1B (``virtual_stages`` V over P positions) holds
+    ``(P - p - 1) * 2 + (V - 1) * P + 1`` chunk activations on position ``p`` (optimus.md
+    §3.11's warmup, plus the steady phase's forward); each chunk is counted for its share,
+    rounded up.
     """
     spec = plan.spec(module)
     per_replica = max(len(plan.microbatches_of(module, r)) for r in range(spec.data_parallel))
     if plan.schedule == "gpipe":
         return per_replica
-    depth = spec.num_stages - stage + (plan.spec(LLM).num_stages if module != LLM else 0)
+    if spec.virtual_stages > 1:
+        pp, v = spec.pipeline_depth, spec.virtual_stages
+        held = (pp - spec.position_of(stage) - 1) * 2 + (v - 1) * pp + 1
+        return min(-(-held // v), per_replica)
+    llm = plan.spec(LLM)
+    depth = spec.num_stages - stage + (llm.pipeline_depth if module != LLM else 0)
     return min(depth, per_replica)
 
 

@@ -145,11 +145,12 @@ def check_virtual_stages(plan: "Plan", m: ModuleSpec) -> None:
         raise PlanError(f"plan.num_microbatches = {plan.num_microbatches} with {where}.virtual_stages = {v}: each of the "
                         f"{m.data_parallel} replicas needs a multiple of the {m.pipeline_depth} pipeline positions "
                         f"(Megatron's interleaving rule); use a multiple of {rounds}")
-    for name, bad in (("tensor_parallel", m.tensor_parallel > 1), ("context_parallel", m.context_parallel > 1),
-                      ("zero_stage", m.zero_stage > 0)):
-        if bad:
-            raise PlanError(f"{where}.virtual_stages = {v} with {name} = {getattr(m, name)} is not supported yet: "
-                            f"use virtual_stages = 1 with {name}, or {name} = {0 if name == 'zero_stage' else 1}")
+    if m.context_parallel > 1:
+        raise PlanError(f"{where}.virtual_stages = {v} with context_parallel = {m.context_parallel} is not supported "
+                        f"yet: use virtual_stages = 1 with context parallelism, or context_parallel = 1")
+    if m.zero_stage >= 2:  # FSDP2 wraps one stage per rank today
+        raise PlanError(f"{where}.virtual_stages = {v} with zero_stage = {m.zero_stage} is not supported yet: use "
+                        f"zero_stage = 1 (optimizer-state sharding) with virtual stages, or virtual_stages = 1")
     if plan.schedule == "zb-h1":
         raise PlanError(f"plan.schedule = 'zb-h1' with {where}.virtual_stages = {v} is not supported: use "
                         f"plan.schedule = '1f1b' (interleaved 1F1B) or virtual_stages = 1")

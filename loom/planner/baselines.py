@@ -10,9 +10,10 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.plan.plan import LLM, ModuleSpec, Plan, PlanError
 from loom.planner.partition import loosely_coupled_search, plan_with_stage_counts
 from loom.sim.scenario import Scenario, ScenarioError
 
@@ -28,8 +29,10 @@ def megatron_plan(scenario: Scenario) -> Plan:
                             f"at TP {d.tensor_parallel} x DP {d.data_parallel}")
     encoders = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
                            zero_stage=d.zero_stage, recompute=d.recompute) for n in arch.encoder_names]
-    llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=llm_stages, tensor_parallel=d.tensor_parallel,
-                     context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)
+    # interleaved 1F1B: each of the LLM's pipeline positions hosts virtual_stages chunks
+    llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=llm_stages * d.virtual_stages,
+                     tensor_parallel=d.tensor_parallel, context_parallel=d.context_parallel, zero_stage=d.zero_stage,
+                     recompute=d.recompute, virtual_stages=d.virtual_stages)
     plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
                 schedule=d.schedule)
     return plan.resolve(arch.layer_counts(), cluster.num_gpus)
@@ -43,18 +46,35 @@ def frozen_aware_plan(scenario: Scenario) -> tuple[Plan, Any]:
         [ModuleSpec(n, data_parallel=d.data_parallel, tensor_parallel=etp, zero_stage=d.zero_stage,
                     recompute=d.recompute) for n in arch.encoder_names]
         + [ModuleSpec(LLM, data_parallel=d.data_parallel, tensor_parallel=d.tensor_parallel,
-                      context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute)],
+                      context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute,
+                      virtual_stages=d.virtual_stages)],
         num_microbatches=d.microbatches_per_pipeline * d.data_parallel, schedule=d.schedule,
     )
     work = scenario.microbatch_work(scenario.metas(), template.num_microbatches)
     costs = scenario.layer_costs(template, work)
     ranks = {m.name: m.data_parallel * m.ranks_per_unit for m in template.modules}
 
+    def chunked(stage_counts: dict[str, int]) -> Plan:
+        # the search counts the LLM's pipeline positions (devices); interleaving cuts each
+        # position into virtual_stages chunks
+        return plan_with_stage_counts(template, {**stage_counts, LLM: stage_counts[LLM] * d.virtual_stages}, costs)
+
     def iteration_time(stage_counts: dict[str, int]) -> float:
-        return scenario.run(plan_with_stage_counts(template, stage_counts, costs), work).iteration_time
+        if d.virtual_stages > 1:
+            try:
+                plan = chunked(stage_counts).resolve(arch.layer_counts())
+            except PlanError:  # this depth cannot interleave (too few positions or layers): not a candidate
+                return math.inf
+            return scenario.run(plan, work).iteration_time
+        return scenario.run(chunked(stage_counts), work).iteration_time
 
     result = loosely_coupled_search(
         costs[LLM], {n: costs[n] for n in arch.encoder_names}, cluster.num_gpus, iteration_time,
         ranks_per_stage=ranks,
     )
-    return plan_with_stage_counts(template, result.stage_counts, costs), result
+    if result.iteration_time is None or math.isinf(result.iteration_time):
+        raise ScenarioError(f"parallel.virtual_stages = {d.virtual_stages}: no LLM depth the search tried can "
+                            f"interleave (each needs 2 or more pipeline positions, microbatches_per_pipeline a "
+                            f"multiple of the positions, and a layer per chunk); lower virtual_stages or change "
+                            f"microbatches_per_pipeline")
+    return chunked(result.stage_counts), result

@@ -63,6 +63,8 @@ class ParallelDegrees:
     encoder_tensor_parallel: int | None = None  # None: the LLM's
     microbatches_per_pipeline: int = 64
     schedule: str = "1f1b"
+    # the LLM's model chunks per pipeline position (interleaved 1F1B, optimus.md §3.11); 1: none
+    virtual_stages: int = 1
     zero_stage: int = 1
     recompute: str = "full"  # ModuleSpec.recompute of every module: "none", "selective" or "full"
 
@@ -130,7 +132,7 @@ class Scenario:
         partitioner's input."""
         one_stage = copy.deepcopy(plan)
         for m in one_stage.modules:
-            m.num_stages, m.stage_boundaries = 1, None
+            m.num_stages, m.stage_boundaries, m.virtual_stages = 1, None, 1
         one_stage.resolve(self.arch.layer_counts())
         model = self.cost_model(one_stage)
         n = len(work)
