@@ -55,6 +55,11 @@ def _config(case: str) -> TrainConfig:
         demo = dataclasses.replace(demo, mix={"text": 1.0})
         plan = Plan([ModuleSpec("llm", num_stages=2, tensor_parallel=2, recompute="full")], num_microbatches=4,
                     schedule="zb-h1")
+    elif case == "llm_tp2_pp2v2_clip":  # interleaved 1F1B over TP units: 2 positions x 2 chunks
+        model = dataclasses.replace(model, vision=None)
+        demo = dataclasses.replace(demo, mix={"text": 1.0})
+        plan = Plan([ModuleSpec("llm", num_stages=4, virtual_stages=2, tensor_parallel=2, recompute="full")],
+                    num_microbatches=4)
     elif case == "vision_tp2":
         plan = Plan([ModuleSpec("vision", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2)],
@@ -75,7 +80,8 @@ def _config(case: str) -> TrainConfig:
 
 
 # one launch per world size (its cases run one after another in the same processes)
-LAUNCHES = {"llm_tp2": (2, ["llm_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip"]),
+LAUNCHES = {"llm_tp2": (2, ["llm_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip",
+                                                           "llm_tp2_pp2v2_clip"]),
             "vision_tp2": (6, ["vision_tp2"]), "frozen_tp_zero3_clip": (6, ["frozen_tp_zero3_clip"])}
 
 
@@ -104,10 +110,10 @@ def _worker(rank: int, world_size: int, cases: list[str], out: str) -> None:
         engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), max_grad_norm=clip)
         # two steps: the second reuses what the first taught each channel (headers dropped)
         for step in range(2):
-            for p in engine.stage.named_parameters().values():
+            for p in engine.named_parameters().values():
                 p.grad = None
             result, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH, step)
-        named = engine.stage.named_parameters()
+        named = engine.named_parameters()
         grads, no_grad, sharded = _full_grads(named)
         meshes = sorted({str(p.device_mesh.mesh_dim_names) for p in named.values() if is_sharded(p)})
         torch.save({"loss": loss, "grads": grads, "no_grad": no_grad, "sharded": sharded,

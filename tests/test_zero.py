@@ -48,6 +48,11 @@ def _case(case: str):
         cfg.plan = Plan([ModuleSpec("llm", data_parallel=2, tensor_parallel=2, zero_stage=3, shard_degree=1)],
                         num_microbatches=4)
         return cfg, MAX_NORM
+    if case == "pp2v2_dp2_zero1_clip":  # interleaved: one sharded optimizer over both chunks of a position
+        cfg = _config("llm_only_1f1b")
+        cfg.plan = Plan([ModuleSpec("llm", num_stages=4, virtual_stages=2, data_parallel=2, zero_stage=1)],
+                        num_microbatches=4)
+        return cfg, MAX_NORM
     if case.startswith("tp2_dp2_zero"):  # ZeRO over the TP shards of the same module, clipped
         cfg = _config("llm_only_1f1b")
         cfg.plan = Plan([ModuleSpec("llm", data_parallel=2, tensor_parallel=2, zero_stage=int(case[-1]))],
@@ -84,14 +89,14 @@ def _worker(rank: int, world_size: int, cases: list[str], out: str) -> None:
         model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
         engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
         _, loss = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
-        named = engine.stage.named_parameters()
+        named = engine.named_parameters()
         grads = {n: _whole(p.grad) for n, p in named.items() if p.grad is not None}
         engine.close()
         # one optimizer step (clipped where the case says)
         model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
         engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), _sgd, max_grad_norm=max_norm)
         result, _ = identity_step(engine, model, dataset, tokenizer, GLOBAL_BATCH)
-        params = {n: _whole(p.detach()).clone() for n, p in engine.stage.named_parameters().items()}
+        params = {n: _whole(p.detach()).clone() for n, p in engine.named_parameters().items()}
         # ZeRO 1: how many parameters this rank's optimizer keeps state for (its own share)
         state = sum(1 for v in engine.optimizer.state.values() if v) if engine.optimizer is not None else 0
         optimizer = type(engine.optimizer).__name__
@@ -161,7 +166,7 @@ def test_zero_1_2_3_with_dp2_match_the_single_process(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_hybrid_pipelined_clipped_frozen_and_tp_zero_match_the_single_process(tmp_path: Path) -> None:
     cases = ["hybrid_2x2", "pp2_dp2_zero3_clip", "frozen_encoder_zero3", "frozen_stage_zero3", "tp2_dp2_zero3",
-             "tp2_dp2_zero1", "hybrid_tp2", "pp2_dp2_zero3_zb-h1_clip", "pp2_dp2_zero2_zb-h1"]
+             "tp2_dp2_zero1", "hybrid_tp2", "pp2_dp2_zero3_zb-h1_clip", "pp2_dp2_zero2_zb-h1", "pp2v2_dp2_zero1_clip"]
     run_local(_worker, 4, cases, str(tmp_path))
     for case in cases:
         _check(case, 4, tmp_path)
