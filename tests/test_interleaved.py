@@ -167,3 +167,25 @@ def test_round_trips_through_toml_and_json(tmp_path) -> None:
     path.write_text(plan.to_toml())
     assert Plan.from_toml(path).modules[0].virtual_stages == 2
     assert Plan.from_json(plan.to_json()).modules[0].virtual_stages == 2
+
+
+def test_simulator_prices_interleaving_at_scale() -> None:
+    """`loom simulate parallel.virtual_stages=2`: the Megatron-style plan keeps its ranks, deals
+    twice the stages over them, and the simulated bubble and iteration shrink (its first
+    position holds more activations: Megatron's deeper warmup)."""
+    from loom.planner.baselines import megatron_plan
+    from loom.sim.scenario import load_scenario
+
+    small = ["cluster.num_gpus=144", "parallel.data_parallel=2", "parallel.microbatches_per_pipeline=16",
+             "data.global_batch_size=256"]
+    plain, chunked = (load_scenario("configs/sim/llama3-70b-vith-1024xh100.toml", small + extra)
+                      for extra in ([], ["parallel.virtual_stages=2"]))
+    p1, p2 = megatron_plan(plain), megatron_plan(chunked)
+    assert p2.world_size == p1.world_size == 144
+    assert p2.spec("llm").pipeline_depth == p1.spec("llm").num_stages == 8 and p2.spec("llm").num_stages == 16
+    r1, r2 = plain.run(p1), chunked.run(p2)
+    assert r2.iteration_time < 0.9 * r1.iteration_time
+    assert r2.summary()["bubble_fraction"] < r1.summary()["bubble_fraction"]
+    first = p1.rank_of("llm", 0, 0)
+    assert r2.peak_memory[p2.unit_of("llm", 0, 0)] > r1.peak_memory[p1.unit_of("llm", 0, 0)]
+    assert first == p2.rank_of("llm", 8, 0)  # chunk 1 of position 0 lives on the same rank

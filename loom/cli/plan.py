@@ -29,7 +29,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   + (f", {m.data_parallel // shard} shard groups replicated (hybrid)" if shard < m.data_parallel else ""))
     for r in range(plan.world_size):
         c = plan.coordinate_of(r)
-        print(f"rank {r} = {c.module} stage {c.stage} replica {c.replica}; "
+        hosted = [s for _, s, _ in plan.stages_of(r)]
+        where = f"stage {c.stage}" if len(hosted) == 1 else "stages " + ", ".join(map(str, hosted)) + " (chunks)"
+        print(f"rank {r} = {c.module} {where} replica {c.replica}; "
               f"mesh ({', '.join(MESH_DIMS)}) = ({', '.join(map(str, c.index))})")
     print()
     print(render(schedule, communication=args.comm))
