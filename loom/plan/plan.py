@@ -31,7 +31,9 @@ from typing import Any, NamedTuple
 LLM = "llm"
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # a module mesh's dimension names, outermost first
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero-bubble (Qi et al.), loom.schedule.generators
-PLACEMENTS = ("disaggregated",)
+# disaggregated: every module on ranks of its own; first_stage: the encoders run inside the LLM's
+# first pipeline position (Megatron-LM's layout, cornstarch.md §3.1's baseline)
+PLACEMENTS = ("disaggregated", "first_stage")
 # activation checkpointing per module: nothing, the attention core of every block, or every block
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -156,6 +158,27 @@ def check_virtual_stages(plan: "Plan", m: ModuleSpec) -> None:
                         f"plan.schedule = '1f1b' (interleaved 1F1B) or virtual_stages = 1")
 
 
+def check_first_stage(plan: "Plan") -> None:
+    """``placement = "first_stage"`` (Megatron-LM's layout): each encoder runs whole, as one
+    stage, on every replica of the LLM's first pipeline position, so it takes the LLM's data
+    parallelism and TP; what the runtime does not run with it yet is refused here."""
+    llm = plan.spec(LLM)
+    if llm.context_parallel > 1 or llm.zero_stage >= 2 or llm.tensor_parallel > 1:
+        bad = "context_parallel" if llm.context_parallel > 1 else "zero_stage" if llm.zero_stage >= 2 else "tensor_parallel"
+        raise PlanError(f"plan.placement = 'first_stage' with plan.modules['llm'].{bad} = {getattr(llm, bad)} is not "
+                        f"supported yet: use placement = 'disaggregated' for it")
+    for m in plan.modules:
+        if m.name == LLM:
+            continue
+        where = f"plan.modules[{m.name!r}]"
+        for name, want in (("num_stages", 1), ("data_parallel", llm.data_parallel), ("tensor_parallel", 1),
+                           ("context_parallel", 1), ("zero_stage", llm.zero_stage)):
+            if getattr(m, name) != want:
+                raise PlanError(f"plan.placement = 'first_stage' runs each encoder whole on the LLM's first pipeline "
+                                f"position, replica for replica: {where}.{name} = {getattr(m, name)} must be {want} "
+                                f"(the LLM's), or use placement = 'disaggregated'")
+
+
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
     """Split ``num_layers`` into ``num_stages`` contiguous runs whose sizes differ by at most
     one; earlier stages take the extra layer."""
@@ -188,13 +211,26 @@ class Plan:
                 return m
         raise PlanError(f"plan.modules has no module named {name!r}; it has {self.module_names}")
 
+    def hosted_by_llm(self, name: str) -> bool:
+        """Whether module ``name`` runs on the LLM's ranks rather than its own (``first_stage``)."""
+        return self.placement == "first_stage" and name != LLM
+
+    def _owners(self) -> list[ModuleSpec]:
+        """The modules with ranks of their own, in plan order."""
+        return [m for m in self.modules if not self.hosted_by_llm(m.name)]
+
     @property
     def world_size(self) -> int:
-        return sum(m.num_ranks for m in self.modules)
+        return sum(m.num_ranks for m in self._owners())
 
     def rank_offset(self, name: str) -> int:
+        """The first rank of module ``name``'s block (a hosted encoder's is the LLM's: its
+        replicas sit on the LLM's first position, which leads the LLM's block)."""
+        self.spec(name)
+        if self.hosted_by_llm(name):
+            name = LLM
         offset = 0
-        for m in self.modules:
+        for m in self._owners():
             if m.name == name:
                 return offset
             offset += m.num_ranks
@@ -209,7 +245,7 @@ class Plan:
         """``(module, position, replica)`` of ``rank``: its pipeline position is the first stage
         it hosts (the only one unless the module has virtual stages, `stages_of`)."""
         offset = 0
-        for m in self.modules:
+        for m in self._owners():
             if 0 <= rank < offset + m.num_ranks:
                 position, replica = divmod((rank - offset) // m.ranks_per_unit, m.data_parallel)
                 return m.name, position, replica
@@ -225,7 +261,7 @@ class Plan:
         mesh: the inverse of `rank_of` (for a stage's first chunk), and the rank's `DeviceMesh`
         coordinate at runtime."""
         offset = 0
-        for m in self.modules:
+        for m in self._owners():
             if 0 <= rank < offset + m.num_ranks:
                 unit_and_cp, tp = divmod(rank - offset, m.tensor_parallel)
                 unit, cp = divmod(unit_and_cp, m.context_parallel)
@@ -242,11 +278,14 @@ class Plan:
     # ---- pipeline units (what the IR addresses) ----------------------------------------------
     @property
     def num_units(self) -> int:
-        return sum(m.num_units for m in self.modules)
+        return sum(m.num_units for m in self._owners())
 
     def unit_of(self, name: str, stage: int, replica: int) -> int:
+        if self.hosted_by_llm(name):  # on the LLM's first position, replica for replica
+            self.spec(name)
+            return self.unit_of(LLM, 0, replica)
         offset = 0
-        for m in self.modules:
+        for m in self._owners():
             if m.name == name:
                 return offset + m.position_of(stage) * m.data_parallel + replica
             offset += m.num_units
@@ -255,7 +294,7 @@ class Plan:
     def role_of_unit(self, unit: int) -> tuple[str, int, int]:
         """``(module, position, replica)`` of a pipeline unit: its first stage (`stages_of_unit`)."""
         offset = 0
-        for m in self.modules:
+        for m in self._owners():
             if 0 <= unit < offset + m.num_units:
                 position, replica = divmod(unit - offset, m.data_parallel)
                 return m.name, position, replica
@@ -263,10 +302,12 @@ class Plan:
         raise PlanError(f"unit {unit} is outside the plan's {self.num_units} pipeline units")
 
     def stages_of_unit(self, unit: int) -> list[tuple[str, int, int]]:
-        """Every ``(module, stage, replica)`` a pipeline unit hosts, chunk by chunk: one stage,
-        or ``virtual_stages`` of them (interleaved pipelines)."""
+        """Every ``(module, stage, replica)`` a pipeline unit hosts, in graph order: one stage, or
+        ``virtual_stages`` of them (interleaved pipelines), after the hosted encoders' on the
+        LLM's first position (``first_stage``)."""
         name, position, replica = self.role_of_unit(unit)
-        return [(name, s, replica) for s in self.spec(name).hosted_stages(position)]
+        hosted = [(e, 0, replica) for e in self.encoder_names if self.hosted_by_llm(e)] if position == 0 else []
+        return hosted + [(name, s, replica) for s in self.spec(name).hosted_stages(position)]
 
     def replica_of_microbatch(self, name: str, microbatch: int) -> int:
         """Which data-parallel replica of ``name`` runs ``microbatch`` (round-robin, so edges
@@ -352,6 +393,8 @@ class Plan:
                 )
             if any(b[i] >= b[i + 1] for i in range(len(b) - 1)):
                 raise PlanError(f"{where}.stage_boundaries = {b}: must strictly increase (no empty stage)")
+        if self.placement == "first_stage":
+            check_first_stage(self)
         if world_size is not None and world_size != self.world_size:
             detail = " + ".join(
                 f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
