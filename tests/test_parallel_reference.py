@@ -46,6 +46,12 @@ def _config(case: str) -> TrainConfig:
             plan = Plan([ModuleSpec("llm", num_stages=4, virtual_stages=2)], num_microbatches=4)
         else:
             plan = Plan([llm2], num_microbatches=4, schedule=case.split("_")[-1])
+    elif case == "first_stage":  # Megatron-LM's layout: the encoders inside the LLM's first stage
+        plan = Plan([*enc, llm2], num_microbatches=4, placement="first_stage")
+    elif case == "first_stage_dp2_interleaved":  # 2 replicas of 2 positions, 2 chunks each
+        plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("audio", data_parallel=2),
+                     ModuleSpec("llm", num_stages=4, virtual_stages=2, data_parallel=2)], num_microbatches=4,
+                    placement="first_stage")
     elif case == "multimodal_interleaved":
         plan = Plan([*enc, ModuleSpec("llm", num_stages=4, virtual_stages=2)], num_microbatches=4)
     elif case in ("multimodal_1f1b", "multimodal_gpipe", "multimodal_zb-h1"):
@@ -115,8 +121,9 @@ CASES = {
 
 
 # cases run inside another case's launch (same world size): the suite's time is in the launches
-FOLDED = {"multimodal_1f1b": ["multimodal_zb-h1", "frozen_encoders_zb-h1", "multimodal_interleaved"],
-          "llm_only_1f1b": ["llm_only_interleaved"]}
+FOLDED = {"multimodal_1f1b": ["multimodal_zb-h1", "frozen_encoders_zb-h1", "multimodal_interleaved",
+                              "first_stage_dp2_interleaved"],
+          "llm_only_1f1b": ["llm_only_interleaved", "first_stage"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -60,8 +60,8 @@ from loom.schedule.timeline import TimelineEvent
 
 StageId = tuple[str, int]
 Edge = tuple[StageId, StageId]
-# per-microbatch state on a rank: (stage index, microbatch), several stages under virtual stages
-_Key = tuple[int, int]
+# per-microbatch state on a rank: (module, stage, microbatch); a rank may host several stages
+_Key = tuple[str, int, int]
 # a channel whose activation shape is leading dims both sides derive from metadata plus fixed
 # trailing dims, learned from the first message on it: (dtype, trailing dims)
 _ActShape = tuple[torch.dtype, tuple[int, ...]]
@@ -115,9 +115,9 @@ class ActionPlan:
     handlers: list[Callable[..., None]]
     tags: list[int]
     labels: list[str]
-    backward_parts: dict[_Key, int]  # (stage, microbatch) -> its backward actions (split parts)
-    last_send: dict[_Key, int]  # (stage, microbatch) -> index of its last SEND_ACT
-    split: dict[int, list[tuple[int, ...]]]  # microbatch -> split-backward parts (encoder first stages)
+    backward_parts: dict[_Key, int]  # (module, stage, microbatch) -> its backward actions (split parts)
+    last_send: dict[_Key, int]  # (module, stage, microbatch) -> index of its last SEND_ACT
+    split: dict[_Key, list[tuple[int, ...]]]  # split-backward parts at encoder first stages
     routed: bool  # some action names samples: the iteration needs a RowMap
     last_step: int = -1  # index of the last OPTIMIZER_STEP (the rank's optimizer steps there; clipping joins the norm's all-reduce)
     last_backward: int = -1  # index of the last BACKWARD or weight pass (where ZeRO 2/3 reduce: loom.runtime.zero)
@@ -127,7 +127,7 @@ class _Iteration:
     """The state of the iteration being run (handlers read and update it)."""
 
     __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total", "grad_norm", "cp",
-                 "cp_blocks")
+                 "cp_blocks", "local")
 
     def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
                  loss_total: torch.Tensor, cp_blocks: dict[int, int] | None = None):
@@ -137,6 +137,7 @@ class _Iteration:
         self.grad_norm: float | None = None
         self.cp: dict[int, RankContext] = {}  # per LLM microbatch, this rank's CP context
         self.cp_blocks = cp_blocks or {}  # per LLM microbatch, its CP block size (UnitPlace.prepare_microbatches)
+        self.local: dict[int, torch.Tensor] = {}  # by tag: messages between stages the unit hosts
 
     def state(self, key: _Key) -> MicrobatchState:
         st = self.states.get(key)
@@ -258,7 +259,7 @@ class PipelineExecutor:
         n = schedule.num_microbatches
         backward_parts: dict[_Key, int] = {}
         last_send: dict[_Key, int] = {}
-        split: dict[int, list[tuple[int, ...]]] = {}
+        split: dict[_Key, list[tuple[int, ...]]] = {}
         tags = []
         for i, a in enumerate(actions):
             me = (a.module, a.stage)
@@ -271,20 +272,18 @@ class PipelineExecutor:
                 tag = self._tag(peer, me, k, j, n, grad=False)
             elif a.kind is ActionKind.SEND_ACT:
                 tag = self._tag(me, peer, j, k, n, grad=False)
-                last_send[(a.stage, j)] = i
+                last_send[(a.module, a.stage, j)] = i
             elif a.kind is ActionKind.RECV_GRAD:
                 tag = self._tag(me, peer, j, k, n, grad=True)
             elif a.kind is ActionKind.SEND_GRAD:
                 tag = self._tag(peer, me, k, j, n, grad=True)
             elif a.kind in BACKWARDS:
-                backward_parts[(a.stage, j)] = backward_parts.get((a.stage, j), 0) + 1
-                if a.samples is not None:
-                    split.setdefault(j, []).append(a.samples)
+                backward_parts[(a.module, a.stage, j)] = backward_parts.get((a.module, a.stage, j), 0) + 1
+                if a.samples is not None and a.stage == 0 and a.module != LLM:
+                    split.setdefault((a.module, a.stage, j), []).append(a.samples)
             tags.append(tag)
         # Split backwards at an encoder's first stage run their forward per part too (entrain.md
         # §7.12's first option), so each part's backward covers only its own samples.
-        if not (self.stage.is_first and self.stage.module != LLM):
-            split = {}
         plan = ActionPlan(actions, [self._handlers[a.kind] for a in actions], tags, [a.short() for a in actions],
                           backward_parts, last_send, split, any(a.samples is not None for a in actions),
                           max((i for i, a in enumerate(actions) if a.kind is ActionKind.OPTIMIZER_STEP), default=-1),
@@ -301,7 +300,9 @@ class PipelineExecutor:
         channel = (src, me, a.peer)
         lead = self._lead_dims(it, src, me, a.other_microbatch, a.microbatch, a.samples)
         known = self._act_shapes.get(channel) if lead is not None else None
-        if known is not None:
+        if a.peer == self.unit.unit:  # from a stage this unit hosts: a local handoff
+            x = it.local.pop(tag)
+        elif known is not None:
             x = self.comm.recv_shaped((*lead, *known[1]), known[0], self.unit.source(a.peer), tag)
         else:
             x = self.comm.recv(self.unit.source(a.peer), tag)
@@ -309,17 +310,17 @@ class PipelineExecutor:
                 self._act_shapes[channel] = _learn(x, lead)
         if (src, me) in self.grad_edges:
             x.requires_grad_(True)
-        it.state((a.stage, a.microbatch)).inputs[(a.peer_module, a.other_microbatch)] = x
+        it.state((a.module, a.stage, a.microbatch)).inputs[(a.peer_module, a.other_microbatch)] = x
 
     def _forward(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j = a.microbatch
         stage = self.stages[(a.module, a.stage)]
-        st = it.state((a.stage, j))
-        split = it.plan.split.get(j)
+        st = it.state((a.module, a.stage, j))
+        split = it.plan.split.get((a.module, a.stage, j))
         if st.batch is None:
             st.batch = move_batch(self._microbatch(it.microbatches, j), self.device)
             if split is None:  # a split microbatch builds one context per part
-                st.context = self.model.module_context(stage.module, st.batch, self._cp_context(it, j))
+                st.context = self.model.module_context(stage.module, st.batch, self._cp_context(it, j, stage.module))
         with self.precision.autocast():
             if self.needs_backward[(a.module, a.stage)]:
                 out = self._run_forward(it, stage, j, st, split)
@@ -334,13 +335,13 @@ class PipelineExecutor:
             out = torch.cat(st.parts)
         else:
             x = self._stage_input(stage, st.inputs, j, it.rows)
-            rc = self._cp_context(it, j)
+            rc = self._cp_context(it, j, stage.module)
             if rc is not None and stage.is_first:  # the encoder tokens of this rank's placeholders
                 x = {m: select_features(st.batch.input_ids == self.model.placeholder_ids[m], f, rc.tokens)
                      for m, f in x.items()}
             out = run_layers(stage.layers, self.precision.stage_input(x), st.context)
         if stage.computes_loss:  # loss_sum upcasts the logits: the loss is fp32
-            rc = self._cp_context(it, j)
+            rc = self._cp_context(it, j, stage.module)
             labels = st.batch.labels if rc is None else rc.select(st.batch.labels)  # labels follow the tokens
             with self.unit.loss_context():  # vocabulary-parallel under TP: the loss is replicated
                 out = self.unit.loss_value(loss_sum(out, labels)) / it.num_targets
@@ -351,32 +352,37 @@ class PipelineExecutor:
 
     def _send_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j, me = a.microbatch, (a.module, a.stage)
-        st = it.states[(a.stage, j)]
+        st = it.states[(a.module, a.stage, j)]
         out = st.output
         if a.samples is not None:  # a routed edge: only the rows of the named samples
             out = out.detach().index_select(0, it.rows.index(a.module, j, a.samples, out.device))
         header = True
         dst = (a.peer_module, a.peer_stage)
         lead = self._lead_dims(it, me, dst, j, a.other_microbatch, a.samples)
-        if lead is not None:
+        if a.peer == self.unit.unit:  # to a stage this unit hosts: the receiver gets a leaf of its own
+            it.local[tag] = out.detach()
+            lead = None
+        elif lead is not None:
             channel = (me, dst, a.peer)
             if channel not in self._act_shapes:
                 self._act_shapes[channel] = _learn(out, lead)  # the receiver learns the same from this message
             elif self._act_shapes[channel] is not None:
                 _check_shape(out, lead, self._act_shapes[channel], channel)
                 header = False
-        for peer in self.unit.destinations(a.peer):
+        for peer in self.unit.destinations(a.peer) if a.peer != self.unit.unit else ():
             self.comm.send(out, peer, tag, header=header)
         self.comm.release_completed()
-        if not self.needs_backward[me] and i == it.plan.last_send[(a.stage, j)]:
-            del it.states[(a.stage, j)]  # nothing will flow back: drop the microbatch now
+        if not self.needs_backward[me] and i == it.plan.last_send[(a.module, a.stage, j)]:
+            del it.states[(a.module, a.stage, j)]  # nothing will flow back: drop the microbatch now
 
     def _recv_grad(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         # the gradient has the shape of what this rank sent: no header needed
         j = a.microbatch
-        st = it.states[(a.stage, j)]
+        st = it.states[(a.module, a.stage, j)]
         out = st.output
-        if a.samples is None:
+        if a.peer == self.unit.unit:  # from a stage this unit hosts
+            st.out_grad = it.local.pop(tag)
+        elif a.samples is None:
             st.out_grad = self.comm.recv_shaped(out.shape, out.dtype, self.unit.source(a.peer), tag)
         else:  # rows of some samples: scatter into this microbatch's pending gradient
             index = it.rows.index(a.module, j, a.samples, out.device)
@@ -386,7 +392,7 @@ class PipelineExecutor:
             st.out_grad.index_copy_(0, index, g)
 
     def _backward(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        j, key = a.microbatch, (a.stage, a.microbatch)
+        j, key = a.microbatch, (a.module, a.stage, a.microbatch)
         st = it.states[key]
         out = st.output
         # each part consumes the gradient rows received since the previous part
@@ -399,7 +405,7 @@ class PipelineExecutor:
         # stage whose microbatch has no image tokens to merge): then there is nothing to
         # propagate and the input gradient sent back is zero.
         if st.parts is not None:  # a split backward over per-part forwards: this part's rows only
-            part = it.plan.split[j].index(a.samples)
+            part = it.plan.split[(a.module, a.stage, j)].index(a.samples)
             first_row = sum(t.shape[0] for t in st.parts[:part])
             piece = st.parts[part]
             if piece.requires_grad:
@@ -423,7 +429,7 @@ class PipelineExecutor:
         """ZB-H1's input pass (`loom.runtime.split_backward`): only the gradients of the
         received activations, which the SEND_GRADs after it ship; the weights wait for
         `_backward_weight`, from the same graph."""
-        st = it.states[(a.stage, a.microbatch)]
+        st = it.states[(a.module, a.stage, a.microbatch)]
         grad, st.out_grad = (None if self.stages[(a.module, a.stage)].computes_loss else st.out_grad), None
         st.backward_left -= 1
         if self.zero is not None:
@@ -437,7 +443,7 @@ class PipelineExecutor:
     def _backward_weight(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         """ZB-H1's weight pass: the parameters' gradients of the microbatch, accumulated into
         ``.grad`` as a whole backward would."""
-        key = (a.stage, a.microbatch)
+        key = (a.module, a.stage, a.microbatch)
         st = it.states[key]
         st.backward_left -= 1
         if self.zero is not None:
@@ -452,7 +458,7 @@ class PipelineExecutor:
             del it.states[key]
 
     def _send_grad(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
-        key = (a.stage, a.microbatch)
+        key = (a.module, a.stage, a.microbatch)
         st = it.states[key]
         x = st.inputs.pop((a.peer_module, a.other_microbatch))
         g = x.grad if x.grad is not None else torch.zeros_like(x)  # input unused (no tokens)
@@ -460,8 +466,10 @@ class PipelineExecutor:
             # each CP rank merged the encoder tokens of its own placeholders: the whole
             # gradient is the sum over the CP group (cornstarch.md §3.3.6), sent by the leader
             dist.all_reduce(g, group=self.unit.cp_group)
-        for peer in self.unit.destinations(a.peer):  # the peer sent x: it knows the shape
-            self.comm.send(g, peer, tag, header=False)
+        if a.peer == self.unit.unit:  # to a stage this unit hosts
+            it.local[tag] = g
+        for peer in self.unit.destinations(a.peer) if a.peer != self.unit.unit else ():
+            self.comm.send(g, peer, tag, header=False)  # the peer sent x: it knows the shape
         self.comm.release_completed()
         if not st.inputs and st.backward_left == 0:
             del it.states[key]
@@ -492,9 +500,9 @@ class PipelineExecutor:
         shape; from an encoder to the LLM (with the layout's `RowMap`) the message's row count,
         the tokens of its samples. The trailing dims are learned from the edge's first message."""
         if src[0] == LLM:
-            st = it.states.get((src[1], src_mb))  # this rank's own state when it sends
+            st = it.states.get((*src, src_mb))  # this rank's own state when it sends
             batch = st.batch if st is not None and st.batch is not None else self._microbatch(it.microbatches, src_mb)
-            rc = self._cp_context(it, src_mb)  # under CP, this rank's tokens of the rows
+            rc = self._cp_context(it, src_mb, LLM)  # under CP, this rank's tokens of the rows
             return tuple(batch.input_ids.shape) if rc is None else (batch.input_ids.shape[0], rc.tokens.numel())
         if dst[0] == LLM and it.rows is not None:
             tokens = it.rows.tokens[src[0]]
@@ -540,11 +548,11 @@ class PipelineExecutor:
         rows.set_order(module, j, order)
         return outs
 
-    def _cp_context(self, it: _Iteration, j: int) -> RankContext | None:
+    def _cp_context(self, it: _Iteration, j: int, module: str) -> RankContext | None:
         """This rank's `RankContext` of LLM microbatch ``j`` under context parallelism (None
         otherwise): built from the microbatch's metadata once per iteration, the same on every
         stage of the unit's CP rank, so activations between LLM stages keep its tokens."""
-        if self.unit.cp_group is None or self.stage.module != LLM:
+        if self.unit.cp_group is None or module != LLM:
             return None
         rc = it.cp.get(j)
         if rc is None:

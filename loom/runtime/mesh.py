@@ -50,7 +50,8 @@ def build_meshes(plan: Plan, device_type: str) -> dict[str, DeviceMesh]:
 
 def check_meshes(plan: Plan, meshes: dict[str, DeviceMesh], rank: int) -> None:
     """Each mesh has the plan's sizes, and ``rank`` has a coordinate in its own module's mesh
-    only, equal to `Plan.coordinate_of` (as torchtitan's ``ParallelDims._validate_meshes``)."""
+    only, equal to `Plan.coordinate_of` (as torchtitan's ``ParallelDims._validate_meshes``), and
+    under ``first_stage`` in the meshes of the encoders its LLM position hosts."""
     mine = plan.coordinate_of(rank)
     for name, mesh in meshes.items():
         if tuple(mesh.shape) != plan.mesh_shape(name) or mesh.mesh_dim_names != MESH_DIMS:
@@ -58,6 +59,8 @@ def check_meshes(plan: Plan, meshes: dict[str, DeviceMesh], rank: int) -> None:
                             f"gives {plan.mesh_shape(name)} over {MESH_DIMS}")
         coordinate = mesh.get_coordinate()
         expected = mine.index if name == mine.module else None
+        if plan.hosted_by_llm(name) and mine.stage == 0:  # first_stage: the LLM's first position hosts it
+            expected = (0, mine.replica, 0, mine.tensor)
         if (tuple(coordinate) if coordinate is not None else None) != expected:
             raise MeshError(f"rank {rank}: coordinate {coordinate} in module {name!r}'s mesh, but the plan "
                             f"places it at {expected}")

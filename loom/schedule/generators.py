@@ -279,6 +279,22 @@ def interleaved_order(plan: Plan, hosted: list[Stage], microbatches: list[int], 
     return order + backwards[max(0, len(forwards) - warmup):]
 
 
+def _with_guests(order: list[tuple[Stage, ActionKind, int]], guests: list[Stage],
+                 needs_backward: dict[Stage, bool]) -> list[tuple[Stage, ActionKind, int]]:
+    """The LLM's first position with its hosted encoders (``first_stage``, Megatron-LM's
+    layout): each encoder forwards microbatch ``j`` right before the LLM's first stage does,
+    and runs its backward of ``j`` right after the LLM's (whose input gradient it needs)."""
+    out: list[tuple[Stage, ActionKind, int]] = []
+    for st, k, j in order:
+        first = st == (LLM, 0)
+        if first and k is ActionKind.FORWARD:
+            out.extend((g, ActionKind.FORWARD, j) for g in guests)
+        out.append((st, k, j))
+        if first and k is ActionKind.BACKWARD:
+            out.extend((g, ActionKind.BACKWARD, j) for g in guests if needs_backward[g])
+    return out
+
+
 def _order_lookahead(order: list[tuple[Stage, ActionKind, int]], stage: Stage) -> float:
     """How far ahead (in global microbatch indices) ``order`` forwards ``stage`` before each
     of its backwards: the `warmup_lookahead` an interleaved position realises (inf: no backward)."""
@@ -341,6 +357,10 @@ def build_schedule(
     if layout is not None:
         if layout.is_identity() and layout.num_microbatches == plan.num_microbatches:
             layout = None  # the plain j -> j edges carry exactly these samples
+        elif plan.placement == "first_stage":
+            raise PlanError("plan.placement = 'first_stage' runs each encoder microbatch with the LLM microbatch of the "
+                            "same slot: a balanced layout is not supported with it; use balance.default = 'none' or "
+                            "placement = 'disaggregated'")
         else:
             plan = dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
     _check_resolved(plan)
@@ -391,11 +411,14 @@ def build_schedule(
         hosted = [(m, s) for m, s, _ in plan.stages_of_unit(unit)]
         m, _, replica = plan.role_of_unit(unit)
         mine = plan.microbatches_of(m, replica)
-        if len(hosted) > 1:  # virtual stages: Megatron's interleaved order over the hosted chunks
-            order = interleaved_order(plan, hosted, mine, kind, needs_backward)
+        own = [st for st in hosted if st[0] == m]
+        if len(own) > 1:  # virtual stages: Megatron's interleaved order over the hosted chunks
+            order = interleaved_order(plan, own, mine, kind, needs_backward)
         else:
-            me = hosted[0]
+            me = own[0]
             order = [(me, k, j) for k, j in _compute_order(mine, lookahead[me] if needs_backward[me] else None)]
+        if len(own) < len(hosted):  # first_stage: the encoders ride on the LLM's first stage
+            order = _with_guests(order, [st for st in hosted if st[0] != m], needs_backward)
         acts: list[Action] = []
         # per stage: own backward -> ZB-H1 weight passes after it; deferred split-backward parts
         weight_after = {me: _weight_slots([(k, j) for st, k, j in order if st == me],

@@ -12,7 +12,8 @@ matches exactly one ``RECV_ACT`` on its peer (same microbatch, each naming the o
 and likewise ``SEND_GRAD`` / ``RECV_GRAD`` for the gradient flowing back along the same edge.
 
 Sends never block (they are posted asynchronously and completed at the end of the iteration);
-receives block until the data arrives. The validator's deadlock check uses exactly these
+receives block until the data arrives. A unit that hosts both ends of an edge (the LLM's first
+position with its encoders under ``first_stage``) names itself as the peer: a local handoff. The validator's deadlock check uses exactly these
 semantics.
 """
 

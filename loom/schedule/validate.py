@@ -95,8 +95,8 @@ def _check_actions(schedule: Schedule) -> None:
             if a.kind in COMMUNICATION:
                 if a.peer is None or a.peer_module is None or a.peer_stage is None:
                     raise _fail(rank, a, "communication without peer, peer_module and peer_stage")
-                if a.peer == rank:
-                    raise _fail(rank, a, "communication with itself")
+                if a.peer == rank and (a.peer_module, a.peer_stage) == (a.module, a.stage):
+                    raise _fail(rank, a, "communication with itself")  # between two stages it hosts: a local handoff
                 if a.peer not in schedule.actions:
                     raise _fail(rank, a, f"peer rank {a.peer} is not in the schedule (ranks {sorted(schedule.actions)})")
             if a.kind in PER_ITERATION:
@@ -251,10 +251,10 @@ def _check_against_plan(schedule: Schedule, plan: Plan) -> None:
     edges = set(pipeline_edges(plan))
     forwarded: dict[tuple[str, int], set[int]] = defaultdict(set)
     for rank, acts in schedule.actions.items():
-        m, _, replica = plan.role_of_unit(rank)
+        _, _, replica = plan.role_of_unit(rank)
         hosted = {(m_, s_) for m_, s_, _ in plan.stages_of_unit(rank)}
         for a in acts:
-            s = a.stage
+            m, s = a.module, a.stage
             if (a.module, a.stage) not in hosted:
                 names = ", ".join(f"{x}.{y}" for x, y in sorted(hosted))
                 raise _fail(rank, a, f"the plan places {names} (replica {replica}) on this rank, not {a.module}.{a.stage}")
