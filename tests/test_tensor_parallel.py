@@ -60,6 +60,9 @@ def _config(case: str) -> TrainConfig:
         demo = dataclasses.replace(demo, mix={"text": 1.0})
         plan = Plan([ModuleSpec("llm", num_stages=4, virtual_stages=2, tensor_parallel=2, recompute="full")],
                     num_microbatches=4)
+    elif case == "first_stage_tp2":  # the vision encoder inside the LLM's TP 2 unit (Megatron-LM's layout)
+        plan = Plan([ModuleSpec("vision", tensor_parallel=2), ModuleSpec("llm", tensor_parallel=2)],
+                    num_microbatches=2, placement="first_stage")
     elif case == "vision_tp2":
         plan = Plan([ModuleSpec("vision", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2)],
@@ -80,7 +83,7 @@ def _config(case: str) -> TrainConfig:
 
 
 # one launch per world size (its cases run one after another in the same processes)
-LAUNCHES = {"llm_tp2": (2, ["llm_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip",
+LAUNCHES = {"llm_tp2": (2, ["llm_tp2", "first_stage_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip",
                                                            "llm_tp2_pp2v2_clip"]),
             "vision_tp2": (6, ["vision_tp2"]), "frozen_tp_zero3_clip": (6, ["frozen_tp_zero3_clip"])}
 

@@ -163,15 +163,16 @@ def check_first_stage(plan: "Plan") -> None:
     stage, on every replica of the LLM's first pipeline position, so it takes the LLM's data
     parallelism and TP; what the runtime does not run with it yet is refused here."""
     llm = plan.spec(LLM)
-    if llm.context_parallel > 1 or llm.zero_stage >= 2 or llm.tensor_parallel > 1:
-        bad = "context_parallel" if llm.context_parallel > 1 else "zero_stage" if llm.zero_stage >= 2 else "tensor_parallel"
+    if llm.context_parallel > 1 or llm.zero_stage >= 2:
+        bad = "context_parallel" if llm.context_parallel > 1 else "zero_stage"
         raise PlanError(f"plan.placement = 'first_stage' with plan.modules['llm'].{bad} = {getattr(llm, bad)} is not "
                         f"supported yet: use placement = 'disaggregated' for it")
     for m in plan.modules:
         if m.name == LLM:
             continue
         where = f"plan.modules[{m.name!r}]"
-        for name, want in (("num_stages", 1), ("data_parallel", llm.data_parallel), ("tensor_parallel", 1),
+        for name, want in (("num_stages", 1), ("data_parallel", llm.data_parallel),
+                           ("tensor_parallel", llm.tensor_parallel),
                            ("context_parallel", 1), ("zero_stage", llm.zero_stage)):
             if getattr(m, name) != want:
                 raise PlanError(f"plan.placement = 'first_stage' runs each encoder whole on the LLM's first pipeline "

@@ -76,8 +76,10 @@ class ParallelEngine:
         # hybrid mesh, the root FSDP2 needs to join it with (dp_replicate, dp_shard) (loom.runtime.zero)
         unit = UnitPlace.of(plan, rank, {**meshes, **hybrid})
         # each layer split over the unit's TP ranks as soon as it has values (loom.runtime.tensor_parallel)
+        # every hosted module's layers split over the unit's TP ranks (first_stage: the encoders on
+        # the LLM's first position take its TP degree)
         stages = build_stages(model, plan, rank, release_others=release_others, device=device,
-                              shard_layer=layer_sharder(model, plan.role_of(rank)[0], unit.tp_mesh))
+                              shard_layer=lambda module: layer_sharder(model, module, unit.tp_mesh))
         stage = stages[0]  # virtual stages share a module and replica (ZeRO is refused with them)
         dp_group = data_parallel_group(meshes, plan, rank, replicas)
         groups = {(st.module, st.stage): dp_group for st in stages}

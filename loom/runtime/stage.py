@@ -59,21 +59,23 @@ def trainable_stages(model: MultimodalModel, plan: Plan) -> dict[tuple[str, int]
 
 def build_stages(
     model: MultimodalModel, plan: Plan, rank: int, release_others: bool = True, device: torch.device | str = "cpu",
-    shard_layer: Callable[[Layer], None] | None = None,
+    shard_layer: Callable[[str], Callable[[Layer], None] | None] | None = None,
 ) -> list[Stage]:
     """The stages ``rank`` runs (one, or its chunks under virtual stages, `Plan.stages_of`),
     with their layers (and their module's context modules) on ``device``. With
-    ``release_others``, layers of other stages that hold values go to meta. ``shard_layer``
-    (tensor parallelism: `loom.runtime.tensor_parallel.layer_sharder`) runs on each layer right
+    ``release_others``, layers of other stages that hold values go to meta.
+    ``shard_layer(module)`` gives what splits a layer of ``module`` (tensor parallelism:
+    `loom.runtime.tensor_parallel.layer_sharder`; None: nothing); it runs on each layer right
     after it is materialised, so a rank holds at most one whole layer next to its shards."""
     stages = []
     for module, stage, replica in plan.stages_of(rank):
         start, end = plan.layers_of(module, stage)
         layers = stage_layers(model, plan, module, stage)
+        shard = shard_layer(module) if shard_layer is not None else None
         for index, layer in zip(range(start, end), layers):
             model.materialise(module, device, index, index + 1)
-            if shard_layer is not None:
-                shard_layer(layer)
+            if shard is not None:
+                shard(layer)
         stages.append(Stage(module, stage, replica, layers, is_first=stage == 0,
                             is_last=stage == plan.spec(module).num_stages - 1))
     if release_others:
