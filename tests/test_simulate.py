@@ -53,19 +53,22 @@ def test_compare_prints_both_plans_and_writes_traces(tmp_path, capsys):
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     plans = {r["plan"]: r for r in result["plans"]}
-    assert set(plans) == {"megatron-style", "frozen-aware"}
+    assert set(plans) == {"first-stage", "megatron-style", "frozen-aware"}
     for r in plans.values():
         assert r["simulated"] and r["iteration_time_s"] > 0 and 0 < r["mfu"] < 1 and r["world_size"] <= 64
         trace = json.loads(open(r["trace"]).read())
         assert any(e["ph"] == "X" and e["cat"] == "forward" for e in trace["traceEvents"])
     assert plans["megatron-style"]["layout"].startswith("vision 1x2x4")
+    # Megatron-LM's own layout: every rank in the LLM's pipeline, the encoder inside its first stage
+    assert plans["first-stage"]["layout"] == "vision in llm.0, llm 8x2x4x1" and plans["first-stage"]["world_size"] == 64
 
 
 def test_table_output(tmp_path, capsys):
     assert main(["simulate", "--config", write(tmp_path, SMALL), "--compare", "--no-png",
                  "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "megatron-style" in out and "frozen-aware" in out and "MFU" in out and "(simulated)" in out
+    assert "megatron-style" in out and "frozen-aware" in out and "first-stage" in out and "MFU" in out
+    assert "(simulated)" in out
 
 
 @pytest.mark.parametrize("change, words", [

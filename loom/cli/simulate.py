@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,10 +47,11 @@ def policies_of(args: argparse.Namespace) -> list[str] | None:
 # ---- simulating -------------------------------------------------------------------------------
 def plans_of(scenario, compare: bool) -> dict[str, Any]:
     """The scenario's plans; with ``compare`` (or when it names none) the built ones too."""
-    from loom.planner.baselines import frozen_aware_plan, megatron_plan
+    from loom.planner.baselines import first_stage_plan, frozen_aware_plan, megatron_plan
 
     plans: dict[str, Any] = {}
     if compare:
+        plans["first-stage"] = first_stage_plan(scenario)
         plans["megatron-style"] = megatron_plan(scenario)
         plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
     plans.update(scenario.plans)
@@ -71,6 +73,10 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
     if policies is None:
         return [(None, "", base.result, None)]
     runs = [("none", ".none", base.result, base)]
+    if plan.placement == "first_stage":  # its encoders run the LLM's slots: nothing to balance
+        print(f"loom: plan with placement first_stage: balancing policies do not apply (each encoder "
+              f"microbatch runs with the LLM microbatch of its slot); simulated under none only", file=sys.stderr)
+        return runs
     for name in policies:
         own_order = "given" if name in JOINT else order  # DistTrain and Entrain bring their own order
         if name == "none" and own_order == "given":
@@ -110,7 +116,8 @@ def row_of(scenario, name: str, plan, label, result, balanced, baseline, files: 
     row = {
         "plan": name,
         # a stage count per module; under interleaving, pipeline positions and their chunks
-        "layout": ", ".join(f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"
+        "layout": ", ".join((f"{m.name} in llm.0" if plan.hosted_by_llm(m.name) else
+                             f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}")
                             + (f" ({m.virtual_stages} chunks)" if m.virtual_stages > 1 else "") for m in plan.modules),
         **result.summary(),
         "peak_memory_gib": peak / 2**30,

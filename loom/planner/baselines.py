@@ -1,7 +1,9 @@
-"""The two plans ``loom simulate --compare`` sets side by side for a `Scenario`.
+"""The plans ``loom simulate --compare`` sets side by side for a `Scenario`.
 
 - **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage with the
   LLM's TP and DP, and the LLM's layers are split evenly over the remaining stages;
+- **first-stage** (Megatron-LM's own layout): every rank in the LLM's pipeline, the encoders
+  inside its first position;
 - **frozen-aware**: the loosely-coupled search of cornstarch.md §2.6 (Algorithm 1) picks each
   module's stage count for the device budget by simulated iteration time, and the stage
   boundaries come from the frozen-aware partitioning DP (cornstarch.md §3.2.2, eq. 3.5) over
@@ -35,6 +37,27 @@ def megatron_plan(scenario: Scenario) -> Plan:
                      recompute=d.recompute, virtual_stages=d.virtual_stages)
     plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
                 schedule=d.schedule)
+    return plan.resolve(arch.layer_counts(), cluster.num_gpus)
+
+
+def first_stage_plan(scenario: Scenario) -> Plan:
+    """Megatron-LM's own layout (issue 10's ``first_stage``, cornstarch.md §3.1's baseline):
+    every rank goes to the LLM's pipeline, split evenly, and the encoders run whole inside its
+    first position, at its TP and DP."""
+    d, arch, cluster = scenario.degrees, scenario.arch, scenario.cluster
+    per_position = d.tensor_parallel * d.context_parallel * d.data_parallel
+    positions = cluster.num_gpus // per_position
+    if positions < 1 or positions * per_position != cluster.num_gpus:
+        raise ScenarioError(f"cluster.num_gpus = {cluster.num_gpus} is not a multiple of TP {d.tensor_parallel} x CP "
+                            f"{d.context_parallel} x DP {d.data_parallel}: the first_stage plan gives every rank to the "
+                            f"LLM's pipeline; change the degrees or the GPU count")
+    encoders = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
+                           zero_stage=d.zero_stage, recompute=d.recompute) for n in arch.encoder_names]
+    llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=positions * d.virtual_stages,
+                     tensor_parallel=d.tensor_parallel, context_parallel=d.context_parallel, zero_stage=d.zero_stage,
+                     recompute=d.recompute, virtual_stages=d.virtual_stages)
+    plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
+                schedule=d.schedule, placement="first_stage")
     return plan.resolve(arch.layer_counts(), cluster.num_gpus)
 
 

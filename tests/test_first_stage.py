@@ -1,0 +1,122 @@
+"""``placement = "first_stage"`` (Megatron-LM's layout, issue 10): the encoders run inside the
+LLM's first pipeline position. Ranks and units, the schedule (local handoffs, order), the
+refusals, and the simulator. The reference semantics on gloo are in
+tests/test_parallel_reference.py (``first_stage``, ``first_stage_dp2_interleaved``) and
+tests/test_tensor_parallel.py (``first_stage_tp2``)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from loom.cost.model import Workload
+from loom.plan.plan import ModuleSpec, Plan, PlanError
+from loom.schedule.generators import build_schedule
+from loom.schedule.ir import ActionKind
+from loom.schedule.layout import BatchLayout
+from loom.schedule.validate import unit_cost_makespan, validate_schedule
+
+LAYERS = {"vision": 3, "audio": 3, "llm": 8}
+
+
+def _plan(dp: int = 1, stages: int = 2, virtual: int = 1, microbatches: int = 4, schedule: str = "1f1b") -> Plan:
+    plan = Plan([ModuleSpec("vision", data_parallel=dp), ModuleSpec("audio", data_parallel=dp),
+                 ModuleSpec("llm", num_stages=stages, data_parallel=dp, virtual_stages=virtual)],
+                num_microbatches=microbatches, schedule=schedule, placement="first_stage")
+    return plan.resolve(LAYERS)
+
+
+def test_encoders_live_on_the_llms_first_position() -> None:
+    plan = _plan(dp=2)
+    assert plan.world_size == 4 and plan.num_units == 4  # the LLM's ranks only
+    assert plan.stages_of(1) == [("vision", 0, 1), ("audio", 0, 1), ("llm", 0, 1)]
+    assert plan.stages_of(3) == [("llm", 1, 1)]
+    assert [plan.rank_of("audio", 0, r) for r in range(2)] == [0, 1] == [plan.rank_of("llm", 0, r) for r in range(2)]
+    assert plan.unit_of("vision", 0, 1) == plan.unit_of("llm", 0, 1)
+    assert plan.rank_offset("vision") == plan.rank_offset("llm") == 0
+    assert [plan.role_of(r)[0] for r in range(4)] == ["llm"] * 4
+    assert plan.mesh_shape("vision") == (1, 2, 1, 1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_schedule_hands_off_inside_the_unit(schedule: str) -> None:
+    """Encoder outputs go to the LLM's first stage on the same unit (a local handoff, the unit
+    its own peer); each encoder forwards microbatch j right before that stage does and runs its
+    backward right after that stage's."""
+    plan = _plan(dp=2, schedule=schedule)
+    sched = build_schedule(plan)
+    validate_schedule(sched, plan)
+    for unit in (0, 1):
+        acts = sched.actions[unit]
+        sends = [a for a in acts if a.kind is ActionKind.SEND_ACT and a.module != "llm"]
+        assert sends and all(a.peer == unit and (a.peer_module, a.peer_stage) == ("llm", 0) for a in sends)
+        compute = [(a.kind, a.module, a.microbatch) for a in acts if a.kind is ActionKind.FORWARD]
+        for j in plan.microbatches_of("llm", unit):
+            i = compute.index((ActionKind.FORWARD, "llm", j))
+            assert compute[i - 2:i] == [(ActionKind.FORWARD, "vision", j), (ActionKind.FORWARD, "audio", j)]
+        kinds = [(a.kind, a.module, a.microbatch) for a in acts]
+        llm_back = next(i for i, k in enumerate(kinds) if k[1] == "llm" and k[0] in (ActionKind.BACKWARD,
+                                                                                      ActionKind.BACKWARD_INPUT))
+        assert kinds.index((ActionKind.BACKWARD, "vision", kinds[llm_back][2])) > llm_back
+    # the other position holds the LLM only
+    assert {a.module for a in sched.actions[2]} == {"llm"}
+
+
+def test_interleaved_first_position_hosts_encoders_and_chunks() -> None:
+    plan = _plan(stages=4, virtual=2)
+    sched = build_schedule(plan)
+    validate_schedule(sched, plan)
+    assert {(a.module, a.stage) for a in sched.actions[0]} == {("vision", 0), ("audio", 0), ("llm", 0), ("llm", 2)}
+    assert unit_cost_makespan(sched) > 0
+
+
+def test_balanced_layouts_are_refused() -> None:
+    plan = Plan([ModuleSpec("vision"), ModuleSpec("llm", num_stages=2)], num_microbatches=2,
+                placement="first_stage").resolve({"vision": 3, "llm": 8})
+    layout = BatchLayout(slots={"vision": [(1,), (0,)], "llm": [(0,), (1,)]})
+    with pytest.raises(PlanError, match="plan.placement = 'first_stage'.*balance.default = 'none'"):
+        build_schedule(plan, layout=layout)
+
+
+@pytest.mark.parametrize("vision,llm,words", [
+    (dict(num_stages=2), {}, "plan.modules['vision'].num_stages = 2 must be 1"),
+    (dict(data_parallel=2), dict(data_parallel=1), "plan.modules['vision'].data_parallel = 2 must be 1"),
+    (dict(tensor_parallel=2), {}, "plan.modules['vision'].tensor_parallel = 2 must be 1"),
+    ({}, dict(context_parallel=2), "plan.modules['llm'].context_parallel = 2 is not supported yet"),
+    (dict(data_parallel=2, zero_stage=3), dict(data_parallel=2, zero_stage=3),
+     "plan.modules['llm'].zero_stage = 3 is not supported yet"),
+])
+def test_bad_first_stage_plans_name_the_field(vision: dict, llm: dict, words: str) -> None:
+    plan = Plan([ModuleSpec("vision", **vision), ModuleSpec("llm", num_stages=2, **llm)], num_microbatches=4,
+                placement="first_stage")
+    with pytest.raises(PlanError, match=re.escape(words)):
+        plan.resolve({"vision": 3, "llm": 8})
+
+
+def test_world_size_counts_the_llms_ranks() -> None:
+    plan = Plan([ModuleSpec("vision"), ModuleSpec("llm", num_stages=2)], num_microbatches=4, placement="first_stage")
+    with pytest.raises(PlanError, match="plan needs 2 ranks"):
+        plan.resolve({"vision": 3, "llm": 8}, world_size=3)
+
+
+def test_simulator_prices_first_stage() -> None:
+    """`loom simulate --compare`'s first-stage plan: every rank in the LLM's pipeline, the
+    encoder's parameters and activations on its first position, the handoff free."""
+    from loom.planner.baselines import first_stage_plan, megatron_plan
+    from loom.sim.scenario import load_scenario
+
+    scenario = load_scenario("configs/sim/llama3-70b-vith-1024xh100.toml",
+                             ["cluster.num_gpus=128", "parallel.data_parallel=2", "parallel.microbatches_per_pipeline=8",
+                              "data.global_batch_size=64"])
+    plan, separate = first_stage_plan(scenario), megatron_plan(scenario)
+    assert plan.world_size == 128 and plan.spec("llm").num_stages == 8 and separate.spec("llm").num_stages == 7
+    result = scenario.run(plan)
+    first = plan.unit_of("llm", 0, 0)
+    vision = [e for e in result.timeline if e.module == "vision" and e.kind == "forward"]
+    assert vision and {e.rank for e in vision} == {plan.rank_of("llm", 0, r) for r in range(2)}
+    cost = scenario.cost_model(plan)
+    assert cost.transfer_time(first, first, "vision", 0, Workload(tokens=256)) == 0.0  # a local handoff
+    assert cost.transfer_time(first, plan.unit_of("llm", 1, 0), "llm", 0, Workload(tokens=256)) > 0
+    second = plan.unit_of("llm", 1, 0)
+    assert result.peak_memory[first] > result.peak_memory[second]  # the encoder lives there too
