@@ -124,7 +124,7 @@ def test_validator_rejects_a_stage_the_unit_does_not_host() -> None:
     acts = schedule.actions[0]
     i = next(i for i, a in enumerate(acts) if a.kind is ActionKind.FORWARD)
     acts[i] = Action(ActionKind.FORWARD, "llm", 1, acts[i].microbatch)  # stage 1 lives on position 1
-    with pytest.raises(ScheduleError, match="llm.0, llm.2"):
+    with pytest.raises(ScheduleError, match=r"llm.0 \(replica 0\), llm.2 \(replica 0\) on this rank, not llm.1"):
         validate_schedule(schedule, plan)
 
 

@@ -52,6 +52,14 @@ def _config(case: str) -> TrainConfig:
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("audio", data_parallel=2),
                      ModuleSpec("llm", num_stages=4, virtual_stages=2, data_parallel=2)], num_microbatches=4,
                     placement="first_stage")
+    elif case == "colocated_interleaved":  # one vision replica on each rank of an interleaved 2-position LLM
+        plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=4, virtual_stages=2)],
+                    num_microbatches=4, placement="colocated")
+        model = dataclasses.replace(model, audio=None)
+        demo = dataclasses.replace(demo, mix={"text": 0.3, "image": 0.4, "multi_image": 0.3})
+    elif case == "colocated_dp2":  # vision and audio DP 4 on the ranks of an LLM PP 2 x DP 2
+        plan = Plan([ModuleSpec("vision", data_parallel=4), ModuleSpec("audio", data_parallel=4),
+                     ModuleSpec("llm", num_stages=2, data_parallel=2)], num_microbatches=4, placement="colocated")
     elif case == "multimodal_interleaved":
         plan = Plan([*enc, ModuleSpec("llm", num_stages=4, virtual_stages=2)], num_microbatches=4)
     elif case in ("multimodal_1f1b", "multimodal_gpipe", "multimodal_zb-h1"):
@@ -122,8 +130,8 @@ CASES = {
 
 # cases run inside another case's launch (same world size): the suite's time is in the launches
 FOLDED = {"multimodal_1f1b": ["multimodal_zb-h1", "frozen_encoders_zb-h1", "multimodal_interleaved",
-                              "first_stage_dp2_interleaved"],
-          "llm_only_1f1b": ["llm_only_interleaved", "first_stage"]}
+                              "first_stage_dp2_interleaved", "colocated_dp2"],
+          "llm_only_1f1b": ["llm_only_interleaved", "first_stage", "colocated_interleaved"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -32,8 +32,10 @@ LLM = "llm"
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # a module mesh's dimension names, outermost first
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero-bubble (Qi et al.), loom.schedule.generators
 # disaggregated: every module on ranks of its own; first_stage: the encoders run inside the LLM's
-# first pipeline position (Megatron-LM's layout, cornstarch.md §3.1's baseline)
-PLACEMENTS = ("disaggregated", "first_stage")
+# first pipeline position (Megatron-LM's layout, cornstarch.md §3.1's baseline); colocated: every
+# rank also hosts one replica of each encoder (OrchMLLM's and Optimus's setups, data-parallel
+# encoders over all of the LLM's ranks)
+PLACEMENTS = ("disaggregated", "first_stage", "colocated")
 # activation checkpointing per module: nothing, the attention core of every block, or every block
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -180,6 +182,31 @@ def check_first_stage(plan: "Plan") -> None:
                                 f"(the LLM's), or use placement = 'disaggregated'")
 
 
+def check_colocated(plan: "Plan") -> None:
+    """``placement = "colocated"``: every rank of the LLM also runs one replica of each encoder,
+    whole (data parallelism over all the LLM's ranks, OrchMLLM's and Optimus's setups). Encoders
+    with stages or TP of their own over the LLM's ranks (Optimus's model planner) and an LLM with
+    TP or CP are refused here: the runtime does not run them yet."""
+    llm = plan.spec(LLM)
+    for name in ("tensor_parallel", "context_parallel"):
+        if getattr(llm, name) > 1:
+            raise PlanError(f"plan.placement = 'colocated' with plan.modules['llm'].{name} = {getattr(llm, name)} is "
+                            f"not supported yet: use placement = 'disaggregated' or 'first_stage' for it")
+    if llm.zero_stage:  # the rank's one optimizer would span two data-parallel groups
+        raise PlanError(f"plan.placement = 'colocated' with plan.modules['llm'].zero_stage = {llm.zero_stage} is not "
+                        f"supported yet: use zero_stage = 0 with it")
+    for m in plan.modules:
+        if m.name == LLM:
+            continue
+        where = f"plan.modules[{m.name!r}]"
+        for name, want in (("num_stages", 1), ("data_parallel", llm.num_units), ("tensor_parallel", 1),
+                           ("context_parallel", 1), ("zero_stage", llm.zero_stage)):
+            if getattr(m, name) != want:
+                raise PlanError(f"plan.placement = 'colocated' runs one replica of each encoder, whole, on every one "
+                                f"of the LLM's {llm.num_units} ranks: {where}.{name} = {getattr(m, name)} must be "
+                                f"{want}, or use placement = 'disaggregated'")
+
+
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
     """Split ``num_layers`` into ``num_stages`` contiguous runs whose sizes differ by at most
     one; earlier stages take the extra layer."""
@@ -213,8 +240,9 @@ class Plan:
         raise PlanError(f"plan.modules has no module named {name!r}; it has {self.module_names}")
 
     def hosted_by_llm(self, name: str) -> bool:
-        """Whether module ``name`` runs on the LLM's ranks rather than its own (``first_stage``)."""
-        return self.placement == "first_stage" and name != LLM
+        """Whether module ``name`` runs on the LLM's ranks rather than its own (``first_stage``,
+        ``colocated``)."""
+        return self.placement in ("first_stage", "colocated") and name != LLM
 
     def _owners(self) -> list[ModuleSpec]:
         """The modules with ranks of their own, in plan order."""
@@ -282,9 +310,11 @@ class Plan:
         return sum(m.num_units for m in self._owners())
 
     def unit_of(self, name: str, stage: int, replica: int) -> int:
-        if self.hosted_by_llm(name):  # on the LLM's first position, replica for replica
+        if self.hosted_by_llm(name):
             self.spec(name)
-            return self.unit_of(LLM, 0, replica)
+            if self.placement == "colocated":  # replica r on the LLM's unit r
+                return replica
+            return self.unit_of(LLM, 0, replica)  # on the LLM's first position, replica for replica
         offset = 0
         for m in self._owners():
             if m.name == name:
@@ -305,9 +335,14 @@ class Plan:
     def stages_of_unit(self, unit: int) -> list[tuple[str, int, int]]:
         """Every ``(module, stage, replica)`` a pipeline unit hosts, in graph order: one stage, or
         ``virtual_stages`` of them (interleaved pipelines), after the hosted encoders' on the
-        LLM's first position (``first_stage``)."""
+        LLM's first position (``first_stage``) or on every unit (``colocated``: unit ``u`` hosts
+        replica ``u`` of each encoder)."""
         name, position, replica = self.role_of_unit(unit)
-        hosted = [(e, 0, replica) for e in self.encoder_names if self.hosted_by_llm(e)] if position == 0 else []
+        guests = [e for e in self.encoder_names if self.hosted_by_llm(e)]
+        if self.placement == "colocated":
+            hosted = [(e, 0, unit) for e in guests]
+        else:
+            hosted = [(e, 0, replica) for e in guests] if position == 0 else []
         return hosted + [(name, s, replica) for s in self.spec(name).hosted_stages(position)]
 
     def replica_of_microbatch(self, name: str, microbatch: int) -> int:
@@ -396,6 +431,8 @@ class Plan:
                 raise PlanError(f"{where}.stage_boundaries = {b}: must strictly increase (no empty stage)")
         if self.placement == "first_stage":
             check_first_stage(self)
+        if self.placement == "colocated":
+            check_colocated(self)
         if world_size is not None and world_size != self.world_size:
             detail = " + ".join(
                 f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}"

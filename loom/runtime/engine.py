@@ -21,7 +21,8 @@ from loom.runtime.executor import PipelineExecutor, StepResult
 from loom.runtime.precision import Precision
 from loom.runtime.recompute import apply_recompute
 from loom.runtime.context_parallel import check_context_parallel
-from loom.runtime.mesh import build_hybrid_meshes, build_meshes, build_replica_meshes, data_parallel_group
+from loom.runtime.mesh import (build_hybrid_meshes, build_meshes, build_replica_meshes, data_parallel_group,
+                               stage_data_parallel_group)
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stages, trainable_stages
 from loom.runtime.tensor_parallel import check_tp_degree, layer_sharder, module_config
@@ -82,7 +83,8 @@ class ParallelEngine:
                               shard_layer=lambda module: layer_sharder(model, module, unit.tp_mesh))
         stage = stages[0]  # virtual stages share a module and replica (ZeRO is refused with them)
         dp_group = data_parallel_group(meshes, plan, rank, replicas)
-        groups = {(st.module, st.stage): dp_group for st in stages}
+        groups = {(st.module, st.stage): stage_data_parallel_group(meshes, plan, rank, st.module, replicas)
+                  for st in stages}
         for st in stages:
             apply_recompute(st.layers, plan.spec(st.module).recompute, st.module)  # loom.runtime.recompute
         zero = apply_zero(stage, plan, meshes, hybrid, precision, replicas)  # ZeRO 2/3: FSDP2 over dp (x tp) (loom.runtime.zero)
@@ -104,8 +106,8 @@ class ParallelEngine:
         return {n: p for st in self.stages for n, p in st.named_parameters().items()}
 
     def microbatches_to_load(self) -> list[int]:
-        """Global indices of the microbatches this rank works on."""
-        return self.plan.microbatches_of(self.stage.module, self.stage.replica)
+        """Global indices of the microbatches this rank works on (in any stage it hosts)."""
+        return sorted({j for st in self.stages for j in self.plan.microbatches_of(st.module, st.replica)})
 
     def schedule_for(self, layout: BatchLayout) -> Schedule:
         """The (validated) schedule of an iteration with ``layout``; identical layouts share

@@ -59,7 +59,9 @@ def check_meshes(plan: Plan, meshes: dict[str, DeviceMesh], rank: int) -> None:
                             f"gives {plan.mesh_shape(name)} over {MESH_DIMS}")
         coordinate = mesh.get_coordinate()
         expected = mine.index if name == mine.module else None
-        if plan.hosted_by_llm(name) and mine.stage == 0:  # first_stage: the LLM's first position hosts it
+        if plan.hosted_by_llm(name) and plan.placement == "colocated":  # every rank hosts a replica
+            expected = (0, rank, 0, 0)
+        elif plan.hosted_by_llm(name) and mine.stage == 0:  # first_stage: the LLM's first position hosts it
             expected = (0, mine.replica, 0, mine.tensor)
         if (tuple(coordinate) if coordinate is not None else None) != expected:
             raise MeshError(f"rank {rank}: coordinate {coordinate} in module {name!r}'s mesh, but the plan "
@@ -80,6 +82,18 @@ def data_parallel_group(meshes: dict[str, DeviceMesh], plan: Plan, rank: int,
                             f"build_replica_meshes as replicas=")
         return replicas[module].get_group("dp_cp")
     if spec.data_parallel == 1:
+        return None
+    return meshes[module].get_group("dp")
+
+
+def stage_data_parallel_group(meshes: dict[str, DeviceMesh], plan: Plan, rank: int, module: str,
+                              replicas: dict[str, DeviceMesh] | None = None) -> dist.ProcessGroup | None:
+    """The group a stage of ``module`` on ``rank`` synchronises gradients over: the rank's own
+    module's (`data_parallel_group`), or, for an encoder the rank hosts (``first_stage``,
+    ``colocated``), the ``dp`` dimension of that encoder's mesh."""
+    if not plan.hosted_by_llm(module):
+        return data_parallel_group(meshes, plan, rank, replicas)
+    if plan.spec(module).data_parallel == 1:
         return None
     return meshes[module].get_group("dp")
 

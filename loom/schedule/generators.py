@@ -295,6 +295,19 @@ def _with_guests(order: list[tuple[Stage, ActionKind, int]], guests: list[Stage]
     return out
 
 
+def _around(order: list[tuple[Stage, ActionKind, int]], guests: list[Stage], microbatches: list[int],
+            needs_backward: dict[Stage, bool]) -> list[tuple[Stage, ActionKind, int]]:
+    """A unit's LLM order with its own replica of each encoder around it (``colocated``): the
+    encoder forwards first, as early as possible, the backwards after the unit's last LLM work,
+    when their gradients have come back (Optimus's coarse schedule, optimus.md §3.4 steps 1 and
+    3, without its shift and fine packing). Nothing waits on an encoder backward, and the
+    encoder forwards wait on nothing, so the units cannot deadlock; the price is every encoder
+    activation held until the end of the iteration."""
+    forwards = [(g, ActionKind.FORWARD, j) for j in microbatches for g in guests]
+    backwards = [(g, ActionKind.BACKWARD, j) for j in microbatches for g in guests if needs_backward[g]]
+    return forwards + order + backwards
+
+
 def _order_lookahead(order: list[tuple[Stage, ActionKind, int]], stage: Stage) -> float:
     """How far ahead (in global microbatch indices) ``order`` forwards ``stage`` before each
     of its backwards: the `warmup_lookahead` an interleaved position realises (inf: no backward)."""
@@ -357,10 +370,10 @@ def build_schedule(
     if layout is not None:
         if layout.is_identity() and layout.num_microbatches == plan.num_microbatches:
             layout = None  # the plain j -> j edges carry exactly these samples
-        elif plan.placement == "first_stage":
-            raise PlanError("plan.placement = 'first_stage' runs each encoder microbatch with the LLM microbatch of the "
-                            "same slot: a balanced layout is not supported with it; use balance.default = 'none' or "
-                            "placement = 'disaggregated'")
+        elif plan.placement != "disaggregated":
+            raise PlanError(f"plan.placement = {plan.placement!r} runs each encoder microbatch with the LLM microbatch "
+                            f"of the same slot: a balanced layout is not supported with it; use balance.default = "
+                            f"'none' or placement = 'disaggregated'")
         else:
             plan = dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
     _check_resolved(plan)
@@ -408,7 +421,8 @@ def build_schedule(
 
     actions: dict[int, list[Action]] = {}
     for unit in range(plan.num_units):  # a pipeline unit; a rank when TP = CP = 1
-        hosted = [(m, s) for m, s, _ in plan.stages_of_unit(unit)]
+        stages_here = plan.stages_of_unit(unit)
+        hosted = [(m, s) for m, s, _ in stages_here]
         m, _, replica = plan.role_of_unit(unit)
         mine = plan.microbatches_of(m, replica)
         own = [st for st in hosted if st[0] == m]
@@ -417,8 +431,12 @@ def build_schedule(
         else:
             me = own[0]
             order = [(me, k, j) for k, j in _compute_order(mine, lookahead[me] if needs_backward[me] else None)]
-        if len(own) < len(hosted):  # first_stage: the encoders ride on the LLM's first stage
-            order = _with_guests(order, [st for st in hosted if st[0] != m], needs_backward)
+        guests = [st for st in hosted if st[0] != m]
+        if guests and plan.placement == "colocated":  # an encoder replica of its own beside the LLM's stages
+            guest_mbs = plan.microbatches_of(guests[0][0], next(r for g, _, r in stages_here if g != m))
+            order = _around(order, guests, guest_mbs, needs_backward)
+        elif guests:  # first_stage: the encoders ride on the LLM's first stage
+            order = _with_guests(order, guests, needs_backward)
         acts: list[Action] = []
         # per stage: own backward -> ZB-H1 weight passes after it; deferred split-backward parts
         weight_after = {me: _weight_slots([(k, j) for st, k, j in order if st == me],

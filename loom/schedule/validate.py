@@ -251,13 +251,13 @@ def _check_against_plan(schedule: Schedule, plan: Plan) -> None:
     edges = set(pipeline_edges(plan))
     forwarded: dict[tuple[str, int], set[int]] = defaultdict(set)
     for rank, acts in schedule.actions.items():
-        _, _, replica = plan.role_of_unit(rank)
-        hosted = {(m_, s_) for m_, s_, _ in plan.stages_of_unit(rank)}
+        hosted = {(m_, s_): r_ for m_, s_, r_ in plan.stages_of_unit(rank)}  # each with its replica
         for a in acts:
             m, s = a.module, a.stage
             if (a.module, a.stage) not in hosted:
-                names = ", ".join(f"{x}.{y}" for x, y in sorted(hosted))
-                raise _fail(rank, a, f"the plan places {names} (replica {replica}) on this rank, not {a.module}.{a.stage}")
+                names = ", ".join(f"{x}.{y} (replica {r_})" for (x, y), r_ in sorted(hosted.items()))
+                raise _fail(rank, a, f"the plan places {names} on this rank, not {a.module}.{a.stage}")
+            replica = hosted[(m, s)]
             if a.microbatch >= 0 and plan.replica_of_microbatch(m, a.microbatch) != replica:
                 raise _fail(rank, a, f"microbatch {a.microbatch} belongs to replica "
                                      f"{plan.replica_of_microbatch(m, a.microbatch)} of {m}, this rank is replica {replica}")
