@@ -73,8 +73,8 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
     if policies is None:
         return [(None, "", base.result, None)]
     runs = [("none", ".none", base.result, base)]
-    if plan.placement == "first_stage":  # its encoders run the LLM's slots: nothing to balance
-        print(f"loom: plan with placement first_stage: balancing policies do not apply (each encoder "
+    if plan.placement != "disaggregated":  # its encoders run the LLM's slots: nothing to balance
+        print(f"loom: plan with placement {plan.placement}: balancing policies do not apply (each encoder "
               f"microbatch runs with the LLM microbatch of its slot); simulated under none only", file=sys.stderr)
         return runs
     for name in policies:
@@ -116,7 +116,8 @@ def row_of(scenario, name: str, plan, label, result, balanced, baseline, files: 
     row = {
         "plan": name,
         # a stage count per module; under interleaving, pipeline positions and their chunks
-        "layout": ", ".join((f"{m.name} in llm.0" if plan.hosted_by_llm(m.name) else
+        "layout": ", ".join((f"{m.name} in llm.0" if plan.hosted_by_llm(m.name) and plan.placement == "first_stage" else
+                             f"{m.name} dp {m.data_parallel} on the llm's ranks" if plan.hosted_by_llm(m.name) else
                              f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}")
                             + (f" ({m.virtual_stages} chunks)" if m.virtual_stages > 1 else "") for m in plan.modules),
         **result.summary(),

@@ -1,8 +1,10 @@
-"""``placement = "first_stage"`` (Megatron-LM's layout, issue 10): the encoders run inside the
-LLM's first pipeline position. Ranks and units, the schedule (local handoffs, order), the
+"""Placements beside ``disaggregated`` (issue 10): ``first_stage`` (Megatron-LM's layout, the
+encoders inside the LLM's first pipeline position) and ``colocated`` (one replica of each
+encoder on every LLM rank). Ranks and units, the schedule (local handoffs, order), the
 refusals, and the simulator. The reference semantics on gloo are in
-tests/test_parallel_reference.py (``first_stage``, ``first_stage_dp2_interleaved``) and
-tests/test_tensor_parallel.py (``first_stage_tp2``)."""
+tests/test_parallel_reference.py (``first_stage``, ``first_stage_dp2_interleaved``,
+``colocated_interleaved``, ``colocated_dp2``) and tests/test_tensor_parallel.py
+(``first_stage_tp2``)."""
 
 from __future__ import annotations
 
@@ -120,3 +122,69 @@ def test_simulator_prices_first_stage() -> None:
     assert cost.transfer_time(first, plan.unit_of("llm", 1, 0), "llm", 0, Workload(tokens=256)) > 0
     second = plan.unit_of("llm", 1, 0)
     assert result.peak_memory[first] > result.peak_memory[second]  # the encoder lives there too
+
+
+# ---- colocated ----------------------------------------------------------------------------------
+def _colocated(schedule: str = "1f1b", virtual: int = 1) -> Plan:
+    plan = Plan([ModuleSpec("vision", data_parallel=4), ModuleSpec("audio", data_parallel=4),
+                 ModuleSpec("llm", num_stages=2 * virtual, data_parallel=2, virtual_stages=virtual)],
+                num_microbatches=8, schedule=schedule, placement="colocated")
+    return plan.resolve(LAYERS)
+
+
+def test_colocated_puts_an_encoder_replica_on_every_rank() -> None:
+    plan = _colocated()
+    assert plan.world_size == 4 and plan.num_units == 4
+    assert plan.stages_of(2) == [("vision", 0, 2), ("audio", 0, 2), ("llm", 1, 0)]
+    assert [plan.rank_of("vision", 0, r) for r in range(4)] == [0, 1, 2, 3]
+    assert [plan.unit_of("audio", 0, r) for r in range(4)] == [0, 1, 2, 3]
+    assert plan.mesh_shape("vision") == (1, 4, 1, 1)
+
+
+@pytest.mark.parametrize("schedule,virtual", [("gpipe", 1), ("1f1b", 1), ("zb-h1", 1), ("1f1b", 2)])
+def test_colocated_encoders_wrap_the_llm_order(schedule: str, virtual: int) -> None:
+    """Each rank forwards its encoder microbatches first and runs their backwards after its
+    last LLM work (Optimus's coarse rule); encoder outputs reach the LLM's first stage on
+    whichever rank runs that microbatch, locally or not."""
+    plan = _colocated(schedule, virtual)
+    sched = build_schedule(plan)
+    validate_schedule(sched, plan)
+    for unit in range(4):
+        compute = [(a.kind, a.module, a.microbatch) for a in sched.actions[unit]
+                   if a.kind in (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT,
+                                 ActionKind.BACKWARD_WEIGHT)]
+        mine = plan.microbatches_of("vision", unit)
+        assert compute[:4] == [(ActionKind.FORWARD, m, j) for j in mine for m in ("vision", "audio")]
+        assert compute[-4:] == [(ActionKind.BACKWARD, m, j) for j in mine for m in ("vision", "audio")]
+    sends = [(u, a.peer) for u, acts in sched.actions.items() for a in acts
+             if a.kind is ActionKind.SEND_ACT and a.module == "vision"]
+    assert any(u == p for u, p in sends) and any(u != p for u, p in sends)  # local and remote handoffs
+
+
+@pytest.mark.parametrize("vision,llm,words", [
+    (dict(data_parallel=2), {}, "plan.modules['vision'].data_parallel = 2 must be 4"),
+    (dict(data_parallel=4, num_stages=2), {}, "plan.modules['vision'].num_stages = 2 must be 1"),
+    (dict(data_parallel=4, tensor_parallel=2), {}, "plan.modules['vision'].tensor_parallel = 2 must be 1"),
+    (dict(data_parallel=2), dict(data_parallel=1, tensor_parallel=2), "plan.modules['llm'].tensor_parallel = 2"),
+    (dict(data_parallel=4, zero_stage=1), dict(zero_stage=1), "plan.modules['llm'].zero_stage = 1"),
+])
+def test_bad_colocated_plans_name_the_field(vision: dict, llm: dict, words: str) -> None:
+    spec = {"num_stages": 2, "data_parallel": 2, **llm}
+    plan = Plan([ModuleSpec("vision", **vision), ModuleSpec("llm", **spec)], num_microbatches=4,
+                placement="colocated")
+    with pytest.raises(PlanError, match=re.escape(words)):
+        plan.resolve({"vision": 3, "llm": 8})
+
+
+def test_simulator_prices_colocated() -> None:
+    """A colocated plan plays in the simulator: every rank computes encoder work, and the
+    encoder's gradients sync over all ranks."""
+    from loom.sim.scenario import load_scenario
+
+    scenario = load_scenario("configs/sim/llama3-70b-vith-1024xh100.toml",
+                             ['model.llm="llama3-8b"', "cluster.num_gpus=16", "data.global_batch_size=64"])
+    plan = Plan([ModuleSpec("vision", data_parallel=16), ModuleSpec("llm", num_stages=4, data_parallel=4)],
+                num_microbatches=16, placement="colocated").resolve(scenario.arch.layer_counts(), 16)
+    result = scenario.run(plan)
+    assert {e.rank for e in result.timeline if e.module == "vision" and e.kind == "forward"} == set(range(16))
+    assert result.iteration_time > 0
