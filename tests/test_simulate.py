@@ -1,6 +1,7 @@
 """`loom simulate`: scenarios from published configs, the two comparison plans, traces, errors."""
 
 import json
+import re
 
 import pytest
 
@@ -102,6 +103,28 @@ data_parallel = 2
     err = capsys.readouterr().err
     assert rc == 2
     assert "does not fit" in err and "rank " in err and "over by" in err and "GiB" in err
+
+
+def test_a_placement_that_overcommits_a_rank_names_what_it_holds(tmp_path, capsys):
+    """first_stage puts the encoder beside the LLM's first stage: the rank that holds both is
+    named with everything it holds, and the placement is named as a way out."""
+    text = SMALL.replace('llm = "llama3-8b"', 'llm = "llama3-70b"') + """
+[plans.packed]
+num_microbatches = 16
+placement = "first_stage"
+[[plans.packed.modules]]
+name = "vision"
+data_parallel = 2
+[[plans.packed.modules]]
+name = "llm"
+num_stages = 2
+data_parallel = 2
+"""
+    rc = main(["simulate", "--config", write(tmp_path, text), "--no-png", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert re.search(r"rank [01] \(vision stage 0 \+ llm stage 0, replica [01]\) needs", err) and "over by" in err, err
+    assert "placement = 'disaggregated' instead of 'first_stage'" in err, err
 
 
 def test_missing_scenario_file(tmp_path, capsys):

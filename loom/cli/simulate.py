@@ -90,19 +90,22 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
     return runs
 
 
-def check_fits(scenario, name: str, label: str | None, result) -> None:
+def check_fits(scenario, name: str, label: str | None, result, plan) -> None:
     from loom.sim.scenario import ScenarioError
 
     worst = max(result.peak_memory, key=result.peak_memory.get)
     peak, capacity = result.peak_memory[worst], scenario.memory_capacity()
     if peak > capacity:
-        m, st, d = result.roles[worst]
+        _, _, d = result.roles[worst]
+        hosted = " + ".join(f"{m} stage {st}" for m, st, _ in plan.stages_of_unit(worst))  # all it holds
         what = f"plan {name!r}" + (f" under policy {label!r}" if label else "")
+        placement = (f", or place the encoders on ranks of their own (placement = 'disaggregated' instead of "
+                     f"{plan.placement!r})" if plan.placement != "disaggregated" else "")
         raise ScenarioError(
-            f"{what} does not fit: rank {result.first_rank[worst]} ({m} stage {st}, replica {d}) needs "
+            f"{what} does not fit: rank {result.first_rank[worst]} ({hosted}, replica {d}) needs "
             f"{peak / 2**30:.1f} GiB but a {scenario.cluster.spec.name} has {capacity / 2**30:.1f} GiB, over by "
             f"{(peak - capacity) / 2**30:.1f} GiB: add stages, raise tensor_parallel or zero_stage, or set "
-            f"parallel.recompute = \"full\" (or pass --allow-oom)")
+            f"parallel.recompute = \"full\"{placement} (or pass --allow-oom)")
 
 
 def _change(value: float, reference: float) -> float | None:
@@ -145,7 +148,7 @@ def simulate_plan(scenario, name: str, plan, policies, args, metas, out_dir: Pat
     rows = []
     for label, suffix, result, balanced in runs:
         if not args.compare and not args.allow_oom:
-            check_fits(scenario, name, label, result)
+            check_fits(scenario, name, label, result, plan)
         trace = out_dir / f"{name}{suffix}.trace.json"
         result.to_chrome_trace(trace)
         title = f"{scenario.name}: {name}" + (f", policy {label}" if label else "") + " (simulated)"
