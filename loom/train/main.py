@@ -116,7 +116,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         for e in events:
             e.start_s -= t_min
             e.end_s -= t_min
-        roles = {r: "{}.stage{} dp{}".format(*cfg.plan.role_of(r)) for r in range(dist.get_world_size())}
+        roles = {r: " + ".join("{}.stage{} dp{}".format(*role) for role in cfg.plan.stages_of(r))
+                 for r in range(dist.get_world_size())}  # every stage the rank hosts
         write_chrome_trace(events, run_dir / "trace.json", roles)
     run.close()  # no send in flight when the group goes (issue 8, point 16)
     dist.barrier()
