@@ -17,7 +17,7 @@ from loom.plan.plan import ModuleSpec, Plan, PlanError
 from loom.schedule.generators import build_schedule
 from loom.schedule.ir import ActionKind
 from loom.schedule.layout import BatchLayout
-from loom.schedule.validate import unit_cost_makespan, validate_schedule
+from loom.schedule.validate import ScheduleError, unit_cost_makespan, validate_schedule
 
 LAYERS = {"vision": 3, "audio": 3, "llm": 8}
 
@@ -188,3 +188,29 @@ def test_simulator_prices_colocated() -> None:
     result = scenario.run(plan)
     assert {e.rank for e in result.timeline if e.module == "vision" and e.kind == "forward"} == set(range(16))
     assert result.iteration_time > 0
+
+
+@pytest.mark.parametrize("placement", ["first_stage", "colocated"])
+def test_validator_names_the_broken_encoder_dependency(placement: str) -> None:
+    """optimus.md §3.6: an encoder's forward of microbatch i must come before the LLM's
+    (EF_i <= F_i) and its backward after the LLM's (EB_i >= B_i); an IR that swaps them on a
+    rank is rejected with the microbatch named, not as a bare deadlock."""
+    plan = _plan(dp=2) if placement == "first_stage" else _colocated()
+    base = build_schedule(plan)
+    acts = base.actions[0]
+    mb = next(a.microbatch for a in acts if a.kind is ActionKind.FORWARD and a.module == "llm")
+    # move the LLM's receive of vision's output (and its forward) before vision's forward
+    recv = next(a for a in acts if a.kind is ActionKind.RECV_ACT and a.peer_module == "vision" and a.microbatch == mb)
+    swapped = [recv] + [a for a in acts if a is not recv]
+    base.actions[0] = swapped
+    with pytest.raises(ScheduleError, match=rf"microbatch {mb}: .* \(optimus.md §3.6: EF_i <= F_i\)"):
+        validate_schedule(base, plan)
+    base.actions[0] = acts
+    grad = next(a for a in acts if a.kind is ActionKind.RECV_GRAD and a.module == "vision" and a.peer == 0)
+    early = [a for a in acts if a is not grad]
+    first_llm_back = next(i for i, a in enumerate(early) if a.module == "llm" and a.kind in (
+        ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT))
+    early.insert(first_llm_back, grad)
+    base.actions[0] = early
+    with pytest.raises(ScheduleError, match=rf"microbatch {grad.microbatch}: .*EB_i >= B_i"):
+        validate_schedule(base, plan)

@@ -76,14 +76,40 @@ def validate_schedule(schedule: Schedule, plan: Plan | None = None) -> None:
        after the rank's backwards and weight passes, step after sync; a stage that splits its
        backward ends its backward work with a weight pass (where ZeRO 2/3 reduce-scatter); and
        a stage's replicas either all sync or none does;
-    5. playing all ranks with unit costs finishes (no deadlock).
+    5. a handoff between two stages of one rank (an encoder on the LLM's ranks: ``first_stage``,
+       ``colocated``) is sent before it is received there: the encoder's forward of microbatch
+       ``i`` before the LLM's (optimus.md §3.6, ``EF_i <= F_i``), its backward after the LLM's
+       (``EB_i >= B_i``), each violation named with its microbatch;
+    6. playing all ranks with unit costs finishes (no deadlock).
     """
     if plan is not None:
         _check_against_plan(schedule, plan)
     _check_actions(schedule)
     _check_matching(schedule)
     _check_compute(schedule)
+    _check_handoffs(schedule)
     _play(schedule)
+
+
+def _check_handoffs(schedule: Schedule) -> None:
+    """Local handoffs (the rank its own peer) in order: a rank blocks in a receive whose send
+    comes later in its own list, a deadlock named here by the dependency it breaks."""
+    for rank, acts in schedule.actions.items():
+        sent: dict[tuple, int] = {}
+        for i, a in enumerate(acts):
+            if a.kind in COMMUNICATION and a.peer == rank and a.kind in SENDS:
+                sent[_message_key(rank, a)] = i
+        for i, a in enumerate(acts):
+            if a.kind not in COMMUNICATION or a.peer != rank or a.kind in SENDS:
+                continue
+            if sent.get(_message_key(rank, a), len(acts)) > i:
+                if a.kind is ActionKind.RECV_ACT:
+                    problem = (f"microbatch {a.other_microbatch}: the LLM's forward needs {a.peer_module}'s output before "
+                               f"{a.peer_module} forwards it on this rank (optimus.md §3.6: EF_i <= F_i)")
+                else:
+                    problem = (f"microbatch {a.microbatch}: {a.module}'s backward needs the gradient the LLM's backward "
+                               f"sends, which comes later on this rank (optimus.md §3.6: EB_i >= B_i)")
+                raise _fail(rank, a, problem)
 
 
 def _check_actions(schedule: Schedule) -> None:
