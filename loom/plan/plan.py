@@ -169,17 +169,20 @@ def check_first_stage(plan: "Plan") -> None:
         bad = "context_parallel" if llm.context_parallel > 1 else "zero_stage"
         raise PlanError(f"plan.placement = 'first_stage' with plan.modules['llm'].{bad} = {getattr(llm, bad)} is not "
                         f"supported yet: use placement = 'disaggregated' for it")
+    _check_guests(plan, "runs each encoder whole on the LLM's first pipeline position, replica for replica",
+                  data_parallel=llm.data_parallel, tensor_parallel=llm.tensor_parallel, zero_stage=llm.zero_stage)
+
+
+def _check_guests(plan: "Plan", how: str, **want: int) -> None:
+    """Every encoder of a placement that hosts it on the LLM's ranks: one stage, no CP, and
+    the degrees ``want`` gives."""
     for m in plan.modules:
         if m.name == LLM:
             continue
-        where = f"plan.modules[{m.name!r}]"
-        for name, want in (("num_stages", 1), ("data_parallel", llm.data_parallel),
-                           ("tensor_parallel", llm.tensor_parallel),
-                           ("context_parallel", 1), ("zero_stage", llm.zero_stage)):
-            if getattr(m, name) != want:
-                raise PlanError(f"plan.placement = 'first_stage' runs each encoder whole on the LLM's first pipeline "
-                                f"position, replica for replica: {where}.{name} = {getattr(m, name)} must be {want} "
-                                f"(the LLM's), or use placement = 'disaggregated'")
+        for name, value in {"num_stages": 1, "context_parallel": 1, **want}.items():
+            if getattr(m, name) != value:
+                raise PlanError(f"plan.placement = {plan.placement!r} {how}: plan.modules[{m.name!r}].{name} = "
+                                f"{getattr(m, name)} must be {value}, or use placement = 'disaggregated'")
 
 
 def check_colocated(plan: "Plan") -> None:
@@ -195,16 +198,8 @@ def check_colocated(plan: "Plan") -> None:
     if llm.zero_stage:  # the rank's one optimizer would span two data-parallel groups
         raise PlanError(f"plan.placement = 'colocated' with plan.modules['llm'].zero_stage = {llm.zero_stage} is not "
                         f"supported yet: use zero_stage = 0 with it")
-    for m in plan.modules:
-        if m.name == LLM:
-            continue
-        where = f"plan.modules[{m.name!r}]"
-        for name, want in (("num_stages", 1), ("data_parallel", llm.num_units), ("tensor_parallel", 1),
-                           ("context_parallel", 1), ("zero_stage", llm.zero_stage)):
-            if getattr(m, name) != want:
-                raise PlanError(f"plan.placement = 'colocated' runs one replica of each encoder, whole, on every one "
-                                f"of the LLM's {llm.num_units} ranks: {where}.{name} = {getattr(m, name)} must be "
-                                f"{want}, or use placement = 'disaggregated'")
+    _check_guests(plan, f"runs one replica of each encoder, whole, on every one of the LLM's {llm.num_units} ranks",
+                  data_parallel=llm.num_units, tensor_parallel=1, zero_stage=0)
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:

@@ -29,36 +29,35 @@ def megatron_plan(scenario: Scenario) -> Plan:
     if llm_stages < 1:
         raise ScenarioError(f"{cluster.num_gpus} GPUs leave no pipeline stage for the LLM "
                             f"at TP {d.tensor_parallel} x DP {d.data_parallel}")
-    encoders = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
-                           zero_stage=d.zero_stage, recompute=d.recompute) for n in arch.encoder_names]
-    # interleaved 1F1B: each of the LLM's pipeline positions hosts virtual_stages chunks
-    llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=llm_stages * d.virtual_stages,
-                     tensor_parallel=d.tensor_parallel, context_parallel=d.context_parallel, zero_stage=d.zero_stage,
-                     recompute=d.recompute, virtual_stages=d.virtual_stages)
-    plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
-                schedule=d.schedule)
-    return plan.resolve(arch.layer_counts(), cluster.num_gpus)
+    return _even_plan(scenario, llm_stages, "disaggregated")
 
 
-def first_stage_plan(scenario: Scenario) -> Plan:
-    """Megatron-LM's own layout (issue 10's ``first_stage``, cornstarch.md §3.1's baseline):
-    every rank goes to the LLM's pipeline, split evenly, and the encoders run whole inside its
-    first position, at its TP and DP."""
-    d, arch, cluster = scenario.degrees, scenario.arch, scenario.cluster
-    per_position = d.tensor_parallel * d.context_parallel * d.data_parallel
-    positions = cluster.num_gpus // per_position
-    if positions < 1 or positions * per_position != cluster.num_gpus:
-        raise ScenarioError(f"cluster.num_gpus = {cluster.num_gpus} is not a multiple of TP {d.tensor_parallel} x CP "
-                            f"{d.context_parallel} x DP {d.data_parallel}: the first_stage plan gives every rank to the "
-                            f"LLM's pipeline; change the degrees or the GPU count")
+def _even_plan(scenario: Scenario, positions: int, placement: str) -> Plan:
+    """Each encoder one stage at the LLM's TP and DP, the LLM's layers split evenly over
+    ``positions`` pipeline positions (each of ``virtual_stages`` chunks under interleaved 1F1B)."""
+    d, arch = scenario.degrees, scenario.arch
     encoders = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
                            zero_stage=d.zero_stage, recompute=d.recompute) for n in arch.encoder_names]
     llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=positions * d.virtual_stages,
                      tensor_parallel=d.tensor_parallel, context_parallel=d.context_parallel, zero_stage=d.zero_stage,
                      recompute=d.recompute, virtual_stages=d.virtual_stages)
     plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
-                schedule=d.schedule, placement="first_stage")
-    return plan.resolve(arch.layer_counts(), cluster.num_gpus)
+                schedule=d.schedule, placement=placement)
+    return plan.resolve(arch.layer_counts(), scenario.cluster.num_gpus)
+
+
+def first_stage_plan(scenario: Scenario) -> Plan:
+    """Megatron-LM's own layout (issue 10's ``first_stage``, cornstarch.md §3.1's baseline):
+    every rank goes to the LLM's pipeline, split evenly, and the encoders run whole inside its
+    first position, at its TP and DP."""
+    d, cluster = scenario.degrees, scenario.cluster
+    per_position = d.tensor_parallel * d.context_parallel * d.data_parallel
+    positions = cluster.num_gpus // per_position
+    if positions < 1 or positions * per_position != cluster.num_gpus:
+        raise ScenarioError(f"cluster.num_gpus = {cluster.num_gpus} is not a multiple of TP {d.tensor_parallel} x CP "
+                            f"{d.context_parallel} x DP {d.data_parallel}: the first_stage plan gives every rank to the "
+                            f"LLM's pipeline; change the degrees or the GPU count")
+    return _even_plan(scenario, positions, "first_stage")
 
 
 def frozen_aware_plan(scenario: Scenario) -> tuple[Plan, Any]:
