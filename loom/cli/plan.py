@@ -29,9 +29,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
                   + (f", {m.data_parallel // shard} shard groups replicated (hybrid)" if shard < m.data_parallel else ""))
     for r in range(plan.world_size):
         c = plan.coordinate_of(r)
-        hosted = [s for _, s, _ in plan.stages_of(r)]
-        where = f"stage {c.stage}" if len(hosted) == 1 else "stages " + ", ".join(map(str, hosted)) + " (chunks)"
-        print(f"rank {r} = {c.module} {where} replica {c.replica}; "
+        hosted = plan.stages_of(r)
+        if len(hosted) == 1:
+            where = f"{c.module} stage {c.stage} replica {c.replica}"
+        elif all(m == c.module for m, _, _ in hosted):  # virtual stages
+            where = f"{c.module} stages " + ", ".join(str(s) for _, s, _ in hosted) + f" (chunks) replica {c.replica}"
+        else:  # encoders hosted beside the LLM's stages (first_stage, colocated)
+            where = " + ".join(f"{m} stage {s} replica {d}" for m, s, d in hosted)
+        print(f"rank {r} = {where}; "
               f"mesh ({', '.join(MESH_DIMS)}) = ({', '.join(map(str, c.index))})")
     print()
     print(render(schedule, communication=args.comm))
