@@ -118,20 +118,17 @@ def _reference(case: str):
 
 CASES = {
     "llm_only_1f1b": 2,
-    "llm_only_gpipe": 2,
     "multimodal_1f1b": 4,
-    "multimodal_gpipe": 4,
     "multimodal_dp2": 8,
-    "frozen": 4,
-    "missing_modality": 4,
     "mixed_dp": 7,
 }
 
 
 # cases run inside another case's launch (same world size): the suite's time is in the launches
-FOLDED = {"multimodal_1f1b": ["multimodal_zb-h1", "frozen_encoders_zb-h1", "multimodal_interleaved",
-                              "first_stage_dp2_interleaved", "colocated_dp2"],
-          "llm_only_1f1b": ["llm_only_interleaved", "first_stage", "colocated_interleaved"]}
+FOLDED = {"multimodal_1f1b": ["multimodal_gpipe", "frozen", "missing_modality", "multimodal_zb-h1",
+                              "frozen_encoders_zb-h1", "multimodal_interleaved", "first_stage_dp2_interleaved",
+                              "colocated_dp2"],
+          "llm_only_1f1b": ["llm_only_gpipe", "llm_only_interleaved", "first_stage", "colocated_interleaved"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
