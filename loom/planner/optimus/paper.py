@@ -75,25 +75,28 @@ class PaperRun:
 
 
 def paper_search(max_partitions: int | None = 4096, memory_limit: float = 80e9, recompute: str = "full",
-                 num_microbatches: int = NUM_MICROBATCHES, refine: int = 0) -> PaperRun:
+                 num_microbatches: int = NUM_MICROBATCHES, refine: int = 0,
+                 llm_plan: LLMParallel = LLM_PLAN) -> PaperRun:
     """The model planner and the coarse bubble scheduler at the module docstring's
     configuration. The LLM's timeline is loom's simulation of GPT-175B alone at (DP 48, PP 8,
     TP 8), 1F1B, ZeRO-1, on 3072 H100 (replica 0's pipeline); ``recompute`` applies to the LLM
     and the encoder (Megatron's baselines at this scale recompute fully); ``refine`` as in
-    `optimus_search`."""
+    `optimus_search`. ``llm_plan`` replaces the LLM's degrees, on as many GPUs as it spans (a
+    smaller instance for tests)."""
     arch, work = paper_arch(), paper_workload()
-    cluster = Cluster("h100", NUM_GPUS)
+    num_gpus = llm_plan.data_parallel * llm_plan.pipeline_parallel * llm_plan.tensor_parallel
+    cluster = Cluster("h100", num_gpus)
     t0 = time.process_time()
     llm_only = ModelArch({LLM: arch.module(LLM)})
-    plan = Plan([ModuleSpec(LLM, data_parallel=LLM_PLAN.data_parallel, num_stages=LLM_PLAN.pipeline_parallel,
-                            tensor_parallel=LLM_PLAN.tensor_parallel, zero_stage=1, recompute=recompute)],
-                num_microbatches=num_microbatches * LLM_PLAN.data_parallel)
-    plan.resolve(llm_only.layer_counts(), NUM_GPUS)
+    plan = Plan([ModuleSpec(LLM, data_parallel=llm_plan.data_parallel, num_stages=llm_plan.pipeline_parallel,
+                            tensor_parallel=llm_plan.tensor_parallel, zero_stage=1, recompute=recompute)],
+                num_microbatches=num_microbatches * llm_plan.data_parallel)
+    plan.resolve(llm_only.layer_counts(), num_gpus)
     cost = AnalyticCostModel(llm_only, plan, cluster)
     sim = simulate(build_schedule(plan), plan, cost, [{LLM: work[LLM]}] * plan.num_microbatches)
     timeline = llm_timeline_from_sim(sim)
     t1 = time.process_time()
-    planned = plan_encoders(arch, LLM_PLAN, num_microbatches, llm_tokens=work[LLM].tokens,
+    planned = plan_encoders(arch, llm_plan, num_microbatches, llm_tokens=work[LLM].tokens,
                             encoder_tokens={"vision": work["vision"].tokens}, memory_limit=memory_limit,
                             llm_recompute=recompute, encoder_recompute=recompute)
     t2 = time.process_time()
