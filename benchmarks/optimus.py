@@ -1,0 +1,225 @@
+"""Optimus's bubble scheduler at optimus.md §4.6's configuration (issue 10's acceptance): its
+speed, how much of the LLM's bubbles it fills, and its iteration time against Megatron-LM's
+layout, all on loom's analytic model.
+
+    python -m benchmarks.optimus [--repeats 3] [--refine 8] [--only optimus_schedule_s,...]
+
+The configuration (`loom.planner.optimus.paper`): ViT-22B + GPT-175B on 3072 H100, the LLM at
+PP 8 x TP 8 x DP 48, 32 microbatches of 2 per pipeline, sequence 2048, full recompute, ZeRO-1.
+
+Figures:
+- ``optimus_schedule_s`` (lower is better; target at most 3 s, the paper reports minutes): CPU
+  seconds (`time.process_time`, so the shared machine's load matters less) of the bubble
+  scheduler, the model planner plus the search over every encoder plan and partition with its
+  stage pricing (`PaperRun.plan_s + schedule_s`), with the fine step on each plan's ``refine``
+  best coarse partitions (optimus.md §3.2 Algorithm 2; ``--refine 0``: coarse only). Median
+  over the repeats, spread min-max. ``simulate_s`` in the config is the CPU time of simulating
+  the LLM's timeline, the scheduler's input (the offline profile's stand-in), not part of it.
+- ``bubble_fill_fraction`` (higher is better): the share of the LLM's bubble GPU-time that the
+  best schedule's encoder work fills (`BubbleSchedule.bubble_fill_fraction`).
+- ``optimus_sim_ratio`` (higher is better): Megatron's iteration time over Optimus's. The
+  Megatron side is simulated: the ``first_stage`` placement (ViT-22B inside the LLM's first
+  pipeline position at its TP 8 and DP 48) with interleaved 1F1B at ``--virtual-stages`` (2 by
+  default: the paper's own interleaved example, optimus.md §2.5, has 2 chunks per device; 96
+  layers over 8 x 2 chunks and 32 microbatches, a multiple of PP 8, satisfy Megatron's
+  constraints, §3.11). The Optimus side is NOT simulated: it is the scheduler's own latency,
+  the best schedule's rigid shift of the simulated LLM timeline plus the encoder work it
+  places (`BubbleSchedule.latency`, `loom.planner.optimus.coarse`), since the colocated
+  placement and the IR transform that would let the simulator play an Optimus schedule are
+  not built. Its LLM timeline is plain 1F1B (the scheduler reads no interleaved timeline yet).
+
+The issue's ``optimus_real_ratio`` (a real 2-process CPU run) cannot be measured, for the
+same reason the executor cannot run an Optimus schedule; the result's config says so and no
+figure stands in for it. Writes ``benchmarks/results/optimus.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import figure, format_table, median, summarize, write_result
+from loom.cost.analytic import AnalyticCostModel
+from loom.cost.hardware import Cluster
+from loom.planner.baselines import first_stage_plan, megatron_plan
+from loom.planner.optimus.model_planner import LLMParallel, encoder_stage_times
+from loom.planner.optimus.paper import (
+    LLM_PLAN,
+    MICROBATCH_SIZE,
+    NUM_MICROBATCHES,
+    PaperRun,
+    paper_arch,
+    paper_search,
+    paper_workload,
+)
+from loom.planner.optimus.search import optimus_search
+from loom.schedule.generators import build_schedule
+from loom.sim.scenario import ParallelDegrees, Scenario
+from loom.sim.simulator import SimResult, simulate
+
+FIGURES = ("optimus_schedule_s", "bubble_fill_fraction", "optimus_sim_ratio")
+TARGET_SCHEDULE_S = 3.0
+MEMORY_LIMIT = 80e9  # H100 80 GB, as paper_search's planner prunes by
+REAL_RATIO_NOT_MEASURED = (
+    "optimus_real_ratio (a real 2-process gloo CPU run, first_stage over Optimus) is not measured: the "
+    "colocated placement and the IR transform that turns a BubbleSchedule into schedule actions are not "
+    "built, so the executor cannot run an Optimus schedule (docs/optimus.md, 'What remains')")
+
+
+@dataclass(frozen=True)
+class BaselineRun:
+    """One Megatron-style plan simulated on the paper's model, cluster and workload."""
+
+    label: str
+    placement: str
+    virtual_stages: int
+    llm_stages: int
+    result: SimResult
+
+    def summary(self) -> dict[str, Any]:
+        peak = max(self.result.peak_memory.values())
+        return {"placement": self.placement, "llm_pipeline_positions": self.llm_stages // self.virtual_stages,
+                "virtual_stages": self.virtual_stages, "iteration_s": round(self.result.iteration_time, 4),
+                "bubble_fraction": round(self.result.bubble_fraction, 4),
+                "peak_memory_per_rank_gb": round(peak / 1e9, 2), "fits_80gb": peak <= MEMORY_LIMIT}
+
+
+def scheduler_runs(repeats: int, refine: int, num_microbatches: int = NUM_MICROBATCHES,
+                   llm_plan: LLMParallel = LLM_PLAN) -> list[PaperRun]:
+    """``repeats`` fresh runs of `paper_search` (each simulates the LLM timeline, plans and searches)."""
+    if repeats < 1:
+        raise ValueError(f"repeats = {repeats}: give 1 or more (3 or more for a median with a spread)")
+    return [paper_search(num_microbatches=num_microbatches, refine=refine, llm_plan=llm_plan) for _ in range(repeats)]
+
+
+def coarse_only(run: PaperRun, llm_plan: LLMParallel = LLM_PLAN) -> dict[str, Any]:
+    """The coarse search's best schedule on ``run``'s own timeline and plans (context for a refined run)."""
+    arch, work = paper_arch(), paper_workload()
+    cluster = Cluster("h100", llm_plan.data_parallel * llm_plan.pipeline_parallel * llm_plan.tensor_parallel)
+    best = optimus_search(run.planned, run.timeline,
+                          lambda c: encoder_stage_times(arch, c, cluster, work, recompute="full")).best
+    if best is None:
+        raise RuntimeError("the coarse search found no schedule although the refined one did")
+    return _rounded(best.summary())
+
+
+def megatron_runs(virtual_stages: int, num_microbatches: int = NUM_MICROBATCHES,
+                  llm_plan: LLMParallel = LLM_PLAN) -> dict[str, BaselineRun]:
+    """The Megatron-style plans on the paper's model, cluster and workload (`paper_workload` for
+    every microbatch), each simulated once: ``first_stage_interleaved`` (the ratio's side),
+    ``first_stage`` (plain 1F1B) and ``disaggregated`` (the ViT as an extra first pipeline
+    stage on ranks of its own, the LLM's layers over the rest, `megatron_plan`)."""
+    arch, work = paper_arch(), paper_workload()
+    gpus = llm_plan.data_parallel * llm_plan.pipeline_parallel * llm_plan.tensor_parallel
+    cluster = Cluster("h100", gpus)
+    out = {}
+    for label, v, build in (("first_stage_interleaved", virtual_stages, first_stage_plan),
+                            ("first_stage", 1, first_stage_plan), ("disaggregated", 1, megatron_plan)):
+        # the degrees paper_search gives the LLM alone: same TP, DP, ZeRO, recompute, microbatches
+        degrees = ParallelDegrees(tensor_parallel=llm_plan.tensor_parallel, data_parallel=llm_plan.data_parallel,
+                                  microbatches_per_pipeline=num_microbatches, virtual_stages=v,
+                                  zero_stage=1, recompute="full")
+        plan = build(Scenario("optimus-paper", arch, cluster, degrees=degrees))
+        sim = simulate(build_schedule(plan), plan, AnalyticCostModel(arch, plan, cluster),
+                       [dict(work) for _ in range(plan.num_microbatches)])
+        out[label] = BaselineRun(label, plan.placement, v, plan.spec("llm").num_stages, sim)
+    return out
+
+
+def _rounded(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
+
+
+def measure(repeats: int = 3, refine: int = 8, virtual_stages: int = 2, num_microbatches: int = NUM_MICROBATCHES,
+            llm_plan: LLMParallel = LLM_PLAN, only: frozenset[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The figures (all, or those in ``only``) and the config, at the given configuration."""
+    wanted = set(only or FIGURES)
+    runs = scheduler_runs(repeats, refine, num_microbatches, llm_plan)
+    best = runs[0].result.best
+    if best is None:
+        raise RuntimeError("the Optimus search found no schedule within the memory limit at this configuration")
+    # the search is deterministic: every repeat must pick the same schedule
+    if any(r.result.best is None or r.result.best.summary() != best.summary() for r in runs[1:]):
+        raise RuntimeError("paper_search chose different schedules on repeats of the same input")
+    figures: dict[str, Any] = {}
+    if "optimus_schedule_s" in wanted:
+        figures["optimus_schedule_s"] = summarize([r.plan_s + r.schedule_s for r in runs], "s", "lower")
+    if "bubble_fill_fraction" in wanted:
+        figures["bubble_fill_fraction"] = figure(best.bubble_fill_fraction, "fraction", "higher")
+    config: dict[str, Any] = {
+        "model": "ViT-22B (optimus.md §4.2 Table 8) + GPT-175B, loom.planner.optimus.paper",
+        "gpus": llm_plan.data_parallel * llm_plan.pipeline_parallel * llm_plan.tensor_parallel, "gpu": "h100",
+        "llm_plan": {"dp": llm_plan.data_parallel, "pp": llm_plan.pipeline_parallel, "tp": llm_plan.tensor_parallel},
+        "microbatches_per_pipeline": num_microbatches, "microbatch_size": MICROBATCH_SIZE,
+        "recompute": "full", "zero_stage": 1, "memory_limit_gb": MEMORY_LIMIT / 1e9,
+        "repeats": repeats, "refine": refine, "times": "CPU seconds (time.process_time), one process",
+        "target_optimus_schedule_s": TARGET_SCHEDULE_S,
+        "simulate_s": round(median([r.simulate_s for r in runs]), 4),
+        "simulate_s_what": "CPU seconds simulating the LLM alone (1F1B) for the scheduler's timeline; not in optimus_schedule_s",
+        "plan_s": round(median([r.plan_s for r in runs]), 4),
+        "schedule_s": round(median([r.schedule_s for r in runs]), 4),
+        "candidates": len(runs[0].planned.candidates),
+        "partitions": sum(count for _, _, count in runs[0].result.per_candidate),
+        "optimus_best": _rounded(best.summary()),
+        "optimus_peak_memory_per_rank_gb": round(best.candidate.memory.total(max(best.partition)) / 1e9, 2),
+        "optimus_memory_what": "loom's memory model on the planner's worst rank, the pipeline's largest part in flight",
+        "optimus_real_ratio": REAL_RATIO_NOT_MEASURED,
+    }
+    if refine:
+        config["optimus_coarse_only_best"] = coarse_only(runs[0], llm_plan)
+    if "optimus_sim_ratio" in wanted:
+        baselines = megatron_runs(virtual_stages, num_microbatches, llm_plan)
+        megatron = baselines["first_stage_interleaved"]
+        figures["optimus_sim_ratio"] = figure(megatron.result.iteration_time / best.latency, "x", "higher")
+        config["optimus_sim_ratio_sides"] = {
+            "numerator": f"simulated iteration time of Megatron-style first_stage placement, interleaved 1F1B with "
+                         f"virtual_stages {virtual_stages} (loom.sim.simulator.simulate, AnalyticCostModel)",
+            "denominator": "the Optimus scheduler's own latency of its best schedule (BubbleSchedule.latency): a rigid "
+                           "shift of the simulated LLM timeline (1F1B) plus the encoder work it places; NOT a simulation "
+                           "of Optimus, whose IR transform and colocated placement are not built",
+            "megatron_iteration_s": round(megatron.result.iteration_time, 4),
+            "optimus_latency_s": round(best.latency, 4),
+            "llm_alone_iteration_s": round(runs[0].timeline.end, 4),
+        }
+        config["megatron"] = {label: b.summary() for label, b in baselines.items()}
+    return figures, config
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--refine", type=int, default=8, help="fine step on each plan's N best coarse partitions (0: coarse only)")
+    ap.add_argument("--virtual-stages", type=int, default=2, help="the Megatron side's interleaving")
+    ap.add_argument("--only", default="", help="comma-separated figure names to measure (prints them and "
+                    "writes no result file, so a partial run never replaces the full one)")
+    args = ap.parse_args()
+    only = frozenset(n for n in args.only.split(",") if n)
+    if only - set(FIGURES):
+        ap.error(f"--only names unknown figures {sorted(only - set(FIGURES))}; choose from {list(FIGURES)}")
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: give 1 or more")
+    figures, config = measure(args.repeats, args.refine, args.virtual_stages, only=only)
+    rows = [[name, f"{f['value']:.4g}", f["unit"], f["better"], "" if f["spread"] is None else
+             f"{f['spread'][0]:.4g}-{f['spread'][1]:.4g}"] for name, f in figures.items()]
+    print(format_table(["figure", "value", "unit", "better", "spread"], rows))
+    print(f"simulate_s (LLM timeline, not in optimus_schedule_s): {config['simulate_s']}")
+    print(f"optimus best: {config['optimus_best']}")
+    for label, b in config.get("megatron", {}).items():
+        print(f"megatron {label}: {b}")
+    print(config["optimus_real_ratio"])
+    if only:
+        print("(--only: no result file written)")
+        return
+    path = write_result("optimus", figures, config)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
