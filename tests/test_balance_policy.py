@@ -210,14 +210,83 @@ def test_layout_check_catches_drops_duplicates_and_far_routes(demo) -> None:
         BatchLayout({**ok, "llm": ((2,), (0, 1))}).check_routes(plan)  # backwards in time: would deadlock
 
 
-def test_corrupt_sample_fails_every_rank_with_the_same_message(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def dispatch_launch(tmp_path_factory) -> Path:
+    """One 2-process launch for the dispatcher cases below (suite time: no launch per case)."""
     from loom.runtime.local import run_local
 
-    run_local(_corrupt_worker, 2, str(tmp_path))
-    messages = [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)]
+    out = tmp_path_factory.mktemp("dispatch")
+    run_local(_dispatch_worker, 2, str(out))
+    return out
+
+
+def test_corrupt_sample_fails_every_rank_with_the_same_message(dispatch_launch: Path) -> None:
+    messages = [(dispatch_launch / f"rank{r}.txt").read_text() for r in range(2)]
     assert messages[0] == messages[1]
     assert "images[0] has shape (3, 8, 8), meta.images[0] says" in messages[0]
     assert "global batch position 1" in messages[0]
+
+
+FIRST_STAGE_BATCH, FIRST_STAGE_MICROBATCHES = 7, 3  # uneven loader shards and slots
+
+
+def _first_stage_plan(model) -> Plan:
+    """vision + audio on the LLM's first stage (placement first_stage): rank 0 hosts vision,
+    audio and llm stage 0; rank 1 llm stage 1."""
+    return Plan([ModuleSpec("vision"), ModuleSpec("audio"), ModuleSpec("llm", num_stages=2)],
+                num_microbatches=FIRST_STAGE_MICROBATCHES, placement="first_stage").resolve(model.layer_counts(), 2)
+
+
+def test_first_stage_rank_gets_every_hosted_phase_per_slot(dispatch_launch: Path) -> None:
+    """Issue 10, first_stage: the one all-to-all brings each rank every phase it hosts (pixels,
+    waveforms and ids across ranks), and each slot is one `Batch` equal to what `collate` gives
+    the single process for the slot's samples (rank 0: ids and encoder inputs; rank 1: ids)."""
+    from loom.data.collate import collate
+    from loom.runtime.dispatch import loader_shards
+    from loom.train.build import token_counters
+
+    tokenizer, dataset, model = _first_stage_data()
+    counts = token_counters(model)
+    shards = loader_shards(FIRST_STAGE_BATCH, 2)
+    expect_slots = [list(map(int, s)) for s in np.array_split(np.arange(FIRST_STAGE_BATCH), FIRST_STAGE_MICROBATCHES)]
+    for rank, encoders in ((0, ["vision", "audio"]), (1, [])):
+        got = torch.load(dispatch_launch / f"first_stage{rank}.pt", weights_only=False)  # our own Batches
+        assert got["phases"] == encoders + ["llm"]
+        batches = got["batches"]
+        assert sorted(batches) == list(range(FIRST_STAGE_MICROBATCHES))  # DP 1: every slot on both positions
+        for j, positions in enumerate(expect_slots):
+            want = collate([dataset[p] for p in positions], tokenizer, counts)
+            b = batches[j]
+            assert b.sample_ids == want.sample_ids
+            assert torch.equal(b.input_ids, want.input_ids) and torch.equal(b.labels, want.labels)
+            assert b.segments == want.segments
+            assert sorted(b.modality_inputs) == sorted(encoders)
+            for enc in encoders:
+                (key, items), = b.modality_inputs[enc].items()
+                ref = want.modality_inputs[enc][key]
+                assert len(items) == len(ref) and all(torch.equal(a, r.float()) for a, r in zip(items, ref))
+    # the comparison covers payloads that crossed ranks: pixels and waveforms loaded on rank 1
+    # (for rank 0's encoders) and ids loaded on rank 0 (for rank 1's LLM stage)
+    assert any(dataset[p].images for p in shards[1]) and any(dataset[p].audios for p in shards[1])
+
+
+def _first_stage_data():
+    cfg = TrainConfig()
+    cfg.data = dataclasses.replace(cfg.data, demo=DemoConfig(num_samples=16, seed=3))
+    tokenizer, dataset = build_data(cfg)
+    return tokenizer, dataset, build_model(cfg.model, tokenizer)
+
+
+def test_first_stage_refuses_balancing_policies(demo) -> None:
+    model, arch, dataset = demo
+    plan = _first_stage_plan(model)
+    check_balance_config(BalanceConfig(), plan, 6)  # the identity layout is what first_stage runs
+    for config in (BalanceConfig(default="orchmllm"), BalanceConfig(policy={"encoders": "orchmllm"})):
+        with pytest.raises(BalanceError, match=r"balance.policy .* with plan.placement = 'first_stage'.*"
+                                               r"set balance.default = 'none'"):
+            check_balance_config(config, plan, 6)
+        with pytest.raises(BalanceError, match=r"plan.placement = 'first_stage'"):
+            make_layout(config, plan, sample_costs(arch, [dataset.meta(i) for i in range(6)]))
 
 
 class _Corrupt:
@@ -239,10 +308,11 @@ class _Corrupt:
         return len(self.dataset)
 
 
-def _corrupt_worker(rank: int, world_size: int, out: str) -> None:
+def _dispatch_worker(rank: int, world_size: int, out: str) -> None:
     from loom.runtime.dispatch import DispatchError, Dispatcher
     from loom.train.build import token_counters
 
+    # a corrupt sample fails every rank with the same message
     cfg = TrainConfig()
     cfg.model = dataclasses.replace(cfg.model, audio=None)
     cfg.data = dataclasses.replace(cfg.data, demo=DemoConfig(num_samples=16, seed=0, mix={"image": 1.0}))
@@ -255,6 +325,13 @@ def _corrupt_worker(rank: int, world_size: int, out: str) -> None:
         d.dispatch(list(range(4)))
     except DispatchError as e:
         Path(out, f"rank{rank}.txt").write_text(str(e))
+
+    # first_stage: rank 0 hosts vision, audio and llm stage 0, rank 1 llm stage 1
+    tokenizer, dataset, model = _first_stage_data()
+    d = Dispatcher(_first_stage_plan(model), dataset, tokenizer, token_counters(model), arch_from_model(model),
+                   BalanceConfig(), torch.device("cpu"))
+    got = d.dispatch(list(range(FIRST_STAGE_BATCH)))
+    torch.save({"phases": d.phases, "batches": got.batches}, Path(out, f"first_stage{rank}.pt"))
 
 
 def test_eager_forward_deepens_encoder_warmup_and_stays_valid(demo) -> None:

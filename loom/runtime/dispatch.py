@@ -13,7 +13,10 @@ Per iteration (orchmllm.md §2.2, "adopted"; docs/architecture.md principle 4):
    phase from its loader rank straight to the ranks that run it there: the items' pixels or
    waveforms to every stage of the encoder replica holding the sample, the text ids to every
    stage of the LLM replica holding it. Split sizes come from metadata, so no size exchange is
-   needed; when every payload is already where it runs, the collective is skipped.
+   needed; when every payload is already where it runs, the collective is skipped. A rank
+   that hosts several phases (``placement = "first_stage"``: the encoders on the LLM's first
+   stage) gets each one's payloads in the same collective, and one `Batch` per slot with all
+   of them, as `loom.data.collate.collate` gives the single process.
 
 Encoder outputs then travel along the schedule's routed edges straight to the LLM microbatch
 of their sample (OrchMLLM's rearrangement composition), and their gradients back along the
@@ -120,9 +123,17 @@ class Dispatcher:
         self.pack = pack  # LLM microbatches as one packed row (then balancing costs the LLM as packed)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.module, self.stage, self.replica = plan.role_of(self.rank)
-        self._phase_of = [plan.role_of(d)[0] for d in range(self.world_size)]  # each rank's module
+        # every rank's phases (modules), in plan order: several where encoders run on the LLM's
+        # ranks (placement first_stage); the exchange's chunks follow this order on both sides
+        self._phases_of = [self._hosted(d) for d in range(self.world_size)]
+        self.phases = self._phases_of[self.rank]
+        self._replica_of = {m: r for m, _, r in plan.stages_of(self.rank)}  # this rank's replica of each
         # every step costs the same few item shapes: `token_counts` is asked once per shape
         self._counts = {encoder: _ShapeMemo(fn) for encoder, fn in token_counts.items()}
+
+    def _hosted(self, rank: int) -> list[str]:
+        hosted = {m for m, _, _ in self.plan.stages_of(rank)}
+        return [m for m in self.plan.module_names if m in hosted]
 
     # ---- the iteration ------------------------------------------------------------------------
     def dispatch(self, indices: Sequence[int]) -> Dispatched:
@@ -204,42 +215,51 @@ class Dispatcher:
         return slot_destinations(self.plan, phase, len(layout.arrays[phase][1]) - 1)[index]
 
     def _exchange(self, layout: BatchLayout, meta: MetadataArrays, costs: SampleCosts, mine: list[int],
-                  samples: list[Sample], text_ids: list[list[int]]) -> dict[int, list | np.ndarray]:
+                  samples: list[Sample], text_ids: list[list[int]]) -> dict[str, dict[int, list | np.ndarray]]:
         """One ``all_to_all_single`` for every phase at once: rank ``d`` gets the payloads of
-        its own module's phase (as bytes: pixels and waveforms in float32, ids in int64) of the
-        samples it runs; returns, on this rank, position -> payload (item tensors, or text ids).
-        Byte counts come from metadata on both sides. When no payload has to leave the rank that
-        loaded it (every rank runs exactly what it loaded), every rank knows so from the same
-        layout and the collective is skipped."""
+        each phase it hosts (as bytes: pixels and waveforms in float32, ids in int64) of the
+        samples it runs there; returns, on this rank, phase -> position -> payload (item
+        tensors, or text ids). Inside each rank pair's chunk the payloads go by phase in plan
+        order, then by position (sender and receiver derive the same order). Byte counts come
+        from metadata on both sides. When no payload has to leave the rank that loaded it
+        (every rank runs exactly what it loaded), every rank knows so from the same layout and
+        the collective is skipped."""
         world, me = self.world_size, self.rank
         local = dict(zip(mine, zip(samples, text_ids)))
         dests = {phase: self._destinations(phase, layout) for phase in self.plan.module_names}
         owner = loader_rank_of(meta.num_samples, world)
         if all((d == owner[:, None]).all() for d in dests.values()):
-            return {p: self._payload(self.module, *local[p]) for p in mine}
+            return {phase: {p: self._payload(phase, *local[p]) for p in mine} for phase in self.phases}
         first = mine[0] if mine else 0
         send: list[torch.Tensor] = []
         in_splits = [0] * world
         flats: dict[tuple[str, int], torch.Tensor] = {}  # a payload goes to every stage of its replica
         for d in range(world):
-            phase = self._phase_of[d]
-            for p in np.flatnonzero((dests[phase][first:first + len(mine)] == d).any(axis=1)).tolist():
-                key = (phase, first + p)
-                if key not in flats:
-                    flats[key] = self._flat(phase, *local[first + p])
-                send.append(flats[key])
-                in_splits[d] += send[-1].numel()
-        wanted = np.flatnonzero((dests[self.module] == me).any(axis=1))  # ascending: by source rank
-        nbytes = np.asarray(costs.payload_bytes[self.module], dtype=np.int64)[wanted]
-        out_splits = np.bincount(owner[wanted], weights=nbytes, minlength=world).astype(np.int64).tolist()
+            for phase in self._phases_of[d]:
+                for p in np.flatnonzero((dests[phase][first:first + len(mine)] == d).any(axis=1)).tolist():
+                    key = (phase, first + p)
+                    if key not in flats:
+                        flats[key] = self._flat(phase, *local[first + p])
+                    send.append(flats[key])
+                    in_splits[d] += send[-1].numel()
+        # what this rank receives, in the senders' order: by source rank, then phase, then position
+        wanted = [np.flatnonzero((dests[phase] == me).any(axis=1)) for phase in self.phases]
+        positions = np.concatenate(wanted) if wanted else np.zeros(0, dtype=np.int64)
+        phase_index = np.repeat(np.arange(len(wanted)), [w.size for w in wanted])
+        nbytes = (np.concatenate([np.asarray(costs.payload_bytes[phase], dtype=np.int64)[w]
+                                  for phase, w in zip(self.phases, wanted)])
+                  if wanted else np.zeros(0, dtype=np.int64))
+        order = np.lexsort((positions, phase_index, owner[positions]))
+        out_splits = np.bincount(owner[positions], weights=nbytes, minlength=world).astype(np.int64).tolist()
         payload = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8)
         out = torch.empty(sum(out_splits), dtype=torch.uint8, device=self.device)
         dist.all_to_all_single(out, payload.to(self.device), out_splits, in_splits, group=self.group)
         out = out.cpu()
-        result: dict[int, list | np.ndarray] = {}
+        result: dict[str, dict[int, list | np.ndarray]] = {phase: {} for phase in self.phases}
         offset = 0
-        for p, n in zip(wanted.tolist(), nbytes.tolist()):
-            result[p] = self._unflat(self.module, meta, p, out[offset:offset + n])
+        for i in order.tolist():
+            phase, p, n = self.phases[int(phase_index[i])], int(positions[i]), int(nbytes[i])
+            result[phase][p] = self._unflat(phase, meta, p, out[offset:offset + n])
             offset += n
         return result
 
@@ -279,23 +299,38 @@ class Dispatcher:
 
     # ---- microbatches -------------------------------------------------------------------------
     def _microbatches(self, layout: BatchLayout, meta: MetadataArrays,
-                      received: dict[int, list | np.ndarray]) -> dict[int, Batch]:
-        dp = self.plan.spec(self.module).data_parallel
-        batches = {}
+                      received: dict[str, dict[int, list | np.ndarray]]) -> dict[int, Batch]:
+        """This rank's microbatches, by slot. A rank hosting several phases (encoders on the LLM's
+        first stage) gets one `Batch` per slot with every hosted phase's fields, as `collate`
+        gives the single process: the LLM's ids, labels and segments and the encoders'
+        ``modality_inputs``; so a slot must hold the same samples in each hosted phase."""
+        batches: dict[int, Batch] = {}
         if self.plan.coordinate_of(self.rank)[3:] != (0, 0):  # payloads go to a unit's leader, which
             return batches  # shares them with its unit (`loom.runtime.unit.UnitPlace.share_microbatches`)
-        for j, slot in enumerate(layout.slots[self.module]):
-            if j % dp != self.replica:
-                continue
+        held: dict[int, dict[str, tuple[int, ...]]] = {}  # slot -> phase -> its positions
+        for phase in self.phases:
+            dp = self.plan.spec(phase).data_parallel
+            for j, slot in enumerate(layout.slots[phase]):
+                if j % dp == self._replica_of[phase]:
+                    held.setdefault(j, {})[phase] = tuple(slot)
+        for j in sorted(held):
+            slots = held[j]
+            slot, *others = set(slots.values())
+            if others:
+                where = ", ".join(f"{phase}: {list(positions)}" for phase, positions in slots.items())
+                raise DispatchError(
+                    f"rank {self.rank} hosts {list(slots)}, but the layout puts different global batch positions in "
+                    f"their slot {j} ({where}): with plan.placement = {self.plan.placement!r} every phase of a rank "
+                    f"must hold the same samples per slot; set balance.default = 'none' and name no balance.policy")
             ids = meta.sample_id[list(slot)].tolist()
-            if self.module == LLM:
-                input_ids, labels, segments = collate_ids([meta.meta(p) for p in slot], [received[p] for p in slot],
-                                                          self.tokenizer, self._counts, self.placeholder_ids,
-                                                          self.pack)
-                batches[j] = Batch(input_ids, labels, {}, ids, segments)
+            modality_inputs = {phase: {MODALITIES[phase][1]: [t for p in slot for t in received[phase][p]]}
+                               for phase in slots if phase != LLM}
+            if LLM in slots:
+                input_ids, labels, segments = collate_ids([meta.meta(p) for p in slot],
+                                                          [received[LLM][p] for p in slot], self.tokenizer,
+                                                          self._counts, self.placeholder_ids, self.pack)
+                batches[j] = Batch(input_ids, labels, modality_inputs, ids, segments)
             else:
-                key = MODALITIES[self.module][1]
-                items = [t for p in slot for t in received[p]]
                 empty = torch.zeros((len(slot), 0), dtype=torch.long)
-                batches[j] = Batch(empty, empty.clone(), {self.module: {key: items}}, ids)
+                batches[j] = Batch(empty, empty.clone(), modality_inputs, ids)
         return batches
