@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import types
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.schedule.layout import BatchLayout, LayoutError
+from loom.schedule.layout import BatchLayout, LayoutError, contiguous_layout
 from loom.balance.config import check_balance_config
 from loom.balance.policy import POLICIES, BalanceConfig, BalanceError, load_stats, make_layout, sample_costs
 from loom.cost.arch_from_model import arch_from_model
@@ -277,7 +278,7 @@ def _first_stage_data():
     return tokenizer, dataset, build_model(cfg.model, tokenizer)
 
 
-def test_first_stage_refuses_balancing_policies(demo) -> None:
+def test_hosted_encoders_refuse_balancing_policies(demo) -> None:
     model, arch, dataset = demo
     plan = _first_stage_plan(model)
     check_balance_config(BalanceConfig(), plan, 6)  # the identity layout is what first_stage runs
@@ -287,6 +288,19 @@ def test_first_stage_refuses_balancing_policies(demo) -> None:
             check_balance_config(config, plan, 6)
         with pytest.raises(BalanceError, match=r"plan.placement = 'first_stage'"):
             make_layout(config, plan, sample_costs(arch, [dataset.meta(i) for i in range(6)]))
+    colocated = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("audio", data_parallel=2),
+                      ModuleSpec("llm", num_stages=2)], num_microbatches=4, placement="colocated")
+    with pytest.raises(BalanceError, match=r"plan.placement = 'colocated'.*set balance.default = 'none'"):
+        check_balance_config(BalanceConfig(default="orchmllm"), colocated.resolve(model.layer_counts()), 8)
+    # a layout that got past the config anyway is refused by the dispatcher on every rank alike
+    # (from the layout alone, before any collective)
+    from loom.runtime.dispatch import DispatchError, Dispatcher
+
+    swapped = BatchLayout({"vision": [(0,), (2,), (1,)], "audio": [(0,), (1,), (2,)], "llm": [(0,), (1,), (2,)]})
+    with pytest.raises(DispatchError, match=r"positions \[2\] in slot 1 of 'vision' but \[1\] in the LLM's: with "
+                                            r"plan.placement = 'first_stage'.*balance.default = 'none'"):
+        Dispatcher._check_shared_slots(types.SimpleNamespace(plan=plan), swapped)
+    Dispatcher._check_shared_slots(types.SimpleNamespace(plan=plan), contiguous_layout(3, 3, plan.module_names))
 
 
 class _Corrupt:

@@ -147,6 +147,7 @@ class Dispatcher:
             raise DispatchError(errors[min(errors)])
         costs = sample_costs(self.arch, meta)
         layout = make_layout(self.balance, self.plan, costs, "packed" if self.pack else "padded")
+        self._check_shared_slots(layout)
         tokens, items = self._encoder_rows(meta)
         rows = RowMap(layout, tokens, items)
         received = self._exchange(layout, meta, costs, mine, samples, text_ids)
@@ -154,6 +155,19 @@ class Dispatcher:
         # `loom.data.collate.target_count` summed: every text token after BOS but the markers
         num_targets = int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size - meta.num_samples
         return Dispatched(layout, rows, batches, num_targets, meta, costs)
+
+    def _check_shared_slots(self, layout: BatchLayout) -> None:
+        """An encoder on the LLM's ranks (``first_stage``, ``colocated``) runs slot ``j`` on the
+        `Batch` of the LLM's slot ``j``: the layout must give both the same samples. Checked on
+        the whole layout, so every rank refuses it together (none waits in a collective)."""
+        for encoder in self.plan.encoder_names:
+            if self.plan.hosted_by_llm(encoder) and not layout.shares_llm_slots(encoder):
+                j = next((j for j in range(layout.num_microbatches) if layout.slot(encoder, j) != layout.slot(LLM, j)), 0)
+                raise DispatchError(
+                    f"the layout puts global batch positions {list(layout.slot(encoder, j))} in slot {j} of "
+                    f"{encoder!r} but {list(layout.slot(LLM, j))} in the LLM's: with plan.placement = "
+                    f"{self.plan.placement!r} an encoder runs each LLM microbatch's own samples; set "
+                    f"balance.default = 'none' and name no balance.policy")
 
     def _load(self, indices: Sequence[int], mine: list[int]) -> tuple[list[Sample], list[list[int]], str | None]:
         samples, ids = [], []
@@ -303,7 +317,7 @@ class Dispatcher:
         """This rank's microbatches, by slot. A rank hosting several phases (encoders on the LLM's
         first stage) gets one `Batch` per slot with every hosted phase's fields, as `collate`
         gives the single process: the LLM's ids, labels and segments and the encoders'
-        ``modality_inputs``; so a slot must hold the same samples in each hosted phase."""
+        ``modality_inputs``."""
         batches: dict[int, Batch] = {}
         if self.plan.coordinate_of(self.rank)[3:] != (0, 0):  # payloads go to a unit's leader, which
             return batches  # shares them with its unit (`loom.runtime.unit.UnitPlace.share_microbatches`)
@@ -313,15 +327,9 @@ class Dispatcher:
             for j, slot in enumerate(layout.slots[phase]):
                 if j % dp == self._replica_of[phase]:
                     held.setdefault(j, {})[phase] = tuple(slot)
-        for j in sorted(held):
+        for j in sorted(held):  # the same positions in every phase (`_check_shared_slots`)
             slots = held[j]
-            slot, *others = set(slots.values())
-            if others:
-                where = ", ".join(f"{phase}: {list(positions)}" for phase, positions in slots.items())
-                raise DispatchError(
-                    f"rank {self.rank} hosts {list(slots)}, but the layout puts different global batch positions in "
-                    f"their slot {j} ({where}): with plan.placement = {self.plan.placement!r} every phase of a rank "
-                    f"must hold the same samples per slot; set balance.default = 'none' and name no balance.policy")
+            slot = next(iter(slots.values()))
             ids = meta.sample_id[list(slot)].tolist()
             modality_inputs = {phase: {MODALITIES[phase][1]: [t for p in slot for t in received[phase][p]]}
                                for phase in slots if phase != LLM}
