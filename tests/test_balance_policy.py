@@ -231,17 +231,23 @@ def test_corrupt_sample_fails_every_rank_with_the_same_message(dispatch_launch: 
 FIRST_STAGE_BATCH, FIRST_STAGE_MICROBATCHES = 7, 3  # uneven loader shards and slots
 
 
-def _first_stage_plan(model) -> Plan:
-    """vision + audio on the LLM's first stage (placement first_stage): rank 0 hosts vision,
-    audio and llm stage 0; rank 1 llm stage 1."""
-    return Plan([ModuleSpec("vision"), ModuleSpec("audio"), ModuleSpec("llm", num_stages=2)],
-                num_microbatches=FIRST_STAGE_MICROBATCHES, placement="first_stage").resolve(model.layer_counts(), 2)
+def _first_stage_plan(model, placement: str = "first_stage") -> Plan:
+    """vision + audio on the LLM's ranks, LLM in 2 stages on 2 ranks. ``first_stage``: rank 0
+    hosts vision, audio and llm stage 0, rank 1 llm stage 1. ``colocated``: each rank also runs
+    one encoder replica (DP 2: slot ``j`` on rank ``j % 2``)."""
+    dp = 2 if placement == "colocated" else 1
+    return Plan([ModuleSpec("vision", data_parallel=dp), ModuleSpec("audio", data_parallel=dp),
+                 ModuleSpec("llm", num_stages=2)], num_microbatches=FIRST_STAGE_MICROBATCHES,
+                placement=placement).resolve(model.layer_counts(), 2)
 
 
-def test_first_stage_rank_gets_every_hosted_phase_per_slot(dispatch_launch: Path) -> None:
-    """Issue 10, first_stage: the one all-to-all brings each rank every phase it hosts (pixels,
-    waveforms and ids across ranks), and each slot is one `Batch` equal to what `collate` gives
-    the single process for the slot's samples (rank 0: ids and encoder inputs; rank 1: ids)."""
+@pytest.mark.parametrize("placement", ["first_stage", "colocated"])
+def test_hosting_rank_gets_every_phase_per_slot(dispatch_launch: Path, placement: str) -> None:
+    """Issue 10, encoders on the LLM's ranks: the one all-to-all brings each rank every phase it
+    hosts (pixels, waveforms and ids across ranks), and each slot is one `Batch` equal to what
+    `collate` gives the single process for the slot's samples, with the encoder inputs of the
+    encoder replicas the rank hosts (first_stage: rank 0 every slot's, rank 1 none; colocated:
+    rank ``j % 2`` slot ``j``'s)."""
     from loom.data.collate import collate
     from loom.runtime.dispatch import loader_shards
     from loom.train.build import token_counters
@@ -250,17 +256,20 @@ def test_first_stage_rank_gets_every_hosted_phase_per_slot(dispatch_launch: Path
     counts = token_counters(model)
     shards = loader_shards(FIRST_STAGE_BATCH, 2)
     expect_slots = [list(map(int, s)) for s in np.array_split(np.arange(FIRST_STAGE_BATCH), FIRST_STAGE_MICROBATCHES)]
-    for rank, encoders in ((0, ["vision", "audio"]), (1, [])):
-        got = torch.load(dispatch_launch / f"first_stage{rank}.pt", weights_only=False)  # our own Batches
-        assert got["phases"] == encoders + ["llm"]
+    for rank in range(2):
+        got = torch.load(dispatch_launch / f"{placement}{rank}.pt", weights_only=False)  # our own Batches
+        hosts = placement == "colocated" or rank == 0
+        assert got["phases"] == (["vision", "audio"] if hosts else []) + ["llm"]
         batches = got["batches"]
-        assert sorted(batches) == list(range(FIRST_STAGE_MICROBATCHES))  # DP 1: every slot on both positions
+        assert sorted(batches) == list(range(FIRST_STAGE_MICROBATCHES))  # LLM DP 1: every slot on both positions
         for j, positions in enumerate(expect_slots):
             want = collate([dataset[p] for p in positions], tokenizer, counts)
             b = batches[j]
             assert b.sample_ids == want.sample_ids
             assert torch.equal(b.input_ids, want.input_ids) and torch.equal(b.labels, want.labels)
             assert b.segments == want.segments
+            encoders = ["vision", "audio"] if (placement == "first_stage" and rank == 0) or (
+                placement == "colocated" and j % 2 == rank) else []
             assert sorted(b.modality_inputs) == sorted(encoders)
             for enc in encoders:
                 (key, items), = b.modality_inputs[enc].items()
@@ -288,10 +297,8 @@ def test_hosted_encoders_refuse_balancing_policies(demo) -> None:
             check_balance_config(config, plan, 6)
         with pytest.raises(BalanceError, match=r"plan.placement = 'first_stage'"):
             make_layout(config, plan, sample_costs(arch, [dataset.meta(i) for i in range(6)]))
-    colocated = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("audio", data_parallel=2),
-                      ModuleSpec("llm", num_stages=2)], num_microbatches=4, placement="colocated")
     with pytest.raises(BalanceError, match=r"plan.placement = 'colocated'.*set balance.default = 'none'"):
-        check_balance_config(BalanceConfig(default="orchmllm"), colocated.resolve(model.layer_counts()), 8)
+        check_balance_config(BalanceConfig(default="orchmllm"), _first_stage_plan(model, "colocated"), 8)
     # a layout that got past the config anyway is refused by the dispatcher on every rank alike
     # (from the layout alone, before any collective)
     from loom.runtime.dispatch import DispatchError, Dispatcher
@@ -340,12 +347,13 @@ def _dispatch_worker(rank: int, world_size: int, out: str) -> None:
     except DispatchError as e:
         Path(out, f"rank{rank}.txt").write_text(str(e))
 
-    # first_stage: rank 0 hosts vision, audio and llm stage 0, rank 1 llm stage 1
+    # encoders on the LLM's ranks (`_first_stage_plan`)
     tokenizer, dataset, model = _first_stage_data()
-    d = Dispatcher(_first_stage_plan(model), dataset, tokenizer, token_counters(model), arch_from_model(model),
-                   BalanceConfig(), torch.device("cpu"))
-    got = d.dispatch(list(range(FIRST_STAGE_BATCH)))
-    torch.save({"phases": d.phases, "batches": got.batches}, Path(out, f"first_stage{rank}.pt"))
+    for placement in ("first_stage", "colocated"):
+        d = Dispatcher(_first_stage_plan(model, placement), dataset, tokenizer, token_counters(model),
+                       arch_from_model(model), BalanceConfig(), torch.device("cpu"))
+        got = d.dispatch(list(range(FIRST_STAGE_BATCH)))
+        torch.save({"phases": d.phases, "batches": got.batches}, Path(out, f"{placement}{rank}.pt"))
 
 
 def test_eager_forward_deepens_encoder_warmup_and_stays_valid(demo) -> None:
