@@ -1,0 +1,435 @@
+"""Placements, measured: real 2-rank CPU runs of the demo model under ``disaggregated``,
+``first_stage`` and ``colocated`` (issue 10's acceptance), each beside the simulator's
+prediction of the same steps.
+
+    python -m benchmarks.placements [--repeats 5 --warmup 2 --only disaggregated,colocated ...]
+
+The model: the demo's (configs/demo.toml's sizes) without the audio encoder, a vision encoder
+and a 4-layer Llama, in ``benchmarks/placements.toml``; the demo data (global batch 16, 4
+microbatches), policy ``none``, the run's AdamW and LR schedule. Each placement runs on the
+same 2 ranks (`PLACEMENTS`; docs/plans.md, "First-stage placement", "Colocated placement"):
+
+- ``disaggregated``: vision on rank 0, the LLM (one stage) on rank 1 (loom's own layout);
+- ``first_stage``: vision inside the LLM's first pipeline stage (rank 0), the LLM in 2 stages
+  (Megatron-LM's and Cornstarch's baseline layout, cornstarch.md §3.1);
+- ``colocated``: vision at DP 2 (a replica on each rank), the LLM in 2 stages (optimus.md
+  §2.3's colocation without its bubble scheduler);
+- ``colocated_dp``: vision at DP 2 and the LLM at DP 2, one stage (OrchMLLM's all-DP setup,
+  orchmllm.md §2.3).
+
+Each placement is a group of 2 fresh gloo processes with one thread each (the machine has 2
+cores: a pipeline bubble is real idle time), built by `loom.train.rank.build_rank` and stepped by
+`RankRun.step`, what ``loom train`` runs. Every group trains the same global batch at step
+``i``; the groups take turns step by step in a Williams order (`benchmarks.balance_real.turn_orders`),
+``--warmup`` untimed steps, then ``--repeats`` repeats of one turn cycle each. A step runs from a
+barrier to a barrier around `RankRun.step` (the slower rank's clock): dispatch, schedule,
+optimizer, LR step, loss all-reduce. The step-0 losses of all groups must agree (same batch,
+same initial weights: reference semantics), or the script fails.
+
+The prediction: before any step, ``loom profile`` of ``placements.toml``'s model (one thread)
+is written to a file; the simulator loads it as production does (`load_profile_for`,
+`ProfiledCostModel`) and plays, for every timed step's global batch, the schedule the engine
+runs for that placement and layout, with the dispatch priced (`loom.sim.dispatch`), the 2
+ranks sharing the host's cores (`CoreSharing`) and the loss all-reduce, as
+``benchmarks/sim_fidelity.py`` does for the demo.
+
+Figures, per placement ``<p>``:
+
+- ``placement_<p>_step_ms`` (lower is better): the median over repeats of a repeat's mean
+  step time, spread over the repeats (IQR for 5 or more, else min-max);
+- ``placement_<p>_samples_per_s`` (higher): global batch over step time, per repeat;
+- ``placement_<p>_sim_step_ms`` (lower): the median simulated step over the same timed steps,
+  and ``placement_<p>_sim_samples_per_s`` (higher) the global batch over it;
+- ``placement_<p>_sim_abs_rel_error`` (lower): ``|sim - real| / real`` of those medians;
+
+and between placements, against the disaggregated one:
+
+- ``placement_step_ratio_disaggregated_over_<p>`` (higher: ``<p>`` is faster than
+  disaggregated): per repeat, disaggregated's step-time sum over ``<p>``'s on the same global
+  batches; median over repeats with spread;
+- ``placement_sim_ratio_disaggregated_over_<p>``: the simulator's prediction of that ratio
+  (its median simulated steps' ratio), beside it.
+
+Writes ``benchmarks/results/placements.json`` (not with ``--only``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.balance_real import paired_ratio, turn_orders
+from benchmarks.common import (WorkerGroup, figure, format_table, machine_info, median, peak_rss_mb, start_run,
+                               summarize, write_result)
+
+NAME = "placements"
+REPO = Path(__file__).resolve().parent.parent
+CONFIG = REPO / "benchmarks" / "placements.toml"
+WORLD_SIZE = 2
+BASELINE = "disaggregated"
+LOSS_RTOL = 1e-4
+# placement -> (what it is, overrides on placements.toml, as `loom train` takes them)
+PLACEMENTS: dict[str, tuple[str, list[str]]] = {
+    "disaggregated": ("vision on rank 0, the LLM (1 stage) on rank 1", []),
+    "first_stage": ("vision inside LLM stage 0 (rank 0), the LLM in 2 stages",
+                    ['plan.placement="first_stage"', "plan.modules.llm.num_stages=2"]),
+    "colocated": ("vision DP 2 (a replica per rank), the LLM in 2 stages",
+                  ['plan.placement="colocated"', "plan.modules.vision.data_parallel=2", "plan.modules.llm.num_stages=2"]),
+    "colocated_dp": ("vision DP 2 and the LLM DP 2, one stage (OrchMLLM's all-DP setup)",
+                     ['plan.placement="colocated"', "plan.modules.vision.data_parallel=2",
+                      "plan.modules.llm.data_parallel=2"]),
+}
+
+
+@dataclass
+class BenchConfig:
+    placements: str = "disaggregated,first_stage,colocated,colocated_dp"  # the groups; must hold disaggregated
+    repeats: int = 5  # timed repeats, each one whole turn cycle
+    warmup: int = 2  # untimed steps per group before the repeats
+    profile_repeats: int = 3  # `loom profile --repeats`
+    no_sharing: bool = False  # simulate each rank on a core of its own
+
+    def names(self) -> list[str]:
+        return [p for p in self.placements.split(",") if p]
+
+    def steps_per_repeat(self) -> int:
+        return len(turn_orders(self.names()))
+
+    def check(self) -> "BenchConfig":
+        names = self.names()
+        unknown = [p for p in names if p not in PLACEMENTS]
+        if unknown or BASELINE not in names or len(names) < 2 or len(set(names)) != len(names):
+            raise ValueError(f"--placements {self.placements!r}: list {BASELINE!r} and at least one other of "
+                             f"{list(PLACEMENTS)}, each once" + (f" ({unknown} are not placements)" if unknown else ""))
+        if self.repeats < 1:
+            raise ValueError(f"--repeats {self.repeats}: give 1 or more (5 or more for an IQR spread)")
+        if self.warmup < 1:
+            raise ValueError(f"--warmup {self.warmup}: give 1 or more (the first step builds the schedule caches)")
+        if self.profile_repeats < 1:
+            raise ValueError(f"--profile-repeats {self.profile_repeats}: give 1 or more")
+        return self
+
+
+def train_config(placement: str, steps: int):
+    """The `TrainConfig` of ``placement`` (placements.toml with its overrides), ``run.steps``
+    the group's whole run (so the LR schedule is that of a run of this length)."""
+    from loom.train.config import load_config
+
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement {placement!r}: choose one of {list(PLACEMENTS)}")
+    return load_config(CONFIG, PLACEMENTS[placement][1] + [f"run.steps={steps}"])
+
+
+# ---- the real steps, on each rank of a group -------------------------------------------------
+def _worker(rank: int, world_size: int, group: str, placement: str, steps: int, commands: list, replies) -> None:
+    from loom.train.rank import build_rank
+
+    run = build_rank(train_config(placement, steps), torch.device("cpu"))
+    replies.put(("ready", rank))
+    while (i := commands[rank].get()) is not None:
+        dist.barrier()  # every rank idle: the step's clock starts here
+        t0, c0 = time.perf_counter(), time.process_time()
+        done = run.step(i)
+        c1 = time.process_time()
+        dist.barrier()
+        replies.put(("step", rank, i, done.loss, {"total": time.perf_counter() - t0, "cpu": c1 - c0,
+                                                  "dispatch": done.dispatch_s, "engine_step": done.engine_s,
+                                                  "indices": list(done.indices)}))
+    run.close()
+    replies.put(("done", rank, peak_rss_mb()))
+
+
+class Group(WorkerGroup):
+    """One placement's 2 processes; per step the slower rank's times."""
+
+    def __init__(self, placement: str, steps: int):
+        super().__init__(placement, _worker, WORLD_SIZE, placement, steps)
+        self.placement = placement
+        self.losses: list[float] = []
+        self.steps: list[dict[str, Any]] = []
+        self.peak_rss_mb: list[float] = []
+
+    def step(self, i: int) -> dict[str, Any]:
+        got = self.command(i)
+        self.losses.append(got[0][3])  # all-reduced: the same on every rank
+        infos = [r[4] for r in got]
+        step = {k: max(info[k] for info in infos) for k in ("total", "dispatch", "engine_step")}
+        step["cpu"] = [info["cpu"] for info in infos]
+        step["indices"] = infos[0]["indices"]
+        self.steps.append(step)
+        return step
+
+
+def run_groups(cfg: BenchConfig, say: Any) -> dict[str, Group]:
+    """Every placement's group, alternating step by step; checks the pairing (same batches,
+    same first loss)."""
+    names = cfg.names()
+    total = cfg.warmup + cfg.repeats * cfg.steps_per_repeat()
+    groups: dict[str, Group] = {}
+    try:
+        for name in names:
+            groups[name] = Group(name, total)
+        for g in groups.values():
+            g.wait_ready()
+        orders = turn_orders(names)
+        for i in range(total):
+            for name in orders[(i - cfg.warmup) % len(orders)]:
+                groups[name].step(i)
+            kind = "warmup" if i < cfg.warmup else f"repeat {(i - cfg.warmup) // cfg.steps_per_repeat() + 1}"
+            say(f"  step {i + 1:3d} ({kind}): " + ", ".join(f"{n} {groups[n].steps[-1]['total'] * 1e3:.0f} ms"
+                                                           for n in names))
+        for g in groups.values():
+            g.peak_rss_mb = g.close()
+    finally:
+        for g in groups.values():
+            for p in g.procs:
+                if p.is_alive():
+                    p.terminate()
+    check_same_work({n: g.losses[0] for n, g in groups.items()}, {n: [s["indices"] for s in g.steps] for n, g in groups.items()})
+    return groups
+
+
+def check_same_work(first_loss: dict[str, float], indices: dict[str, list[list[int]]]) -> float:
+    """Every placement trained the same global batches and, on the first, computed the same
+    loss (reference semantics: a placement moves work, it does not change it); returns the
+    largest relative loss difference. Raises otherwise: the timings would compare other work."""
+    ref = first_loss[BASELINE]
+    rel = {n: abs(v - ref) / max(abs(ref), 1e-12) for n, v in first_loss.items()}
+    if max(rel.values()) > LOSS_RTOL:
+        raise RuntimeError(f"the placements compute different first-step losses {first_loss}: they do not do the "
+                           f"same work (relative difference above {LOSS_RTOL}), the timings would be meaningless")
+    for n, steps in indices.items():
+        if steps != indices[BASELINE]:
+            raise RuntimeError(f"placement {n!r} trained other global batches than {BASELINE!r}; the paired ratio "
+                               f"needs the same batch at every step")
+    return max(rel.values())
+
+
+def repeat_sums(times: list[float], warmup: int, repeats: int, per_repeat: int) -> list[list[float]]:
+    """The timed steps (after ``warmup``) cut into ``repeats`` repeats of ``per_repeat`` steps."""
+    if len(times) != warmup + repeats * per_repeat:
+        raise ValueError(f"repeat_sums: {len(times)} steps, expected warmup {warmup} + {repeats} x {per_repeat}")
+    timed = times[warmup:]
+    return [timed[r * per_repeat:(r + 1) * per_repeat] for r in range(repeats)]
+
+
+# ---- the prediction ------------------------------------------------------------------------
+def run_profiler(out: Path, repeats: int) -> float:
+    """``loom profile`` of placements.toml's model (one thread, solo) as a subprocess of this
+    checkout, written to ``out`` before any step; returns its wall seconds."""
+    cmd = [sys.executable, "-m", "loom.cli", "profile", "--config", str(CONFIG), "--out", str(out), "--threads", "1",
+           "--repeats", str(repeats)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"loom profile failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
+@dataclass
+class PlacementModel:
+    """What simulating one placement's steps needs, built once."""
+    cfg: Any
+    dataset: Any
+    model: Any
+    plan: Any
+    arch: Any
+
+
+def placement_model(placement: str, steps: int) -> PlacementModel:
+    from loom.cost.arch_from_model import arch_from_model
+    from loom.train.build import build_data, build_model
+
+    cfg = train_config(placement, steps)
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+    cfg.plan = cfg.plan.resolve(model.layer_counts(), WORLD_SIZE)
+    return PlacementModel(cfg, dataset, model, cfg.plan, arch_from_model(model))
+
+
+def predict_step(pm: PlacementModel, step: int, profile: Any, decide_s: float, sharing: Any) -> float:
+    """The simulated seconds of ``step`` under the placement, as `benchmarks.sim_fidelity.predict`
+    prices a demo step (the layout the dispatcher decides, the schedule the engine builds for
+    it, the dispatch, the core sharing) at this benchmark's world size, plus the loss
+    all-reduce that ends `RankRun.step`."""
+    from benchmarks.sim_fidelity import batch_indices, dispatch_links
+    from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
+    from loom.balance.policy import make_layout, sample_costs
+    from loom.cost.profiled import ProfiledCostModel
+    from loom.cost.workload import MetadataArrays, sample_work
+    from loom.runtime.stage import trainable_stages
+    from loom.schedule.generators import build_schedule
+    from loom.sim.dispatch import metadata_bytes, price_dispatch
+    from loom.sim.simulator import simulate
+
+    cfg, plan, arch = pm.cfg, pm.plan, pm.arch
+    batching = "packed" if cfg.data.pack_sequences else "padded"
+    metas = [pm.dataset.meta(i) for i in batch_indices(cfg, step)]
+    layout = make_layout(cfg.balance, plan, sample_costs(arch, metas), batching)
+    schedule = build_schedule(plan, trainable_stages(pm.model, plan), layout=layout, eager=cfg.balance.eager_forward)
+    layout_plan = replace(plan, num_microbatches=layout.num_microbatches)
+    cost = ProfiledCostModel(profile, pm.model, layout_plan)
+    work = [{phase: sample_work(arch, [metas[s] for s in slots[j]], batching)[phase] for phase, slots in layout.slots.items()}
+            for j in range(layout.num_microbatches)]
+    per_sample = [sample_work(arch, [m], batching) for m in metas]
+    dispatch = price_dispatch(WORLD_SIZE, dispatch_links(profile), metadata_bytes=metadata_bytes(metas, WORLD_SIZE),
+                              decision_seconds=decide_s,
+                              payload=layout_payload_bytes(plan, layout,
+                                                           sample_payload_bytes(arch, MetadataArrays.from_metas(metas))),
+                              host_seconds=profile.dispatch_host_seconds(len(metas), WORLD_SIZE) or 0.0)
+    result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch, sharing=sharing,
+                      clip=cfg.optim.max_grad_norm > 0)
+    return result.iteration_time + cost.clip_time()
+
+
+def core_sharing(profile: Any, no_sharing: bool) -> Any:
+    """This host's cores shared by the 2 ranks, with the profile's measured CPU slowdown beside
+    a busy rank (`benchmarks.sim_fidelity.round_sharing` at this world size); None: a core each."""
+    from benchmarks.sim_fidelity import host_cores
+    from loom.sim.sharing import CoreSharing, contention_slowdown
+
+    if no_sharing:
+        return None
+    c = profile.contention
+    slowdown = contention_slowdown(float(c["cpu_ratio"]), int(c["busy"]), WORLD_SIZE) if c else ()
+    return CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE, slowdown=slowdown)
+
+
+def predictions(cfg: BenchConfig, profile_path: Path, timed_steps: list[int], total: int) -> dict[str, list[float]]:
+    """Per placement, the simulated seconds of every timed step (the decision's CPU time
+    measured here, on step 0's batch, as `benchmarks.sim_fidelity.decision_seconds` does)."""
+    from benchmarks.sim_fidelity import batch_indices, decision_seconds
+    from loom.cost.profile_file import load_profile_for
+
+    out = {}
+    for name in cfg.names():
+        pm = placement_model(name, total)
+        profile = load_profile_for(profile_path, pm.model)
+        if profile.comm is None:
+            raise RuntimeError(f"the profile {profile_path} has no communication fits: profile without --no-comm")
+        decide_s = decision_seconds(pm.cfg, pm.arch, [pm.dataset.meta(i) for i in batch_indices(pm.cfg, 0)])
+        sharing = core_sharing(profile, cfg.no_sharing)
+        out[name] = [predict_step(pm, s, profile, decide_s, sharing) for s in timed_steps]
+    return out
+
+
+# ---- figures -------------------------------------------------------------------------------
+def placement_figures(names: list[str], repeats: dict[str, list[list[float]]], simulated: dict[str, list[float]],
+                      global_batch: int) -> dict[str, dict[str, Any]]:
+    """The figures of the module docstring from each placement's timed steps grouped by repeat
+    (``repeats[p][r]``: seconds, the same global batches across placements) and its simulated
+    timed steps (seconds, the same steps in order)."""
+    figs: dict[str, dict[str, Any]] = {}
+    base = repeats[BASELINE]
+    for n in names:
+        means = [sum(rep) / len(rep) for rep in repeats[n]]
+        real = median([t for rep in repeats[n] for t in rep])
+        sim = median(simulated[n])
+        figs[f"placement_{n}_step_ms"] = summarize([m * 1e3 for m in means], "ms (measured)", "lower", digits=2)
+        figs[f"placement_{n}_samples_per_s"] = summarize([global_batch / m for m in means], "samples/s (measured)",
+                                                         "higher", digits=2)
+        figs[f"placement_{n}_sim_step_ms"] = figure(sim * 1e3, "ms (simulated)", "lower", digits=2)
+        figs[f"placement_{n}_sim_samples_per_s"] = figure(global_batch / sim, "samples/s (simulated)", "higher",
+                                                          digits=2)
+        figs[f"placement_{n}_sim_abs_rel_error"] = figure(abs(sim - real) / real, "fraction", "lower")
+    for n in names:
+        if n == BASELINE:
+            continue
+        figs[f"placement_step_ratio_{BASELINE}_over_{n}"] = summarize(
+            [paired_ratio(b, p) for b, p in zip(base, repeats[n])], "ratio (measured)", "higher")
+        figs[f"placement_sim_ratio_{BASELINE}_over_{n}"] = figure(
+            median(simulated[BASELINE]) / median(simulated[n]), "ratio (simulated)", "higher")
+    return figs
+
+
+# ---- the run -------------------------------------------------------------------------------
+def measure(cfg: BenchConfig, say: Any = print) -> tuple[dict[str, Any], dict[str, Any]]:
+    names, per = cfg.names(), cfg.steps_per_repeat()
+    total = cfg.warmup + cfg.repeats * per
+    timed_steps = list(range(cfg.warmup, total))
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        profile_path = Path(tmp) / "profile.json"
+        say(f"{NAME}: loom profile of {CONFIG.name} (1 thread) -> {profile_path}")
+        profile_s = run_profiler(profile_path, cfg.profile_repeats)
+        say(f"{NAME}: {names}, {WORLD_SIZE} gloo processes x 1 thread each; {cfg.warmup} warmup + {cfg.repeats} "
+            f"repeats x {per} timed steps, the placements taking turns step by step")
+        groups = run_groups(cfg, say)
+        say(f"{NAME}: simulating the {len(timed_steps)} timed steps of each placement")
+        simulated = predictions(cfg, profile_path, timed_steps, total)
+    global_batch = train_config(BASELINE, total).data.global_batch_size
+    repeats = {n: repeat_sums([s["total"] for s in g.steps], cfg.warmup, cfg.repeats, per) for n, g in groups.items()}
+    figures = placement_figures(names, repeats, simulated, global_batch)
+    details = {n: {"what": PLACEMENTS[n][0], "overrides": PLACEMENTS[n][1],
+                   "first_step_loss": g.losses[0],
+                   "dispatch_ms": round(median([s["dispatch"] for s in g.steps[cfg.warmup:]]) * 1e3, 3),
+                   "engine_step_ms": round(median([s["engine_step"] for s in g.steps[cfg.warmup:]]) * 1e3, 3),
+                   "cpu_ms_per_rank": [round(median([s["cpu"][r] for s in g.steps[cfg.warmup:]]) * 1e3, 3)
+                                       for r in range(WORLD_SIZE)],
+                   "measured_ms": [round(s["total"] * 1e3, 3) for s in g.steps[cfg.warmup:]],
+                   "simulated_ms": [round(t * 1e3, 3) for t in simulated[n]],
+                   "peak_rss_mb": max(g.peak_rss_mb)} for n, g in groups.items()}
+    config = {**asdict(cfg), "config_file": str(CONFIG.relative_to(REPO)), "world_size": WORLD_SIZE,
+              "threads_per_process": 1, "backend": "gloo", "global_batch": global_batch,
+              "steps_per_repeat": per, "timed_steps": timed_steps, "profile_wall_s": round(profile_s, 1),
+              "path": "loom.train.rank.build_rank + RankRun.step, as loom train",
+              "timing": "barrier to barrier around RankRun.step, the slower rank; every placement trains the same "
+                        "global batch at step i, the placements taking turns in a Williams order",
+              "simulation": "the same timed steps' batches, a loom profile of the model taken before the steps "
+                            "(ProfiledCostModel), dispatch priced, the ranks sharing the host's cores",
+              "ratio_direction": "placement_step_ratio_disaggregated_over_<p> above 1: <p> is faster than "
+                                 "disaggregated",
+              "first_step_loss_max_rel_diff": check_same_work({n: g.losses[0] for n, g in groups.items()},
+                                                              {n: [s["indices"] for s in g.steps]
+                                                               for n, g in groups.items()}),
+              "placements_detail": details, "wall_s": round(time.perf_counter() - t0, 1)}
+    return figures, config
+
+
+def main(argv: list[str] | None = None) -> None:
+    start_run()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for name, value in asdict(BenchConfig()).items():
+        flag = f"--{name.replace('_', '-')}"
+        if isinstance(value, bool):
+            ap.add_argument(flag, action="store_true")
+        else:
+            ap.add_argument(flag, type=type(value), default=value, help=" ")
+    ap.add_argument("--only", default="", help="comma-separated placements to run (with disaggregated); prints "
+                    "and writes no result file, so a partial run never replaces the full one")
+    args = ap.parse_args(argv)
+    values = {name: getattr(args, name) for name in asdict(BenchConfig())}
+    if args.only:
+        values["placements"] = ",".join(dict.fromkeys([BASELINE] + [p for p in args.only.split(",") if p]))
+    try:
+        cfg = BenchConfig(**values).check()
+    except ValueError as e:
+        ap.error(str(e))
+    figures, config = measure(cfg)
+    rows = [[name, f"{f['value']:.4g}", f["unit"], f["better"],
+             "" if f["spread"] is None else f"{f['spread'][0]:.4g}-{f['spread'][1]:.4g}"] for name, f in figures.items()]
+    print(format_table(["figure", "value", "unit", "better", "spread"], rows))
+    print(f"{NAME}: {config['wall_s']} s in all (profile {config['profile_wall_s']} s)")
+    if args.only:
+        print("(--only: no result file written)")
+        return
+    print(f"wrote {write_result(NAME, figures, config, machine_info())}")
+
+
+if __name__ == "__main__":
+    main()
