@@ -72,6 +72,9 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
         plan = Plan([ModuleSpec("vision"), ModuleSpec("audio"), ModuleSpec("llm", num_stages=4, virtual_stages=2)],
                     num_microbatches=4)
+    elif layout == "colocated":  # a vision replica on each rank of a 2-stage LLM (OrchMLLM's every module on every rank)
+        plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4,
+                    placement="colocated")
     elif layout == "omni":  # vision and audio encoders -> 2-stage LLM, frozen LLM, trainable projectors
         model = dataclasses.replace(model, audio=AudioConfig(**small), freeze=["vision.encoder", "llm"])
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
@@ -111,8 +114,14 @@ def _run_case(rank: int, case: str, path: Path) -> None:
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     engine.close()
-    save_rank(path, float(loss), engine.named_parameters(),
-              role=cfg.plan.role_of(rank), samples={j: list(b.sample_ids) for j, b in got.batches.items()},
+    # per phase whose first stage this rank runs, the samples of the batches it really ran
+    ran: dict[str, list[int]] = {}
+    for module, stage, replica in cfg.plan.stages_of(rank):
+        dp = cfg.plan.spec(module).data_parallel
+        for j in range(got.layout.num_microbatches) if stage == 0 else ():
+            if j % dp == replica:
+                ran.setdefault(module, []).extend(got.batches.get((module, j), got.batches.get(j)).sample_ids)
+    save_rank(path, float(loss), engine.named_parameters(), role=cfg.plan.role_of(rank), ran=ran,
               # every action is timed from its own start (wall-clock epoch seconds) to its end
               timeline_ok=all(e.start_s > 1e9 and 0 <= e.duration_s < 600 for e in result.timeline))
 
@@ -148,7 +157,8 @@ CASES = {
 # cases run inside another case's launch (same world size): the suite's time is in the launches
 # mixedzb: zb-h1 with routed rows into split LLM stages; interleaved: Entrain's deferral into an
 # interleaved LLM
-FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"]}
+FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
+          "pipe2-disttrain": ["colocated-orchmllm"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -168,8 +178,7 @@ def _check(case: str, world: int, out: Path, prefix: str) -> None:
     # every sample exactly once in each phase, counted over what the first stages really ran
     cfg, _ = _config(case)
     for phase in cfg.plan.module_names:
-        counted = Counter(s for r in results if r["role"][0] == phase and r["role"][1] == 0
-                          for ids in r["samples"].values() for s in ids)
+        counted = Counter(s for r in results for s in r["ran"].get(phase, []))
         assert counted == Counter(sample_ids), f"{phase}: samples dropped or duplicated: {counted}"
 
 
@@ -179,7 +188,8 @@ def test_balancing_really_rearranges(tmp_path: Path) -> None:
     from loom.balance.policy import make_layout, sample_costs
 
     for case, expect_routes in [("pipe2dp2-orchmllm", True), ("pipe2packed-entrain", True), ("pipe2dp2-disttrain", False),
-                                ("mixed-orchmllm", True), ("deeppacked-entrain", True), ("omni-entrain", True)]:
+                                ("mixed-orchmllm", True), ("deeppacked-entrain", True), ("omni-entrain", True),
+                                ("colocated-orchmllm", True)]:
         cfg, balance = _config(case)
         tokenizer, dataset = build_data(cfg)
         model = build_model(cfg.model, tokenizer, seed=SEED)

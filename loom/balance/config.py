@@ -96,9 +96,9 @@ def check_balance_config(config: BalanceConfig, plan: Plan, global_batch_size: i
     on the config: the balance section's values, a batch with fewer samples than microbatches,
     per-phase policies whose rounds do not divide the microbatches, and the joint policies'
     needs (equal data-parallel degrees, microbatches and, for Entrain, samples divisible by the
-    replica count), and no rearranging policy where encoders run on the LLM's ranks
-    (``plan.placement`` ``first_stage`` or ``colocated``: a rank runs its encoders and its LLM
-    stage on one `Batch` per slot; `loom.schedule.generators.build_schedule` refuses the same).
+    replica count), and no rearranging policy with ``plan.placement = "first_stage"`` (the
+    encoders there run inside the LLM's first stage, on its slots;
+    `loom.schedule.generators.build_schedule` refuses the same).
     Policy ``none`` needs nothing beyond a sample per microbatch: its identity layout runs any
     plan."""
     phases = plan.module_names
@@ -112,7 +112,7 @@ def check_balance_config(config: BalanceConfig, plan: Plan, global_batch_size: i
     chosen = set(config.summary(phases).values())
     if chosen == {"none"}:
         return
-    if plan.placement != "disaggregated":  # a rank runs slot j of its encoders and its LLM stage as one Batch
+    if plan.placement == "first_stage":  # a rank runs slot j of its encoders with its LLM stage's
         raise BalanceError(f"balance.policy {config.summary(phases)} with plan.placement = {plan.placement!r}: the "
                            f"encoders run each LLM microbatch's own samples; set balance.default = 'none' and name no "
                            f"balance.policy, or use placement = 'disaggregated' to balance")

@@ -73,7 +73,7 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
     if policies is None:
         return [(None, "", base.result, None)]
     runs = [("none", ".none", base.result, base)]
-    if plan.placement != "disaggregated":  # its encoders run the LLM's slots: nothing to balance
+    if plan.placement == "first_stage":  # its encoders run the LLM's slots: nothing to balance
         print(f"loom: plan with placement {plan.placement}: balancing policies do not apply (each encoder "
               f"microbatch runs with the LLM microbatch of its slot); simulated under none only", file=sys.stderr)
         return runs

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -65,7 +65,7 @@ class Dispatched:
 
     layout: BatchLayout
     rows: RowMap
-    batches: dict[int, Batch]  # this rank's microbatches, by slot
+    batches: dict[Any, Batch]  # this rank's microbatches, by slot (a colocated encoder's own: by (phase, slot))
     num_targets: int  # target tokens of the whole global batch (loss normalisation)
     metadata: MetadataArrays  # the global batch's metadata, by position
     costs: SampleCosts  # per-sample costs the policy balanced
@@ -157,11 +157,12 @@ class Dispatcher:
         return Dispatched(layout, rows, batches, num_targets, meta, costs)
 
     def _check_shared_slots(self, layout: BatchLayout) -> None:
-        """An encoder on the LLM's ranks (``first_stage``, ``colocated``) runs slot ``j`` on the
-        `Batch` of the LLM's slot ``j``: the layout must give both the same samples. Checked on
-        the whole layout, so every rank refuses it together (none waits in a collective)."""
+        """An encoder inside the LLM's first stage (``first_stage``) runs slot ``j`` with the
+        LLM's slot ``j``: the layout must give both the same samples. Checked on the whole
+        layout, so every rank refuses it together (none waits in a collective). A colocated
+        encoder runs its own slots (`_microbatches`)."""
         for encoder in self.plan.encoder_names:
-            if self.plan.hosted_by_llm(encoder) and not layout.shares_llm_slots(encoder):
+            if self.plan.placement == "first_stage" and not layout.shares_llm_slots(encoder):
                 j = next((j for j in range(layout.num_microbatches) if layout.slot(encoder, j) != layout.slot(LLM, j)), 0)
                 raise DispatchError(
                     f"the layout puts global batch positions {list(layout.slot(encoder, j))} in slot {j} of "
@@ -312,13 +313,21 @@ class Dispatcher:
         return items
 
     # ---- microbatches -------------------------------------------------------------------------
+    @staticmethod
+    def _modality_inputs(phases: list[str], slot: Sequence[int],
+                         received: dict[str, dict[int, list | np.ndarray]]) -> dict[str, dict[str, list]]:
+        """The ``modality_inputs`` of ``phases`` for the samples at positions ``slot``."""
+        return {phase: {MODALITIES[phase][1]: [t for p in slot for t in received[phase][p]]} for phase in phases}
+
     def _microbatches(self, layout: BatchLayout, meta: MetadataArrays,
-                      received: dict[str, dict[int, list | np.ndarray]]) -> dict[int, Batch]:
+                      received: dict[str, dict[int, list | np.ndarray]]) -> dict[Any, Batch]:
         """This rank's microbatches, by slot. A rank hosting several phases (encoders on the LLM's
-        first stage) gets one `Batch` per slot with every hosted phase's fields, as `collate`
-        gives the single process: the LLM's ids, labels and segments and the encoders'
-        ``modality_inputs``."""
-        batches: dict[int, Batch] = {}
+        ranks) gets one `Batch` per slot with every hosted phase's fields, as `collate` gives the
+        single process: the LLM's ids, labels and segments and the encoders'
+        ``modality_inputs``. A colocated encoder whose slot ``j`` holds other samples than the
+        slot's main phase (the LLM's, else the first hosted) under a balanced layout gets a
+        `Batch` of its own under ``(phase, j)`` (`PipelineExecutor._microbatch`)."""
+        batches: dict[Any, Batch] = {}
         if self.plan.coordinate_of(self.rank)[3:] != (0, 0):  # payloads go to a unit's leader, which
             return batches  # shares them with its unit (`loom.runtime.unit.UnitPlace.share_microbatches`)
         held: dict[int, dict[str, tuple[int, ...]]] = {}  # slot -> phase -> its positions
@@ -327,12 +336,17 @@ class Dispatcher:
             for j, slot in enumerate(layout.slots[phase]):
                 if j % dp == self._replica_of[phase]:
                     held.setdefault(j, {})[phase] = tuple(slot)
-        for j in sorted(held):  # the same positions in every phase (`_check_shared_slots`)
+        for j in sorted(held):
             slots = held[j]
-            slot = next(iter(slots.values()))
+            main = slots.get(LLM, next(iter(slots.values())))
+            for phase in [p for p in slots if slots[p] != main]:  # a colocated encoder's own samples
+                own = slots.pop(phase)
+                empty = torch.zeros((len(own), 0), dtype=torch.long)
+                batches[(phase, j)] = Batch(empty, empty.clone(), self._modality_inputs([phase], own, received),
+                                            meta.sample_id[list(own)].tolist())
+            slot = main
             ids = meta.sample_id[list(slot)].tolist()
-            modality_inputs = {phase: {MODALITIES[phase][1]: [t for p in slot for t in received[phase][p]]}
-                               for phase in slots if phase != LLM}
+            modality_inputs = self._modality_inputs([p for p in slots if p != LLM], slot, received)
             if LLM in slots:
                 input_ids, labels, segments = collate_ids([meta.meta(p) for p in slot],
                                                           [received[LLM][p] for p in slot], self.tokenizer,

@@ -318,7 +318,7 @@ class PipelineExecutor:
         st = it.state((a.module, a.stage, j))
         split = it.plan.split.get((a.module, a.stage, j))
         if st.batch is None:
-            st.batch = move_batch(self._microbatch(it.microbatches, j), self.device)
+            st.batch = move_batch(self._microbatch(it.microbatches, j, a.module), self.device)
             if split is None:  # a split microbatch builds one context per part
                 st.context = self.model.module_context(stage.module, st.batch, self._cp_context(it, j, stage.module))
         with self.precision.autocast():
@@ -380,13 +380,14 @@ class PipelineExecutor:
         j = a.microbatch
         st = it.states[(a.module, a.stage, j)]
         out = st.output
-        if a.peer == self.unit.unit:  # from a stage this unit hosts
-            st.out_grad = it.local.pop(tag)
-        elif a.samples is None:
-            st.out_grad = self.comm.recv_shaped(out.shape, out.dtype, self.unit.source(a.peer), tag)
+        local = a.peer == self.unit.unit  # from a stage this unit hosts
+        if a.samples is None:
+            st.out_grad = it.local.pop(tag) if local else self.comm.recv_shaped(out.shape, out.dtype,
+                                                                                self.unit.source(a.peer), tag)
         else:  # rows of some samples: scatter into this microbatch's pending gradient
             index = it.rows.index(a.module, j, a.samples, out.device)
-            g = self.comm.recv_shaped((index.numel(), *out.shape[1:]), out.dtype, self.unit.source(a.peer), tag)
+            g = it.local.pop(tag) if local else self.comm.recv_shaped((index.numel(), *out.shape[1:]), out.dtype,
+                                                                       self.unit.source(a.peer), tag)
             if st.out_grad is None:
                 st.out_grad = torch.zeros_like(out)
             st.out_grad.index_copy_(0, index, g)
@@ -562,9 +563,14 @@ class PipelineExecutor:
                                                self.unit.context, self.unit.cp_group, it.cp_blocks.get(j))
         return rc
 
-    def _microbatch(self, microbatches: dict[int, Batch], j: int) -> Batch:
+    def _microbatch(self, microbatches: dict[Any, Batch], j: int, module: str = LLM) -> Batch:
+        """Slot ``j``'s `Batch`; an encoder this rank hosts beside the LLM whose slot holds other
+        samples than the LLM's (a balanced colocated layout) has its own, under ``(module, j)``."""
+        own = microbatches.get((module, j))
+        if own is not None:
+            return own
         if j not in microbatches:
-            raise KeyError(f"rank {self.rank} runs microbatch {j} but was not given it (has {sorted(microbatches)})")
+            raise KeyError(f"rank {self.rank} runs microbatch {j} but was not given it (has {sorted(map(str, microbatches))})")
         return microbatches[j]
 
     def _tag(self, src: StageId, dst: StageId, src_mb: int, dst_mb: int, num_mb: int, grad: bool) -> int:

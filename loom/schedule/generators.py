@@ -370,10 +370,10 @@ def build_schedule(
     if layout is not None:
         if layout.is_identity() and layout.num_microbatches == plan.num_microbatches:
             layout = None  # the plain j -> j edges carry exactly these samples
-        elif plan.placement != "disaggregated":
-            raise PlanError(f"plan.placement = {plan.placement!r} runs each encoder microbatch with the LLM microbatch "
-                            f"of the same slot: a balanced layout is not supported with it; use balance.default = "
-                            f"'none' or placement = 'disaggregated'")
+        elif plan.placement == "first_stage":
+            raise PlanError("plan.placement = 'first_stage' runs each encoder microbatch with the LLM microbatch of the "
+                            "same slot: a balanced layout is not supported with it; use balance.default = 'none' or "
+                            "placement = 'disaggregated'")
         else:
             plan = dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
     _check_resolved(plan)
