@@ -261,11 +261,12 @@ def placement_model(placement: str, steps: int) -> PlacementModel:
     return PlacementModel(cfg, dataset, model, cfg.plan, arch_from_model(model))
 
 
-def predict_step(pm: PlacementModel, step: int, profile: Any, decide_s: float, sharing: Any) -> float:
+def predict_step(pm: PlacementModel, step: int, profile: Any, decide_s: float, sharing: Any) -> tuple[float, list[float]]:
     """The simulated seconds of ``step`` under the placement, as `benchmarks.sim_fidelity.predict`
     prices a demo step (the layout the dispatcher decides, the schedule the engine builds for
     it, the dispatch, the core sharing) at this benchmark's world size, plus the loss
-    all-reduce that ends `RankRun.step`."""
+    all-reduce that ends `RankRun.step`; and per rank the CPU seconds of its compute (every
+    unit it hosts: `SimResult.cpu`), to set beside the measured CPU time."""
     from benchmarks.sim_fidelity import batch_indices, dispatch_links
     from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
     from loom.balance.policy import make_layout, sample_costs
@@ -293,7 +294,9 @@ def predict_step(pm: PlacementModel, step: int, profile: Any, decide_s: float, s
                               host_seconds=profile.dispatch_host_seconds(len(metas), WORLD_SIZE) or 0.0)
     result = simulate(schedule, layout_plan, cost, work, sample_work=per_sample, dispatch=dispatch, sharing=sharing,
                       clip=cfg.optim.max_grad_norm > 0)
-    return result.iteration_time + cost.clip_time()
+    per_unit = result.cpu if result.cpu is not None else result.compute  # None: no core sharing, CPU = compute
+    cpu = [sum(t for u, t in per_unit.items() if result.first_rank[u] == r) for r in range(WORLD_SIZE)]
+    return result.iteration_time + cost.clip_time(), cpu
 
 
 def core_sharing(profile: Any, no_sharing: bool) -> Any:
@@ -309,9 +312,10 @@ def core_sharing(profile: Any, no_sharing: bool) -> Any:
     return CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE, slowdown=slowdown)
 
 
-def predictions(cfg: BenchConfig, profile_path: Path, timed_steps: list[int], total: int) -> dict[str, list[float]]:
-    """Per placement, the simulated seconds of every timed step (the decision's CPU time
-    measured here, on step 0's batch, as `benchmarks.sim_fidelity.decision_seconds` does)."""
+def predictions(cfg: BenchConfig, profile_path: Path, timed_steps: list[int],
+                total: int) -> dict[str, list[tuple[float, list[float]]]]:
+    """Per placement, `predict_step` of every timed step (the decision's CPU time measured
+    here, on step 0's batch, as `benchmarks.sim_fidelity.decision_seconds` does)."""
     from benchmarks.sim_fidelity import batch_indices, decision_seconds
     from loom.cost.profile_file import load_profile_for
 
@@ -370,7 +374,8 @@ def measure(cfg: BenchConfig, say: Any = print) -> tuple[dict[str, Any], dict[st
             f"repeats x {per} timed steps, the placements taking turns step by step")
         groups = run_groups(cfg, say)
         say(f"{NAME}: simulating the {len(timed_steps)} timed steps of each placement")
-        simulated = predictions(cfg, profile_path, timed_steps, total)
+        predicted = predictions(cfg, profile_path, timed_steps, total)
+    simulated = {n: [p[0] for p in got] for n, got in predicted.items()}
     global_batch = train_config(BASELINE, total).data.global_batch_size
     repeats = {n: repeat_sums([s["total"] for s in g.steps], cfg.warmup, cfg.repeats, per) for n, g in groups.items()}
     figures = placement_figures(names, repeats, simulated, global_batch)
@@ -382,6 +387,10 @@ def measure(cfg: BenchConfig, say: Any = print) -> tuple[dict[str, Any], dict[st
                                        for r in range(WORLD_SIZE)],
                    "measured_ms": [round(s["total"] * 1e3, 3) for s in g.steps[cfg.warmup:]],
                    "simulated_ms": [round(t * 1e3, 3) for t in simulated[n]],
+                   # what each rank computes, measured (CPU time over RankRun.step, every thread)
+                   # and simulated (its units' compute): apart from waiting and the machine's load
+                   "simulated_compute_cpu_ms_per_rank": [round(median([p[1][r] for p in predicted[n]]) * 1e3, 3)
+                                                         for r in range(WORLD_SIZE)],
                    "peak_rss_mb": max(g.peak_rss_mb)} for n, g in groups.items()}
     config = {**asdict(cfg), "config_file": str(CONFIG.relative_to(REPO)), "world_size": WORLD_SIZE,
               "threads_per_process": 1, "backend": "gloo", "global_batch": global_batch,
@@ -424,6 +433,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = [[name, f"{f['value']:.4g}", f["unit"], f["better"],
              "" if f["spread"] is None else f"{f['spread'][0]:.4g}-{f['spread'][1]:.4g}"] for name, f in figures.items()]
     print(format_table(["figure", "value", "unit", "better", "spread"], rows))
+    for n, d in config["placements_detail"].items():
+        print(f"{n}: CPU ms per rank, measured {d['cpu_ms_per_rank']}, simulated compute "
+              f"{d['simulated_compute_cpu_ms_per_rank']}")
     print(f"{NAME}: {config['wall_s']} s in all (profile {config['profile_wall_s']} s)")
     if args.only:
         print("(--only: no result file written)")
