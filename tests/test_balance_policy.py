@@ -257,7 +257,7 @@ def test_hosting_rank_gets_every_phase_per_slot(dispatch_launch: Path, placement
     shards = loader_shards(FIRST_STAGE_BATCH, 2)
     expect_slots = [list(map(int, s)) for s in np.array_split(np.arange(FIRST_STAGE_BATCH), FIRST_STAGE_MICROBATCHES)]
     for rank in range(2):
-        got = torch.load(dispatch_launch / f"{placement}{rank}.pt", weights_only=False)  # our own Batches
+        got = torch.load(dispatch_launch / f"{placement}{rank}.pt", weights_only=True)
         hosts = placement == "colocated" or rank == 0
         assert got["phases"] == (["vision", "audio"] if hosts else []) + ["llm"]
         batches = got["batches"]
@@ -265,14 +265,14 @@ def test_hosting_rank_gets_every_phase_per_slot(dispatch_launch: Path, placement
         for j, positions in enumerate(expect_slots):
             want = collate([dataset[p] for p in positions], tokenizer, counts)
             b = batches[j]
-            assert b.sample_ids == want.sample_ids
-            assert torch.equal(b.input_ids, want.input_ids) and torch.equal(b.labels, want.labels)
-            assert b.segments == want.segments
+            assert b["sample_ids"] == list(want.sample_ids)
+            assert torch.equal(b["input_ids"], want.input_ids) and torch.equal(b["labels"], want.labels)
+            assert b["segments"] == want.segments
             encoders = ["vision", "audio"] if (placement == "first_stage" and rank == 0) or (
                 placement == "colocated" and j % 2 == rank) else []
-            assert sorted(b.modality_inputs) == sorted(encoders)
+            assert sorted(b["modality_inputs"]) == sorted(encoders)
             for enc in encoders:
-                (key, items), = b.modality_inputs[enc].items()
+                (key, items), = b["modality_inputs"][enc].items()
                 ref = want.modality_inputs[enc][key]
                 assert len(items) == len(ref) and all(torch.equal(a, r.float()) for a, r in zip(items, ref))
     # the comparison covers payloads that crossed ranks: pixels and waveforms loaded on rank 1
@@ -355,7 +355,10 @@ def _dispatch_worker(rank: int, world_size: int, out: str) -> None:
         d = Dispatcher(_first_stage_plan(model, placement), dataset, tokenizer, token_counters(model),
                        arch_from_model(model), BalanceConfig(), torch.device("cpu"))
         got = d.dispatch(list(range(FIRST_STAGE_BATCH)))
-        torch.save({"phases": d.phases, "batches": got.batches}, Path(out, f"{placement}{rank}.pt"))
+        # plain fields (tensors, lists, str keys): the parent loads them with weights_only=True
+        batches = {j: {"sample_ids": list(b.sample_ids), "input_ids": b.input_ids, "labels": b.labels,
+                       "segments": b.segments, "modality_inputs": b.modality_inputs} for j, b in got.batches.items()}
+        torch.save({"phases": d.phases, "batches": batches}, Path(out, f"{placement}{rank}.pt"))
 
 
 def test_eager_forward_deepens_encoder_warmup_and_stays_valid(demo) -> None:

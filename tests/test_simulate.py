@@ -87,10 +87,12 @@ def test_bad_scenarios_name_the_field(tmp_path, capsys, change, words):
         assert w in err, (w, err)
 
 
-def test_plan_that_does_not_fit_memory_names_rank_and_excess(tmp_path, capsys):
-    text = SMALL.replace('llm = "llama3-8b"', 'llm = "llama3-70b"') + """
+def _simulate_oversized(tmp_path, placement: str = "disaggregated") -> int:
+    """``loom simulate`` of Llama-3-70B in a 2-stage x DP 2 plan that cannot fit; its exit code."""
+    text = SMALL.replace('llm = "llama3-8b"', 'llm = "llama3-70b"') + f"""
 [plans.tiny]
 num_microbatches = 16
+placement = "{placement}"
 [[plans.tiny.modules]]
 name = "vision"
 data_parallel = 2
@@ -99,7 +101,11 @@ name = "llm"
 num_stages = 2
 data_parallel = 2
 """
-    rc = main(["simulate", "--config", write(tmp_path, text), "--no-png", "--out", str(tmp_path / "out")])
+    return main(["simulate", "--config", write(tmp_path, text), "--no-png", "--out", str(tmp_path / "out")])
+
+
+def test_plan_that_does_not_fit_memory_names_rank_and_excess(tmp_path, capsys):
+    rc = _simulate_oversized(tmp_path)
     err = capsys.readouterr().err
     assert rc == 2
     assert "does not fit" in err and "rank " in err and "over by" in err and "GiB" in err
@@ -108,19 +114,7 @@ data_parallel = 2
 def test_a_placement_that_overcommits_a_rank_names_what_it_holds(tmp_path, capsys):
     """first_stage puts the encoder beside the LLM's first stage: the rank that holds both is
     named with everything it holds, and the placement is named as a way out."""
-    text = SMALL.replace('llm = "llama3-8b"', 'llm = "llama3-70b"') + """
-[plans.packed]
-num_microbatches = 16
-placement = "first_stage"
-[[plans.packed.modules]]
-name = "vision"
-data_parallel = 2
-[[plans.packed.modules]]
-name = "llm"
-num_stages = 2
-data_parallel = 2
-"""
-    rc = main(["simulate", "--config", write(tmp_path, text), "--no-png", "--out", str(tmp_path / "out")])
+    rc = _simulate_oversized(tmp_path, "first_stage")
     err = capsys.readouterr().err
     assert rc == 2
     assert re.search(r"rank [01] \(vision stage 0 \+ llm stage 0, replica [01]\) needs", err) and "over by" in err, err
