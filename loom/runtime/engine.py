@@ -81,7 +81,7 @@ class ParallelEngine:
         # the LLM's first position take its TP degree)
         stages = build_stages(model, plan, rank, release_others=release_others, device=device,
                               shard_layer=lambda module: layer_sharder(model, module, unit.tp_mesh))
-        stage = stages[0]  # virtual stages share a module and replica (ZeRO is refused with them)
+        stage = stages[0]  # ZeRO 2/3 is refused where a rank hosts several; hosted encoders share the LLM's zero_stage
         dp_group = data_parallel_group(meshes, plan, rank, replicas)
         groups = {(st.module, st.stage): stage_data_parallel_group(meshes, plan, rank, st.module, replicas)
                   for st in stages}
