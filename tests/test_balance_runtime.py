@@ -28,7 +28,8 @@ from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.runtime.dispatch import Dispatcher
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
-from loom.train.build import build_data, build_model, num_targets, token_counters
+from loom.schedule.generators import build_schedule
+from loom.train.build import bubble_filler, build_data, build_model, num_targets, token_counters
 from loom.train.config import ModelConfig, TrainConfig
 from reference import assert_matches_reference, save_rank
 
@@ -75,6 +76,11 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     elif layout == "colocated":  # a vision replica on each rank of a 2-stage LLM (OrchMLLM's every module on every rank)
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4,
                     placement="colocated")
+    elif layout == "optimus":  # vision and audio replicas on both ranks of a 2-stage LLM, work moved into its bubbles
+        model = dataclasses.replace(model, audio=AudioConfig(**small))
+        demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
+        plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("audio", data_parallel=2),
+                     ModuleSpec("llm", num_stages=2)], num_microbatches=4, placement="colocated", bubble_fill="optimus")
     elif layout == "omni":  # vision and audio encoders -> 2-stage LLM, frozen LLM, trainable projectors
         model = dataclasses.replace(model, audio=AudioConfig(**small), freeze=["vision.encoder", "llm"])
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
@@ -102,6 +108,8 @@ def _run_case(rank: int, case: str, path: Path) -> None:
     arch = arch_from_model(model)
     engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
     engine.eager_forward = balance.eager_forward
+    if cfg.plan.bubble_fill != "none":  # as loom train sets it (loom.train.rank.build_rank)
+        engine.schedule_transform = bubble_filler(cfg, model, dataset, engine.plan)
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, token_counters(model), arch, balance, torch.device("cpu"),
                             pack=cfg.data.pack_sequences)
     # two steps on the same batch without an optimizer: the first sets each channel's shape rule
@@ -114,6 +122,10 @@ def _run_case(rank: int, case: str, path: Path) -> None:
     loss = torch.tensor([result.loss], dtype=torch.float64)
     dist.all_reduce(loss)
     engine.close()
+    # the order the engine ran differs from the generator's where a bubble fill moved work
+    built = build_schedule(engine.plan, engine.trainable, layout=got.layout)
+    reordered = engine.schedule_for(got.layout).actions[rank] != built.actions[rank]
+    assert sorted(map(repr, engine.schedule_for(got.layout).actions[rank])) == sorted(map(repr, built.actions[rank]))
     # per phase whose first stage this rank runs, the samples of the batches it really ran
     ran: dict[str, list[int]] = {}
     for module, stage, replica in cfg.plan.stages_of(rank):
@@ -123,7 +135,7 @@ def _run_case(rank: int, case: str, path: Path) -> None:
                 ran.setdefault(module, []).extend(got.batches.get((module, j), got.batches.get(j)).sample_ids)
     save_rank(path, float(loss), engine.named_parameters(), role=cfg.plan.role_of(rank), ran=ran,
               # every action is timed from its own start (wall-clock epoch seconds) to its end
-              timeline_ok=all(e.start_s > 1e9 and 0 <= e.duration_s < 600 for e in result.timeline))
+              reordered=reordered, timeline_ok=all(e.start_s > 1e9 and 0 <= e.duration_s < 600 for e in result.timeline))
 
 
 def _reference(case: str):
@@ -157,8 +169,10 @@ CASES = {
 # cases run inside another case's launch (same world size): the suite's time is in the launches
 # mixedzb: zb-h1 with routed rows into split LLM stages; interleaved: Entrain's deferral into an
 # interleaved LLM
+# optimus: Optimus's bubble fill (plan.bubble_fill) of colocated vision and audio encoders
 FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
-          "pipe2-disttrain": ["colocated-orchmllm"]}
+          "pipe2-disttrain": ["colocated-orchmllm"], "pipe2-none": ["optimus-none"],
+          "pipe2packed-entrain": ["optimus-orchmllm"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -174,6 +188,8 @@ def _check(case: str, world: int, out: Path, prefix: str) -> None:
 
     assert_matches_reference(results, model, ref_loss)
     assert all(r["timeline_ok"] for r in results), "a timeline event with a bogus start or duration"
+    if case.startswith("optimus"):  # the fill really moved encoder work (else this is the colocated case again)
+        assert any(r["reordered"] for r in results), "the bubble fill left every rank's order as built"
 
     # every sample exactly once in each phase, counted over what the first stages really ran
     cfg, _ = _config(case)
@@ -189,7 +205,7 @@ def test_balancing_really_rearranges(tmp_path: Path) -> None:
 
     for case, expect_routes in [("pipe2dp2-orchmllm", True), ("pipe2packed-entrain", True), ("pipe2dp2-disttrain", False),
                                 ("mixed-orchmllm", True), ("deeppacked-entrain", True), ("omni-entrain", True),
-                                ("colocated-orchmllm", True)]:
+                                ("colocated-orchmllm", True), ("optimus-orchmllm", True)]:
         cfg, balance = _config(case)
         tokenizer, dataset = build_data(cfg)
         model = build_model(cfg.model, tokenizer, seed=SEED)

@@ -36,6 +36,9 @@ SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero-bubble (Qi et al.), loom.s
 # rank also hosts one replica of each encoder (OrchMLLM's and Optimus's setups, data-parallel
 # encoders over all of the LLM's ranks)
 PLACEMENTS = ("disaggregated", "first_stage", "colocated")
+# what a colocated schedule does with the encoders' work: keep Optimus's coarse order (forwards
+# first, backwards last) or move it into the LLM's pipeline bubbles (loom.sim.bubble_fill)
+BUBBLE_FILLS = ("none", "optimus")
 # activation checkpointing per module: nothing, the attention core of every block, or every block
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -218,6 +221,7 @@ class Plan:
     num_microbatches: int = 4
     schedule: str = "1f1b"
     placement: str = "disaggregated"
+    bubble_fill: str = "none"  # one of BUBBLE_FILLS; "optimus" needs placement = "colocated"
 
     # ---- lookups -------------------------------------------------------------------------
     @property
@@ -378,6 +382,12 @@ class Plan:
             raise PlanError(f"plan.schedule = {self.schedule!r}: choose one of {list(SCHEDULES)}")
         if self.placement not in PLACEMENTS:
             raise PlanError(f"plan.placement = {self.placement!r}: choose one of {list(PLACEMENTS)}")
+        if self.bubble_fill not in BUBBLE_FILLS:
+            raise PlanError(f"plan.bubble_fill = {self.bubble_fill!r}: choose one of {list(BUBBLE_FILLS)}")
+        if self.bubble_fill != "none" and self.placement != "colocated":
+            raise PlanError(f"plan.bubble_fill = {self.bubble_fill!r} moves colocated encoders' work into the LLM's "
+                            f"bubbles, but plan.placement = {self.placement!r}: set placement = 'colocated' or "
+                            f"bubble_fill = 'none'")
         if self.num_microbatches < 1:
             raise PlanError(f"plan.num_microbatches = {self.num_microbatches}: must be at least 1")
         for m in self.modules:
@@ -453,7 +463,7 @@ class Plan:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
         d = dict(d)
-        known = {"modules", "num_microbatches", "schedule", "placement"}
+        known = {"modules", "num_microbatches", "schedule", "placement", "bubble_fill"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown fields {sorted(unknown)}; known fields are {sorted(known)}")
@@ -486,7 +496,7 @@ class Plan:
 
     def to_toml(self) -> str:
         lines = ["[plan]", f"num_microbatches = {self.num_microbatches}", f'schedule = "{self.schedule}"',
-                 f'placement = "{self.placement}"', ""]
+                 f'placement = "{self.placement}"', f'bubble_fill = "{self.bubble_fill}"', ""]
         for m in self.modules:
             lines += ["[[plan.modules]]", f'name = "{m.name}"', f"data_parallel = {m.data_parallel}",
                       f"num_stages = {m.num_stages}", f"tensor_parallel = {m.tensor_parallel}",

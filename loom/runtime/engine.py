@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from loom.schedule.layout import BatchLayout, contiguous_layout
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
-from loom.plan.plan import Plan
+from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
 from loom.runtime.precision import Precision
 from loom.runtime.recompute import apply_recompute
@@ -45,6 +45,9 @@ class ParallelEngine:
     trainable: dict[tuple[str, int], bool] = field(default_factory=dict)
     eager_forward: int = 0  # extra encoder warmup microbatches of balanced schedules (Entrain §3.6)
     meshes: dict[str, DeviceMesh] = field(default_factory=dict)  # per module (loom.runtime.mesh)
+    # a reordering of each built schedule decided above the runtime (plan.bubble_fill: loom.train
+    # passes the simulator's fill, loom.train.build.bubble_filler); validated like the built one
+    schedule_transform: Callable[[Schedule, Plan], Schedule] | None = None
     _schedules: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -117,7 +120,13 @@ class ParallelEngine:
             if len(self._schedules) >= 64:
                 self._schedules.clear()
             schedule = build_schedule(self.plan, self.trainable, layout=layout, eager=self.eager_forward)
-            validate_schedule(schedule, replace(self.plan, num_microbatches=layout.num_microbatches))
+            plan = replace(self.plan, num_microbatches=layout.num_microbatches)
+            if self.plan.bubble_fill != "none":
+                if self.schedule_transform is None:
+                    raise PlanError(f"plan.bubble_fill = {self.plan.bubble_fill!r}: the engine needs the fill as its "
+                                    f"schedule_transform (loom train sets it: loom.train.build.bubble_filler)")
+                schedule = self.schedule_transform(schedule, plan)
+            validate_schedule(schedule, plan)
             self._schedules[key] = schedule
         return self._schedules[key]
 

@@ -77,6 +77,7 @@ class Play:
         self.spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
         self.cpu: list[float] | None = None  # per unit, CPU seconds under core sharing (`simulate` sets it)
         self.messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
+        self.arrivals: list[list[float]] = [[] for _ in range(n)]  # per unit, each receive's message arrival, in order
         self.waiting: dict[tuple, int] = {}  # message key -> the unit blocked on it
         self.arrived: dict[tuple[str, int], dict[int, float]] = {}  # stage -> {unit: arrival} at its grad sync
         # gradient clipping's world all-reduce: who must join, who has (unit -> arrival), who is through
@@ -183,6 +184,7 @@ class Play:
         arrival = posted.pop(0)
         if not posted:
             del self.messages[key]
+        self.arrivals[u].append(arrival)
         end = arrival if arrival > t else t
         self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
                                             a.microbatch, t, end, self.step))

@@ -20,6 +20,7 @@ shows next to its gain.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from loom.data.synthetic import MIXES, SyntheticMetadata
 from loom.plan.overrides import ConfigError, apply_override, typed_value
 from loom.plan.plan import RECOMPUTE_MODES, Plan, PlanError
 from loom.schedule.generators import build_schedule
+from loom.sim.bubble_fill import fill_bubbles
 from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
 from loom.cost.workload import MetadataArrays
 from loom.sim.dispatch import DispatchCost, Links, decision_seconds_model, metadata_bytes, price_dispatch
@@ -192,6 +194,9 @@ class Scenario:
         cost = self.cost_model(plan)
         # frozen stages run no backward
         schedule = build_schedule(plan, self.trainable_stages(plan), layout=layout, eager=eager)
+        if plan.bubble_fill == "optimus":  # the encoders' work moved into the LLM's bubbles, as loom train runs it
+            run_plan = plan if layout is None else dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
+            schedule = fill_bubbles(schedule, run_plan, cost, work, sample_work).schedule
         result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work,
                           dispatch=dispatch, clip=self.max_grad_norm > 0)
         return result, cost

@@ -17,6 +17,9 @@ from loom.data.collate import MODALITIES, target_count
 from loom.data.demo import DemoDataset
 from loom.data.sample import SampleMeta
 from loom.data.tokenizer import Tokenizer
+from loom.cost.model import Workload
+from loom.plan.plan import Plan
+from loom.schedule.ir import Schedule
 from loom.model.multimodal import ModalityEncoder, MultimodalModel
 from loom.model.zoo import AudioEncoder, LlamaForCausalLM, VisionEncoder
 from loom.train.config import ConfigError, ModelConfig, TrainConfig
@@ -68,33 +71,40 @@ def build_data(cfg: TrainConfig) -> tuple[Tokenizer, DemoDataset]:
     return Tokenizer(), DemoDataset(cfg.data.demo)
 
 
+def mean_workloads(cfg: TrainConfig, model: MultimodalModel, dataset: DemoDataset,
+                   llm_batching: str = "padded") -> tuple[dict[str, Workload], dict[str, Workload]]:
+    """The mean microbatch's and the mean sample's workload per module over the run's first
+    (up to 4) global batches, from metadata only (`loom.cost.workload.sample_work`)."""
+    from loom.cost.arch_from_model import arch_from_model
+    from loom.cost.workload import sample_work
+    from loom.data.collate import split_microbatches
+    from loom.data.sampler import GlobalBatchSampler
+
+    arch = arch_from_model(model)
+    sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
+    works, samples = [], 0
+    for step in range(min(4, cfg.run.steps)):
+        for part in split_microbatches(sampler.batch(step), cfg.plan.num_microbatches):
+            works.append(sample_work(arch, [dataset.meta(i) for i in part], llm_batching=llm_batching))
+            samples += len(part)
+
+    def mean(over: int) -> dict[str, Workload]:
+        return {m: Workload(*(round(sum(getattr(w[m], f) for w in works) / over)
+                              for f in ("tokens", "attn_sq", "segments")))
+                for m in model.module_names}
+
+    return mean(len(works)), mean(samples)
+
+
 def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoDataset) -> None:
     """Fill the plan's unset stage boundaries with the frozen-aware partition (cornstarch.md
     §3.2.2, eq. 3.5) of per-layer costs from ``run.profile``, for the mean microbatch of the
     run's first global batches (from metadata only). Modules with explicit boundaries keep them."""
-    from loom.cost.arch_from_model import arch_from_model
     from loom.cost.frozen import INPUT_KINDS
-    from loom.cost.model import Workload
-    from loom.cost.profile_file import ProfileError, load_profile_for
-    from loom.data.sampler import GlobalBatchSampler
-    from loom.data.collate import split_microbatches
     from loom.planner.partition import frozen_aware_boundaries, frozen_aware_layer_costs
-    from loom.cost.workload import sample_work
 
-    try:
-        profile = load_profile_for(cfg.run.profile, model, cfg.run.dtype)  # the model's, timed under run.dtype
-    except (OSError, ProfileError) as e:
-        raise ConfigError(f"run.profile = {cfg.run.profile!r}: {e}") from e
-    arch = arch_from_model(model)
-    sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
-    works = []
-    for step in range(min(4, cfg.run.steps)):
-        for part in split_microbatches(sampler.batch(step), cfg.plan.num_microbatches):
-            works.append(sample_work(arch, [dataset.meta(i) for i in part], llm_batching="padded"))
-    mean = {
-        m: Workload(*(round(sum(getattr(w[m], f) for w in works) / len(works)) for f in ("tokens", "attn_sq", "segments")))
-        for m in model.module_names
-    }
+    profile = _profile(cfg, model)
+    mean = mean_workloads(cfg, model, dataset)[0]
     per_layer = {phase: {m: [profile.module_time(m, phase, mean[m], i, i + 1) for i in range(len(profile.layers[m]))]
                          for m in model.module_names}
                  for phase in ("forward", "backward_input", "backward_weight")}
@@ -104,3 +114,43 @@ def profiled_boundaries(cfg: TrainConfig, model: MultimodalModel, dataset: DemoD
     costs = frozen_aware_layer_costs(per_layer["forward"], per_layer["backward_input"], per_layer["backward_weight"],
                                      trainable, model.module_names, reads_data=reads_data)
     cfg.plan = frozen_aware_boundaries(cfg.plan, costs)
+
+
+def _profile(cfg: TrainConfig, model: MultimodalModel):
+    """``run.profile``, checked against ``model`` and ``run.dtype``; a `ConfigError` naming the field otherwise."""
+    from loom.cost.profile_file import ProfileError, load_profile_for
+
+    try:
+        return load_profile_for(cfg.run.profile, model, cfg.run.dtype)  # the model's, timed under run.dtype
+    except (OSError, ProfileError) as e:
+        raise ConfigError(f"run.profile = {cfg.run.profile!r}: {e}") from e
+
+
+def bubble_filler(cfg: TrainConfig, model: MultimodalModel, dataset: DemoDataset,
+                  plan: Plan) -> Callable[[Schedule, Plan], Schedule]:
+    """The schedule transform of ``plan.bubble_fill = "optimus"`` (`loom.sim.bubble_fill`) for
+    `ParallelEngine.schedule_transform`: each iteration's colocated schedule with the encoders'
+    work moved into the LLM's bubbles, decided as Optimus decides offline (optimus.md §2.2) on
+    the mean microbatch of the run's first batches, timed by ``run.profile`` when set (`loom
+    profile`) and otherwise by the analytic model (FLOPs on an H100: only the ratios of the
+    durations steer the fill). The same on every rank: the same inputs, the same arithmetic."""
+    from loom.cost.analytic import AnalyticCostModel
+    from loom.cost.arch_from_model import arch_from_model
+    from loom.cost.hardware import Cluster
+    from loom.cost.memory import DTYPE_BYTES
+    from loom.cost.profiled import ProfiledCostModel
+    from loom.sim.bubble_fill import fill_bubbles
+
+    batching = "packed" if cfg.data.pack_sequences else "padded"
+    per_microbatch, per_sample = mean_workloads(cfg, model, dataset, batching)
+    if cfg.run.profile:
+        cost = ProfiledCostModel(_profile(cfg, model), model, plan)
+    else:
+        cost = AnalyticCostModel(arch_from_model(model), plan, Cluster("H100", max(8, plan.world_size)),
+                                 dtype_bytes=DTYPE_BYTES[cfg.run.dtype])
+
+    def fill(schedule: Schedule, run_plan: Plan) -> Schedule:
+        work = [per_microbatch] * schedule.num_microbatches
+        return fill_bubbles(schedule, run_plan, cost, work, [per_sample] * cfg.data.global_batch_size).schedule
+
+    return fill

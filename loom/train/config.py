@@ -277,7 +277,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def _check_plan_types(plan: Plan) -> None:
     """Types of every plan field, so a wrong one is named here rather than failing as a raw
     TypeError inside `Plan.resolve` (which checks the ranges)."""
-    for k, tp in (("num_microbatches", int), ("schedule", str), ("placement", str)):
+    for k, tp in (("num_microbatches", int), ("schedule", str), ("placement", str),
+                  ("bubble_fill", str)):
         typed_value(tp, getattr(plan, k), f"plan.{k}")
     hints = typing.get_type_hints(ModuleSpec)
     for m in plan.modules:

@@ -55,7 +55,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     run = build_rank(cfg, device)
     if rank == 0:
         cfg.plan.to_json(run_dir / "plan.json")
-        run.engine.schedule.to_json(run_dir / "schedule.json")
+        # the unbalanced iteration's schedule as the engine runs it (after any bubble fill)
+        run.engine.schedule_for(run.engine.identity_layout(cfg.data.global_batch_size)).to_json(run_dir / "schedule.json")
 
     progress = None
     metrics = balance_log = None

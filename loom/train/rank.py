@@ -27,7 +27,7 @@ from loom.data.tokenizer import Tokenizer
 from loom.runtime.dispatch import Dispatched, Dispatcher, SampleSource
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.executor import StepResult
-from loom.train.build import build_data, build_model, token_counters
+from loom.train.build import bubble_filler, build_data, build_model, token_counters
 from loom.train.config import OptimConfig, TrainConfig
 
 ADAM_BETAS = (0.9, 0.95)  # the usual LLM pre-training betas (Llama 3, torchtitan)
@@ -133,6 +133,8 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     engine = ParallelEngine.create(model, cfg.plan, device, make_optimizer(cfg.optim),
                                    max_grad_norm=cfg.optim.max_grad_norm, dtype=cfg.run.dtype)
     engine.eager_forward = cfg.balance.eager_forward
+    if cfg.plan.bubble_fill != "none":  # Optimus: decided above the runtime, on the simulator (loom.sim.bubble_fill)
+        engine.schedule_transform = bubble_filler(cfg, model, dataset, engine.plan)
     scheduler = make_lr_scheduler(cfg, engine.optimizer) if engine.optimizer is not None else None
     sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch, cfg.balance, device,
