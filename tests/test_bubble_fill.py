@@ -143,3 +143,22 @@ def test_simulator_prices_the_fill() -> None:
     coarse = scenario.run(plan)
     filled = scenario.run(dataclasses.replace(plan, bubble_fill="optimus"))
     assert filled.iteration_time < coarse.iteration_time
+
+
+def test_compare_sets_an_optimus_plan_beside_the_others() -> None:
+    """``loom simulate --compare``'s Optimus plan: colocated, every rank in the LLM's pipeline,
+    the fill on; at degrees the colocated runtime does not run (TP 8), a `ScenarioError` that
+    names the field."""
+    from loom.planner.baselines import optimus_plan
+    from loom.sim.scenario import ScenarioError, load_scenario
+
+    config = "configs/sim/llama3-70b-vith-1024xh100.toml"
+    with pytest.raises(ScenarioError, match=re.escape("parallel.tensor_parallel = 8")):
+        optimus_plan(load_scenario(config))
+    scenario = load_scenario(config, ['model.llm="llama3-8b"', "cluster.num_gpus=8", "parallel.tensor_parallel=1",
+                                      "parallel.zero_stage=0", "parallel.data_parallel=2",
+                                      "parallel.microbatches_per_pipeline=8", "data.global_batch_size=32"])
+    plan = optimus_plan(scenario)
+    assert (plan.placement, plan.bubble_fill, plan.world_size) == ("colocated", "optimus", 8)
+    assert plan.spec("vision").data_parallel == 8 and plan.spec(LLM).pipeline_depth == 4
+    assert scenario.run(plan).iteration_time < scenario.run(dataclasses.replace(plan, bubble_fill="none")).iteration_time

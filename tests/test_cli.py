@@ -58,6 +58,17 @@ def test_plan_prints_layout_and_schedule(tmp_path):
     assert "F llm.1 mb0" in out.stdout and "sendA" not in out.stdout
     out = loom("plan", "--config", str(ROOT / "configs/demo.toml"), "--comm", cwd=tmp_path)
     assert "sendA vision.0 mb0 -> r2" in out.stdout
+    # an Optimus plan prints the order the run executes: the fill's, not the generator's
+    colocated = ['plan.placement="colocated"', "plan.modules.vision.data_parallel=2", "plan.modules.audio.data_parallel=2",
+                 "plan.modules.llm.num_stages=2"]
+    rows = {}
+    for fill in ("none", "optimus"):
+        out = loom("plan", "--config", str(ROOT / "configs/demo.toml"), *colocated, f'plan.bubble_fill="{fill}"',
+                   cwd=tmp_path)
+        assert out.returncode == 0, out.stderr
+        rows[fill] = next(line for line in out.stdout.splitlines() if line.startswith("r0: "))
+    assert rows["none"].startswith("r0: F vision.0 mb0 | F audio.0 mb0 | F vision.0 mb2")
+    assert rows["optimus"] != rows["none"] and sorted(rows["optimus"].split(" | ")) == sorted(rows["none"].split(" | "))
 
 
 @pytest.mark.multiprocess

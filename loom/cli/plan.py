@@ -13,12 +13,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from loom.runtime.stage import trainable_stages
     from loom.schedule.generators import build_schedule
     from loom.schedule.validate import render, validate_schedule
-    from loom.train.build import build_data, build_model
+    from loom.train.build import bubble_filler, build_data, build_model
 
     cfg = load_train_config(args)
-    model = build_model(cfg.model, build_data(cfg)[0], seed=cfg.run.seed, device="meta")  # layout only
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")  # layout only
     plan = cfg.plan
     schedule = build_schedule(plan, trainable_stages(model, plan))
+    if plan.bubble_fill != "none":  # the order the run executes: the fill `loom train` applies
+        schedule = bubble_filler(cfg, model, dataset, plan)(schedule, plan)
     validate_schedule(schedule, plan)
     print(plan.to_toml())
     for m in plan.modules:

@@ -47,12 +47,17 @@ def policies_of(args: argparse.Namespace) -> list[str] | None:
 # ---- simulating -------------------------------------------------------------------------------
 def plans_of(scenario, compare: bool) -> dict[str, Any]:
     """The scenario's plans; with ``compare`` (or when it names none) the built ones too."""
-    from loom.planner.baselines import first_stage_plan, frozen_aware_plan, megatron_plan
+    from loom.planner.baselines import first_stage_plan, frozen_aware_plan, megatron_plan, optimus_plan
+    from loom.sim.scenario import ScenarioError
 
     plans: dict[str, Any] = {}
     if compare:
         plans["first-stage"] = first_stage_plan(scenario)
         plans["megatron-style"] = megatron_plan(scenario)
+        try:
+            plans["optimus"] = optimus_plan(scenario)
+        except ScenarioError as e:  # the runtime colocates only at TP = CP = 1: say why it is missing
+            print(f"loom: no optimus plan: {e}")
         plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
     plans.update(scenario.plans)
     if not plans:
