@@ -16,6 +16,7 @@ from loom.plan.plan import ModuleSpec, Plan
 from loom.schedule import KINDS as ALL_KINDS
 from loom.schedule import Action, ActionKind, Schedule, build_schedule, unit_cost_makespan
 from loom.sim import DeadlockError, plot_gantt, simulate
+from loom.sim.gantt import chart_events
 
 from plans import multimodal
 
@@ -293,6 +294,11 @@ def test_gantt_png(tmp_path):
     for path in (r.plot_gantt(tmp_path / "sim.png"), plot_gantt(r.timeline, tmp_path / "raw.png", title="raw")):
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    # encoders' compute in colours of its own, the LLM's and communication as they were
+    kinds = {(e.module, e.kind) for e in chart_events(r.timeline)}
+    assert {("vision", "encoder_forward"), ("audio", "encoder_backward"), ("llm", "forward")} <= kinds
+    assert not any(m != "llm" and k in ("forward", "backward") for m, k in kinds)
+    assert ("vision", "send_act") in kinds
 
 
 # ---- scale -------------------------------------------------------------------------------

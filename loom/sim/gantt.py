@@ -10,9 +10,12 @@ canvas directly, so no global backend is switched and no display is needed.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
+
+from loom.plan.plan import LLM
 
 COLOURS = {
     "forward": "#4C72B0",
@@ -27,11 +30,17 @@ COLOURS = {
     "recv_grad": "#C8C8C8",
     "dispatch": "#55A868",
     "clip": "#937860",
+    "encoder_forward": "#8FB8DE",  # an encoder's work in lighter shades: where it sits is the point of
+    "encoder_backward": "#F2B98C",  # a placement (first_stage, colocated, Optimus's bubble fill)
 }
-LEGEND = {"forward": "forward", "backward": "backward", "backward_weight": "weight pass (zb-h1)", "optimizer_step": "optimizer step",
+LEGEND = {"forward": "forward", "backward": "backward", "encoder_forward": "encoder forward",
+          "encoder_backward": "encoder backward", "backward_weight": "weight pass (zb-h1)", "optimizer_step": "optimizer step",
           "grad_sync": "grad sync", "recv_act": "receive (incl. wait)", "dispatch": "dispatch",
           "clip": "clip norm (incl. wait)"}
-_COMPUTE = {"forward", "backward", "backward_input", "backward_weight", "optimizer_step", "dispatch"}
+_COMPUTE = {"forward", "backward", "backward_input", "backward_weight", "optimizer_step", "dispatch", "encoder_forward",
+            "encoder_backward"}
+_ENCODER_KIND = {"forward": "encoder_forward", "backward": "encoder_backward", "backward_input": "encoder_backward",
+                 "backward_weight": "encoder_backward"}
 _MAX_LABELS = 4000  # beyond this, text labels cost more than they tell
 
 
@@ -43,23 +52,33 @@ def _time_unit(span: float) -> tuple[float, str]:
     return 1e6, "µs"
 
 
+def chart_events(events: Iterable) -> list:
+    """``events`` as the chart draws them: an encoder's compute under its own kinds
+    (``encoder_forward``, ``encoder_backward``), so it shows in its own colours beside the LLM's."""
+    return [dataclasses.replace(e, kind=_ENCODER_KIND[e.kind]) if e.module not in (LLM, "") and e.kind in _ENCODER_KIND
+            else e for e in events]
+
+
 def plot_gantt(events: Iterable, path: str | Path, title: str | None = None,
-               role_names: dict[int, str] | None = None, width_in: float = 14.0, dpi: int = 100) -> Path:
+               role_names: dict[int, str] | None = None, width_in: float = 14.0, dpi: int = 100,
+               span_s: float | None = None) -> Path:
     """Draw ``events`` (`TimelineEvent`s) as a Gantt chart and write it to ``path`` (PNG).
 
     Times are shifted so the earliest event starts at 0 (measured timelines carry wall-clock
     times). ``role_names`` (rank -> text) labels the rows; bars wide enough for it carry their
-    microbatch number."""
+    microbatch number. ``span_s`` fixes the time axis's length (charts to set side by side)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.collections import PolyCollection
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    events = list(events)
+    events = chart_events(events)
     ranks = sorted({e.rank for e in events})
     row = {r: i for i, r in enumerate(ranks)}
     t0 = min((e.start_s for e in events), default=0.0)
     span = max((e.end_s for e in events), default=0.0) - t0
+    if span_s is not None:
+        span = max(span, span_s)
     scale, unit = _time_unit(span)
     names = [f"r{r}" + (f" {role_names[r]}" if role_names and r in role_names else "") for r in ranks]
 
@@ -94,7 +113,8 @@ def plot_gantt(events: Iterable, path: str | Path, title: str | None = None,
     labelled = 0
     if span > 0:
         for e in events:
-            if e.kind not in ("forward", "backward", "backward_input", "backward_weight") or e.microbatch < 0 or labelled >= _MAX_LABELS:
+            if e.kind not in ("forward", "backward", "backward_input", "backward_weight", *_ENCODER_KIND.values()) \
+                    or e.microbatch < 0 or labelled >= _MAX_LABELS:
                 continue
             text = str(e.microbatch)
             if (e.end_s - e.start_s) / span * axes_px < 7 * len(text) + 4:

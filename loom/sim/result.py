@@ -75,15 +75,15 @@ class SimResult:
         write_chrome_trace(self.timeline, path, self.role_names())
         return Path(path)
 
-    def plot_gantt(self, path: str | Path, title: str | None = None) -> Path:
-        """Write a PNG Gantt chart of the timeline (needs matplotlib)."""
+    def plot_gantt(self, path: str | Path, title: str | None = None, span_s: float | None = None) -> Path:
+        """Write a PNG Gantt chart of the timeline (needs matplotlib); ``span_s`` fixes the time axis."""
         from loom.sim.gantt import plot_gantt
 
         if title is None:
             title = (f"simulated {self.schedule_kind}: {self.num_microbatches} microbatches, "
                      f"{self.world_size} ranks, {self.iteration_time:.4g} s, "
                      f"bubbles {self.bubble_fraction:.1%}")
-        return plot_gantt(self.timeline, path, title=title, role_names=self.role_names())
+        return plot_gantt(self.timeline, path, title=title, role_names=self.role_names(), span_s=span_s)
 
     def summary(self, per_unit: bool = False) -> dict[str, Any]:
         """The headline figures as a JSON-ready dict (``per_unit`` adds one row per unit)."""
