@@ -1,8 +1,10 @@
 """Optimus's bubble scheduler at optimus.md §4.6's configuration (issue 10's acceptance): its
 speed, how much of the LLM's bubbles it fills, and its iteration time against Megatron-LM's
-layout, all on loom's analytic model.
+layout, on loom's analytic model; and a real CPU run of Optimus's filled colocated schedule
+against Megatron-LM's layout on a small model, with the simulator's prediction beside it.
 
-    python -m benchmarks.optimus [--repeats 3] [--refine 8] [--only optimus_schedule_s,...]
+    python -m benchmarks.optimus [--repeats 3] [--refine 8] [--real-repeats 5] [--no-real]
+                                 [--only optimus_schedule_s,...]
 
 The configuration (`loom.planner.optimus.paper`): ViT-22B + GPT-175B on 3072 H100, the LLM at
 PP 8 x TP 8 x DP 48, 32 microbatches of 2 per pipeline, sequence 2048, full recompute, ZeRO-1.
@@ -28,9 +30,35 @@ Figures:
   placement and the IR transform that would let the simulator play an Optimus schedule are
   not built. Its LLM timeline is plain 1F1B (the scheduler reads no interleaved timeline yet).
 
-The issue's ``optimus_real_ratio`` (a real 2-process CPU run) cannot be measured, for the
-same reason the executor cannot run an Optimus schedule; the result's config says so and no
-figure stands in for it. Writes ``benchmarks/results/optimus.json``.
+The real part (``--no-real`` skips it), on `benchmarks.placements`'s machinery: its
+``first_stage`` placement (vision inside the LLM's first pipeline stage, plain 1F1B over 2
+stages: Megatron-LM's layout) against its ``optimus`` one (vision at DP 2 colocated with the
+2-stage LLM, ``plan.bubble_fill = "optimus"``: each iteration's schedule filled by
+`loom.sim.bubble_fill` inside ``loom train``'s engine, timed by a fresh ``loom profile`` given as
+``run.profile``). The model is the demo's sizes without audio (``benchmarks/placements.toml``:
+a vision encoder and a 4-layer Llama; it has no audio encoder, so one encoder is filled), the
+demo data, global batch 16 in 4 microbatches, policy ``none``. Each side is a group of 2 gloo
+processes with one thread each on this 2-core machine (a bubble is real idle time), built by
+`loom.train.rank.build_rank` and stepped by `RankRun.step`; both train the same global batch at
+step ``i``, taking turns step by step (alternating), ``--real-warmup`` untimed steps then
+``--real-repeats`` repeats of 2 steps each; their first losses must agree.
+
+- ``optimus_real_ratio`` (higher is better: above 1, Optimus is faster): per repeat,
+  first_stage's step-time sum over optimus's on the same global batches; median over the
+  repeats, spread IQR (5 or more repeats) or min-max.
+- ``optimus_real_sim_ratio`` (higher): the simulator's prediction of that ratio: its median
+  simulated step of first_stage over optimus's, on the same steps' batches, each side playing
+  the schedule its engine ran (the fill applied as the engine applies it), the profile's costs,
+  the dispatch priced and the 2 ranks sharing the cores (`benchmarks.placements.predict_step`).
+
+The config's ``optimus_real`` holds both sides' resolved plans, overrides and the compute order
+of the schedule each ran (first timed step), whether the fill changed the colocated schedule
+(``fill_changed_schedule``), the profile (how it was taken, on what), the repeats, the per-step
+times and the placements benchmark's figures for the pair. Where the critical rank (the LLM's
+first stage, which also runs a vision replica) has no idle gap a whole vision block fits in,
+the fill leaves the colocated schedule as it was and the ratio measures the colocation (vision
+at DP 2 beside the LLM's stages) against first_stage; ``fill_changed_schedule`` says which.
+Writes ``benchmarks/results/optimus.json`` (not with ``--only`` or ``--no-real``).
 """
 
 from __future__ import annotations
@@ -45,7 +73,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import figure, format_table, median, summarize, write_result
+from benchmarks.common import figure, format_table, machine_info, median, start_run, summarize, write_result
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.hardware import Cluster
 from loom.planner.baselines import first_stage_plan, megatron_plan
@@ -65,12 +93,32 @@ from loom.sim.scenario import ParallelDegrees, Scenario
 from loom.sim.simulator import SimResult, simulate
 
 FIGURES = ("optimus_schedule_s", "bubble_fill_fraction", "optimus_sim_ratio")
+REAL_FIGURES = ("optimus_real_ratio", "optimus_real_sim_ratio")
 TARGET_SCHEDULE_S = 3.0
 MEMORY_LIMIT = 80e9  # H100 80 GB, as paper_search's planner prunes by
-REAL_RATIO_NOT_MEASURED = (
-    "optimus_real_ratio (a real 2-process gloo CPU run, first_stage over Optimus) is not measured: the "
-    "colocated placement and the IR transform that turns a BubbleSchedule into schedule actions are not "
-    "built, so the executor cannot run an Optimus schedule (docs/optimus.md, 'What remains')")
+# the real run's two sides: benchmarks.placements placements, the first the ratios' numerator
+REAL_MEGATRON, REAL_OPTIMUS = "first_stage", "optimus"
+REAL_NOT_RUN = "not measured in this run (--no-real, or --only without it)"
+
+
+@dataclass(frozen=True)
+class RealConfig:
+    """The real run's repeats (at least 3: a median with a spread), untimed warmup steps per
+    side and ``loom profile`` repeats."""
+
+    repeats: int = 5
+    warmup: int = 2
+    profile_repeats: int = 3
+
+    def check(self) -> "RealConfig":
+        if self.repeats < 3:
+            raise ValueError(f"--real-repeats {self.repeats}: give 3 or more (a median with a spread; 5 or more "
+                             f"for an IQR)")
+        if self.warmup < 1:
+            raise ValueError(f"--real-warmup {self.warmup}: give 1 or more (the first step builds the schedule caches)")
+        if self.profile_repeats < 1:
+            raise ValueError(f"--real-profile-repeats {self.profile_repeats}: give 1 or more")
+        return self
 
 
 @dataclass(frozen=True)
@@ -133,14 +181,45 @@ def megatron_runs(virtual_stages: int, num_microbatches: int = NUM_MICROBATCHES,
     return out
 
 
+def real_ratio_figures(placement_figures: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``optimus_real_ratio`` and ``optimus_real_sim_ratio`` from `benchmarks.placements`'
+    figures of a run with ``first_stage`` as the baseline (its paired ratio over ``optimus``
+    per repeat, and its simulated one), relabelled."""
+    measured = placement_figures[f"placement_step_ratio_{REAL_MEGATRON}_over_{REAL_OPTIMUS}"]
+    simulated = placement_figures[f"placement_sim_ratio_{REAL_MEGATRON}_over_{REAL_OPTIMUS}"]
+    return {"optimus_real_ratio": {**measured, "unit": f"x ({REAL_MEGATRON} over {REAL_OPTIMUS}, measured)"},
+            "optimus_real_sim_ratio": {**simulated, "unit": f"x ({REAL_MEGATRON} over {REAL_OPTIMUS}, simulated)"}}
+
+
+def real_run(real: RealConfig, say: Any = print) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The real part of the module docstring: `benchmarks.placements.measure` on the pair, with
+    first_stage as the baseline; returns its two figures and the config's ``optimus_real``."""
+    from benchmarks import placements
+
+    cfg = placements.BenchConfig(placements=f"{REAL_MEGATRON},{REAL_OPTIMUS}", baseline=REAL_MEGATRON,
+                                 repeats=real.repeats, warmup=real.warmup,
+                                 profile_repeats=real.profile_repeats).check()
+    pfigs, pconfig = placements.measure(cfg, say)
+    detail = pconfig.pop("placements_detail")
+    sides = {"numerator": f"{REAL_MEGATRON}: {placements.PLACEMENTS[REAL_MEGATRON][0]} (Megatron-LM's layout, "
+                          f"plain 1F1B)",
+             "denominator": f"{REAL_OPTIMUS}: {placements.PLACEMENTS[REAL_OPTIMUS][0]} (plan.bubble_fill = 'optimus', "
+                            f"timed by run.profile = the profile below)"}
+    return real_ratio_figures(pfigs), {"sides": sides, **pconfig, "model": "the demo's sizes without audio "
+                                       "(benchmarks/placements.toml): vision encoder + 4-layer Llama, no audio encoder",
+                                       "sides_detail": detail, "placement_figures": pfigs}
+
+
 def _rounded(d: dict[str, Any]) -> dict[str, Any]:
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in d.items()}
 
 
 def measure(repeats: int = 3, refine: int = 8, virtual_stages: int = 2, num_microbatches: int = NUM_MICROBATCHES,
-            llm_plan: LLMParallel = LLM_PLAN, only: frozenset[str] = frozenset()) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The figures (all, or those in ``only``) and the config, at the given configuration."""
-    wanted = set(only or FIGURES)
+            llm_plan: LLMParallel = LLM_PLAN, only: frozenset[str] = frozenset(), real: RealConfig | None = None,
+            say: Any = print) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The figures (all, or those in ``only``) and the config, at the given configuration; the
+    real run's (`real_run`) only with ``real`` (None: not run, the config says so)."""
+    wanted = set(only or FIGURES + REAL_FIGURES)
     runs = scheduler_runs(repeats, refine, num_microbatches, llm_plan)
     best = runs[0].result.best
     if best is None:
@@ -170,7 +249,7 @@ def measure(repeats: int = 3, refine: int = 8, virtual_stages: int = 2, num_micr
         "optimus_best": _rounded(best.summary()),
         "optimus_peak_memory_per_rank_gb": round(best.candidate.memory.total(max(best.partition)) / 1e9, 2),
         "optimus_memory_what": "loom's memory model on the planner's worst rank, the pipeline's largest part in flight",
-        "optimus_real_ratio": REAL_RATIO_NOT_MEASURED,
+        "optimus_real": REAL_NOT_RUN,
     }
     if refine:
         config["optimus_coarse_only_best"] = coarse_only(runs[0], llm_plan)
@@ -189,23 +268,41 @@ def measure(repeats: int = 3, refine: int = 8, virtual_stages: int = 2, num_micr
             "llm_alone_iteration_s": round(runs[0].timeline.end, 4),
         }
         config["megatron"] = {label: b.summary() for label, b in baselines.items()}
+    if real is not None and wanted & set(REAL_FIGURES):
+        real_figs, config["optimus_real"] = real_run(real.check(), say)
+        figures.update({k: v for k, v in real_figs.items() if k in wanted})
     return figures, config
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    start_run()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--refine", type=int, default=8, help="fine step on each plan's N best coarse partitions (0: coarse only)")
     ap.add_argument("--virtual-stages", type=int, default=2, help="the Megatron side's interleaving")
+    ap.add_argument("--real-repeats", type=int, default=RealConfig.repeats,
+                    help="the real run's repeats of 2 alternating steps (3 or more)")
+    ap.add_argument("--real-warmup", type=int, default=RealConfig.warmup, help="the real run's untimed steps per side")
+    ap.add_argument("--real-profile-repeats", type=int, default=RealConfig.profile_repeats,
+                    help="`loom profile --repeats` of the real run's profile")
+    ap.add_argument("--no-real", action="store_true", help="skip the real 2-process run (optimus_real_ratio, "
+                    "optimus_real_sim_ratio); prints and writes no result file")
     ap.add_argument("--only", default="", help="comma-separated figure names to measure (prints them and "
                     "writes no result file, so a partial run never replaces the full one)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     only = frozenset(n for n in args.only.split(",") if n)
-    if only - set(FIGURES):
-        ap.error(f"--only names unknown figures {sorted(only - set(FIGURES))}; choose from {list(FIGURES)}")
+    if only - set(FIGURES + REAL_FIGURES):
+        ap.error(f"--only names unknown figures {sorted(only - set(FIGURES + REAL_FIGURES))}; choose from "
+                 f"{list(FIGURES + REAL_FIGURES)}")
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: give 1 or more")
-    figures, config = measure(args.repeats, args.refine, args.virtual_stages, only=only)
+    real = None
+    if not args.no_real:
+        try:
+            real = RealConfig(args.real_repeats, args.real_warmup, args.real_profile_repeats).check()
+        except ValueError as e:
+            ap.error(str(e))
+    figures, config = measure(args.repeats, args.refine, args.virtual_stages, only=only, real=real)
     rows = [[name, f"{f['value']:.4g}", f["unit"], f["better"], "" if f["spread"] is None else
              f"{f['spread'][0]:.4g}-{f['spread'][1]:.4g}"] for name, f in figures.items()]
     print(format_table(["figure", "value", "unit", "better", "spread"], rows))
@@ -213,11 +310,18 @@ def main() -> None:
     print(f"optimus best: {config['optimus_best']}")
     for label, b in config.get("megatron", {}).items():
         print(f"megatron {label}: {b}")
-    print(config["optimus_real_ratio"])
-    if only:
-        print("(--only: no result file written)")
+    if isinstance(config["optimus_real"], str):
+        print(f"optimus_real_ratio: {config['optimus_real']}")
+    else:
+        for n, d in config["optimus_real"]["sides_detail"].items():
+            print(f"real {n}: measured {d['measured_ms']} ms, simulated {d['simulated_ms']} ms"
+                  + (f"; fill changed the colocated schedule: {d['fill_changed_schedule']}"
+                     if "fill_changed_schedule" in d else ""))
+        print(f"real run: {config['optimus_real']['wall_s']} s (profile {config['optimus_real']['profile_wall_s']} s)")
+    if only or real is None:
+        print(f"({'--only' if only else '--no-real'}: no result file written)")
         return
-    path = write_result("optimus", figures, config)
+    path = write_result("optimus", figures, config, machine_info())
     print(f"wrote {path}")
 
 

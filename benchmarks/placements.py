@@ -15,9 +15,16 @@ same 2 ranks (`PLACEMENTS`; docs/plans.md, "First-stage placement", "Colocated p
 - ``colocated``: vision at DP 2 (a replica on each rank), the LLM in 2 stages (optimus.md
   §2.3's colocation without its bubble scheduler);
 - ``colocated_dp``: vision at DP 2 and the LLM at DP 2, one stage (OrchMLLM's all-DP setup,
-  orchmllm.md §2.3).
+  orchmllm.md §2.3);
+- ``optimus``: ``colocated`` with ``plan.bubble_fill = "optimus"``: each iteration's schedule
+  with vision's forward and backward blocks moved into the LLM's bubbles (optimus.md §3.2 to
+  §3.6, `loom.sim.bubble_fill`), the fill timed by the benchmark's own ``loom profile``
+  (``run.profile``, as a user runs it after profiling). Both sides keep `Plan.resolve`'s stage
+  boundaries: the profile steers the fill only, not the partition ``loom train`` would derive
+  from it, so the LLM's stages are those of ``colocated`` and ``first_stage``.
 
-Each placement is a group of 2 fresh gloo processes with one thread each (the machine has 2
+The profile (below) is taken before any group starts, so ``optimus``'s ranks read it when they
+build. Each placement is a group of 2 fresh gloo processes with one thread each (the machine has 2
 cores: a pipeline bubble is real idle time), built by `loom.train.rank.build_rank` and stepped by
 `RankRun.step`, what ``loom train`` runs. Every group trains the same global batch at step
 ``i``; the groups take turns step by step in a Williams order (`benchmarks.balance_real.turn_orders`),
@@ -29,7 +36,9 @@ same initial weights: reference semantics), or the script fails.
 The prediction: before any step, ``loom profile`` of ``placements.toml``'s model (one thread)
 is written to a file; the simulator loads it as production does (`load_profile_for`,
 `ProfiledCostModel`) and plays, for every timed step's global batch, the schedule the engine
-runs for that placement and layout, with the dispatch priced (`loom.sim.dispatch`), the 2
+runs for that placement and layout (for ``optimus``, the engine's own transform,
+`loom.train.build.bubble_filler`, applied as `ParallelEngine.schedule_for` applies it), with
+the dispatch priced (`loom.sim.dispatch`), the 2
 ranks sharing the host's cores (`CoreSharing`) and the loss all-reduce, as
 ``benchmarks/sim_fidelity.py`` does for the demo.
 
@@ -42,13 +51,14 @@ Figures, per placement ``<p>``:
   and ``placement_<p>_sim_samples_per_s`` (higher) the global batch over it;
 - ``placement_<p>_sim_abs_rel_error`` (lower): ``|sim - real| / real`` of those medians;
 
-and between placements, against the disaggregated one:
+and between placements, against the baseline ``<b>`` (``--baseline``, disaggregated by default;
+``benchmarks/optimus.py`` runs ``first_stage`` against ``optimus`` with ``first_stage`` as it):
 
-- ``placement_step_ratio_disaggregated_over_<p>`` (higher: ``<p>`` is faster than
-  disaggregated): per repeat, disaggregated's step-time sum over ``<p>``'s on the same global
-  batches; median over repeats with spread;
-- ``placement_sim_ratio_disaggregated_over_<p>``: the simulator's prediction of that ratio
-  (its median simulated steps' ratio), beside it.
+- ``placement_step_ratio_<b>_over_<p>`` (higher: ``<p>`` is faster than ``<b>``): per repeat,
+  ``<b>``'s step-time sum over ``<p>``'s on the same global batches; median over repeats with
+  spread;
+- ``placement_sim_ratio_<b>_over_<p>``: the simulator's prediction of that ratio (its median
+  simulated steps' ratio), beside it.
 
 Writes ``benchmarks/results/placements.json`` (not with ``--only``).
 """
@@ -56,6 +66,7 @@ Writes ``benchmarks/results/placements.json`` (not with ``--only``).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -63,7 +74,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -91,12 +102,18 @@ PLACEMENTS: dict[str, tuple[str, list[str]]] = {
     "colocated_dp": ("vision DP 2 and the LLM DP 2, one stage (OrchMLLM's all-DP setup)",
                      ['plan.placement="colocated"', "plan.modules.vision.data_parallel=2",
                       "plan.modules.llm.data_parallel=2"]),
+    "optimus": ("colocated with Optimus's bubble fill: vision's blocks moved into the LLM's bubbles",
+                ['plan.placement="colocated"', "plan.modules.vision.data_parallel=2", "plan.modules.llm.num_stages=2",
+                 'plan.bubble_fill="optimus"']),
 }
+# placements whose run takes the benchmark's `loom profile` as ``run.profile`` (the fill's timing)
+PROFILED = frozenset({"optimus"})
 
 
 @dataclass
 class BenchConfig:
-    placements: str = "disaggregated,first_stage,colocated,colocated_dp"  # the groups; must hold disaggregated
+    placements: str = "disaggregated,first_stage,colocated,colocated_dp,optimus"  # the groups; must hold the baseline
+    baseline: str = BASELINE  # the placement every ratio is taken against
     repeats: int = 5  # timed repeats, each one whole turn cycle
     warmup: int = 2  # untimed steps per group before the repeats
     profile_repeats: int = 3  # `loom profile --repeats`
@@ -111,9 +128,12 @@ class BenchConfig:
     def check(self) -> "BenchConfig":
         names = self.names()
         unknown = [p for p in names if p not in PLACEMENTS]
-        if unknown or BASELINE not in names or len(names) < 2 or len(set(names)) != len(names):
-            raise ValueError(f"--placements {self.placements!r}: list {BASELINE!r} and at least one other of "
-                             f"{list(PLACEMENTS)}, each once" + (f" ({unknown} are not placements)" if unknown else ""))
+        if self.baseline not in PLACEMENTS:
+            raise ValueError(f"--baseline {self.baseline!r}: choose one of {list(PLACEMENTS)}")
+        if unknown or self.baseline not in names or len(names) < 2 or len(set(names)) != len(names):
+            raise ValueError(f"--placements {self.placements!r}: list the baseline {self.baseline!r} and at least one "
+                             f"other of {list(PLACEMENTS)}, each once"
+                             + (f" ({unknown} are not placements)" if unknown else ""))
         if self.repeats < 1:
             raise ValueError(f"--repeats {self.repeats}: give 1 or more (5 or more for an IQR spread)")
         if self.warmup < 1:
@@ -123,21 +143,27 @@ class BenchConfig:
         return self
 
 
-def train_config(placement: str, steps: int):
+def train_config(placement: str, steps: int, profile: str = ""):
     """The `TrainConfig` of ``placement`` (placements.toml with its overrides), ``run.steps``
-    the group's whole run (so the LR schedule is that of a run of this length)."""
+    the group's whole run (so the LR schedule is that of a run of this length); a `PROFILED`
+    placement gets ``profile`` (a ``loom profile`` JSON) as ``run.profile`` (without one, its
+    fill times actions on the analytic model, as ``loom train`` does without ``run.profile``)."""
     from loom.train.config import load_config
 
     if placement not in PLACEMENTS:
         raise ValueError(f"placement {placement!r}: choose one of {list(PLACEMENTS)}")
-    return load_config(CONFIG, PLACEMENTS[placement][1] + [f"run.steps={steps}"])
+    overrides = PLACEMENTS[placement][1] + [f"run.steps={steps}"]
+    if profile and placement in PROFILED:
+        overrides.append(f"run.profile={json.dumps(str(profile))}")  # a TOML basic string
+    return load_config(CONFIG, overrides)
 
 
 # ---- the real steps, on each rank of a group -------------------------------------------------
-def _worker(rank: int, world_size: int, group: str, placement: str, steps: int, commands: list, replies) -> None:
+def _worker(rank: int, world_size: int, group: str, placement: str, steps: int, profile: str, commands: list,
+            replies) -> None:
     from loom.train.rank import build_rank
 
-    run = build_rank(train_config(placement, steps), torch.device("cpu"))
+    run = build_rank(train_config(placement, steps, profile), torch.device("cpu"))
     replies.put(("ready", rank))
     while (i := commands[rank].get()) is not None:
         dist.barrier()  # every rank idle: the step's clock starts here
@@ -155,8 +181,8 @@ def _worker(rank: int, world_size: int, group: str, placement: str, steps: int, 
 class Group(WorkerGroup):
     """One placement's 2 processes; per step the slower rank's times."""
 
-    def __init__(self, placement: str, steps: int):
-        super().__init__(placement, _worker, WORLD_SIZE, placement, steps)
+    def __init__(self, placement: str, steps: int, profile: str):
+        super().__init__(placement, _worker, WORLD_SIZE, placement, steps, profile)
         self.placement = placement
         self.losses: list[float] = []
         self.steps: list[dict[str, Any]] = []
@@ -173,15 +199,15 @@ class Group(WorkerGroup):
         return step
 
 
-def run_groups(cfg: BenchConfig, say: Any) -> dict[str, Group]:
-    """Every placement's group, alternating step by step; checks the pairing (same batches,
-    same first loss)."""
+def run_groups(cfg: BenchConfig, say: Any, profile: str) -> dict[str, Group]:
+    """Every placement's group (a `PROFILED` one reading ``profile``, which must exist now),
+    alternating step by step; checks the pairing (same batches, same first loss)."""
     names = cfg.names()
     total = cfg.warmup + cfg.repeats * cfg.steps_per_repeat()
     groups: dict[str, Group] = {}
     try:
         for name in names:
-            groups[name] = Group(name, total)
+            groups[name] = Group(name, total, profile)
         for g in groups.values():
             g.wait_ready()
         orders = turn_orders(names)
@@ -198,22 +224,24 @@ def run_groups(cfg: BenchConfig, say: Any) -> dict[str, Group]:
             for p in g.procs:
                 if p.is_alive():
                     p.terminate()
-    check_same_work({n: g.losses[0] for n, g in groups.items()}, {n: [s["indices"] for s in g.steps] for n, g in groups.items()})
+    check_same_work({n: g.losses[0] for n, g in groups.items()}, {n: [s["indices"] for s in g.steps] for n, g in groups.items()},
+                    cfg.baseline)
     return groups
 
 
-def check_same_work(first_loss: dict[str, float], indices: dict[str, list[list[int]]]) -> float:
+def check_same_work(first_loss: dict[str, float], indices: dict[str, list[list[int]]],
+                    baseline: str = BASELINE) -> float:
     """Every placement trained the same global batches and, on the first, computed the same
     loss (reference semantics: a placement moves work, it does not change it); returns the
     largest relative loss difference. Raises otherwise: the timings would compare other work."""
-    ref = first_loss[BASELINE]
+    ref = first_loss[baseline]
     rel = {n: abs(v - ref) / max(abs(ref), 1e-12) for n, v in first_loss.items()}
     if max(rel.values()) > LOSS_RTOL:
         raise RuntimeError(f"the placements compute different first-step losses {first_loss}: they do not do the "
                            f"same work (relative difference above {LOSS_RTOL}), the timings would be meaningless")
     for n, steps in indices.items():
-        if steps != indices[BASELINE]:
-            raise RuntimeError(f"placement {n!r} trained other global batches than {BASELINE!r}; the paired ratio "
+        if steps != indices[baseline]:
+            raise RuntimeError(f"placement {n!r} trained other global batches than {baseline!r}; the paired ratio "
                                f"needs the same batch at every step")
     return max(rel.values())
 
@@ -242,46 +270,88 @@ def run_profiler(out: Path, repeats: int) -> float:
 
 @dataclass
 class PlacementModel:
-    """What simulating one placement's steps needs, built once."""
+    """What simulating one placement's steps needs, built once; ``transform`` is the engine's
+    `ParallelEngine.schedule_transform` under the plan's ``bubble_fill`` (None: none)."""
     cfg: Any
     dataset: Any
     model: Any
     plan: Any
     arch: Any
+    transform: Callable[[Any, Any], Any] | None = None
 
 
-def placement_model(placement: str, steps: int) -> PlacementModel:
+def placement_model(placement: str, steps: int, profile: str = "") -> PlacementModel:
+    """``placement``'s config (`train_config`, with ``profile``), model and resolved plan, and
+    the schedule transform `loom.train.rank.build_rank` gives its engine (the same call on the
+    same config, model, data and plan: `loom.train.build.bubble_filler`)."""
     from loom.cost.arch_from_model import arch_from_model
-    from loom.train.build import build_data, build_model
+    from loom.train.build import bubble_filler, build_data, build_model
 
-    cfg = train_config(placement, steps)
+    cfg = train_config(placement, steps, profile)
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
     cfg.plan = cfg.plan.resolve(model.layer_counts(), WORLD_SIZE)
-    return PlacementModel(cfg, dataset, model, cfg.plan, arch_from_model(model))
+    transform = bubble_filler(cfg, model, dataset, cfg.plan) if cfg.plan.bubble_fill != "none" else None
+    return PlacementModel(cfg, dataset, model, cfg.plan, arch_from_model(model), transform)
+
+
+def step_layout(pm: PlacementModel, step: int) -> tuple[list[Any], Any]:
+    """The metadata of ``step``'s global batch and the layout the dispatcher decides for it."""
+    from benchmarks.sim_fidelity import batch_indices
+    from loom.balance.policy import make_layout, sample_costs
+
+    batching = "packed" if pm.cfg.data.pack_sequences else "padded"
+    metas = [pm.dataset.meta(i) for i in batch_indices(pm.cfg, step)]
+    return metas, make_layout(pm.cfg.balance, pm.plan, sample_costs(pm.arch, metas), batching)
+
+
+def engine_schedule(pm: PlacementModel, layout: Any) -> Any:
+    """The schedule the engine runs for ``layout``, as `ParallelEngine.schedule_for` builds it:
+    the plan's generator, then the placement's transform (Optimus's fill) on the plan with the
+    layout's microbatch count."""
+    from loom.runtime.stage import trainable_stages
+    from loom.schedule.generators import build_schedule
+
+    schedule = build_schedule(pm.plan, trainable_stages(pm.model, pm.plan), layout=layout,
+                              eager=pm.cfg.balance.eager_forward)
+    if pm.transform is not None:
+        schedule = pm.transform(schedule, replace(pm.plan, num_microbatches=layout.num_microbatches))
+    return schedule
+
+
+def compute_order(schedule: Any, plan: Any) -> dict[str, list[str]]:
+    """Per unit (``"<unit> <module> stage <s>"``), its compute actions in the order it runs them,
+    as ``<module><stage> F<microbatch>`` (forward) or ``B`` (any backward kind): which schedule
+    a placement ran, in a form a reader can compare."""
+    from loom.schedule.ir import ActionKind
+
+    letters = {ActionKind.FORWARD: "F", ActionKind.BACKWARD: "B", ActionKind.BACKWARD_INPUT: "Bi",
+               ActionKind.BACKWARD_WEIGHT: "Bw"}
+    out = {}
+    for u, acts in sorted(schedule.actions.items()):
+        module, stage, _ = plan.role_of_unit(u)
+        out[f"{u} {module} stage {stage}"] = [f"{a.module}{a.stage} {letters[a.kind]}{a.microbatch}"
+                                              for a in acts if a.kind in letters]
+    return out
 
 
 def predict_step(pm: PlacementModel, step: int, profile: Any, decide_s: float, sharing: Any) -> tuple[float, list[float]]:
     """The simulated seconds of ``step`` under the placement, as `benchmarks.sim_fidelity.predict`
     prices a demo step (the layout the dispatcher decides, the schedule the engine builds for
-    it, the dispatch, the core sharing) at this benchmark's world size, plus the loss
+    it with the placement's transform, `engine_schedule`, the dispatch, the core sharing) at this benchmark's world size, plus the loss
     all-reduce that ends `RankRun.step`; and per rank the CPU seconds of its compute (every
     unit it hosts: `SimResult.cpu`), to set beside the measured CPU time."""
-    from benchmarks.sim_fidelity import batch_indices, dispatch_links
+    from benchmarks.sim_fidelity import dispatch_links
     from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
-    from loom.balance.policy import make_layout, sample_costs
     from loom.cost.profiled import ProfiledCostModel
     from loom.cost.workload import MetadataArrays, sample_work
-    from loom.runtime.stage import trainable_stages
-    from loom.schedule.generators import build_schedule
     from loom.sim.dispatch import metadata_bytes, price_dispatch
     from loom.sim.simulator import simulate
 
     cfg, plan, arch = pm.cfg, pm.plan, pm.arch
     batching = "packed" if cfg.data.pack_sequences else "padded"
-    metas = [pm.dataset.meta(i) for i in batch_indices(cfg, step)]
-    layout = make_layout(cfg.balance, plan, sample_costs(arch, metas), batching)
-    schedule = build_schedule(plan, trainable_stages(pm.model, plan), layout=layout, eager=cfg.balance.eager_forward)
+    metas, layout = step_layout(pm, step)
+    schedule = engine_schedule(pm, layout)
     layout_plan = replace(plan, num_microbatches=layout.num_microbatches)
     cost = ProfiledCostModel(profile, pm.model, layout_plan)
     work = [{phase: sample_work(arch, [metas[s] for s in slots[j]], batching)[phase] for phase, slots in layout.slots.items()}
@@ -313,32 +383,53 @@ def core_sharing(profile: Any, no_sharing: bool) -> Any:
 
 
 def predictions(cfg: BenchConfig, profile_path: Path, timed_steps: list[int],
-                total: int) -> dict[str, list[tuple[float, list[float]]]]:
+                total: int) -> tuple[dict[str, list[tuple[float, list[float]]]], dict[str, dict[str, Any]]]:
     """Per placement, `predict_step` of every timed step (the decision's CPU time measured
-    here, on step 0's batch, as `benchmarks.sim_fidelity.decision_seconds` does)."""
+    here, on step 0's batch, as `benchmarks.sim_fidelity.decision_seconds` does); and per
+    placement its resolved plan and the schedule its engine runs on the first timed step's
+    batch (`compute_order`; for a filled one, also whether the fill changed the generator's)."""
     from benchmarks.sim_fidelity import batch_indices, decision_seconds
     from loom.cost.profile_file import load_profile_for
 
-    out = {}
+    out, ran = {}, {}
     for name in cfg.names():
-        pm = placement_model(name, total)
+        pm = placement_model(name, total, str(profile_path))
+        layout = step_layout(pm, timed_steps[0])[1]
+        schedule = engine_schedule(pm, layout)
+        ran[name] = {"plan": pm.plan.to_dict(), "schedule_kind": schedule.kind,
+                     "compute_order_first_timed_step": compute_order(schedule, pm.plan)}
+        if pm.transform is not None:
+            plain = engine_schedule(replace(pm, transform=None), layout)
+            ran[name]["fill_changed_schedule"] = plain.actions != schedule.actions
         profile = load_profile_for(profile_path, pm.model)
         if profile.comm is None:
             raise RuntimeError(f"the profile {profile_path} has no communication fits: profile without --no-comm")
         decide_s = decision_seconds(pm.cfg, pm.arch, [pm.dataset.meta(i) for i in batch_indices(pm.cfg, 0)])
         sharing = core_sharing(profile, cfg.no_sharing)
         out[name] = [predict_step(pm, s, profile, decide_s, sharing) for s in timed_steps]
-    return out
+    return out, ran
+
+
+def profile_summary(path: Path, repeats: int, wall_s: float) -> dict[str, Any]:
+    """What the result records of the benchmark's profile (the file itself is a temporary):
+    how it was taken and what it measured on."""
+    data = json.loads(path.read_text())
+    return {"command": f"loom profile --config {CONFIG.relative_to(REPO)} --threads 1 --repeats {repeats}",
+            "signature_hash": data.get("signature_hash"), "device": data.get("device"),
+            "dtype": data.get("dtype"), "settings": data.get("settings"),
+            "matmul_flops_per_s": data.get("matmul_flops_per_s"), "contention": data.get("contention"),
+            "wall_s": round(wall_s, 1), "read_by": ["the simulator's ProfiledCostModel (every placement)"]
+            + [f"{p}'s run.profile (its bubble fill's timing)" for p in sorted(PROFILED)]}
 
 
 # ---- figures -------------------------------------------------------------------------------
 def placement_figures(names: list[str], repeats: dict[str, list[list[float]]], simulated: dict[str, list[float]],
-                      global_batch: int) -> dict[str, dict[str, Any]]:
+                      global_batch: int, baseline: str = BASELINE) -> dict[str, dict[str, Any]]:
     """The figures of the module docstring from each placement's timed steps grouped by repeat
     (``repeats[p][r]``: seconds, the same global batches across placements) and its simulated
-    timed steps (seconds, the same steps in order)."""
+    timed steps (seconds, the same steps in order), the ratios against ``baseline``."""
     figs: dict[str, dict[str, Any]] = {}
-    base = repeats[BASELINE]
+    base = repeats[baseline]
     for n in names:
         means = [sum(rep) / len(rep) for rep in repeats[n]]
         real = median([t for rep in repeats[n] for t in rep])
@@ -351,12 +442,12 @@ def placement_figures(names: list[str], repeats: dict[str, list[list[float]]], s
                                                           digits=2)
         figs[f"placement_{n}_sim_abs_rel_error"] = figure(abs(sim - real) / real, "fraction", "lower")
     for n in names:
-        if n == BASELINE:
+        if n == baseline:
             continue
-        figs[f"placement_step_ratio_{BASELINE}_over_{n}"] = summarize(
+        figs[f"placement_step_ratio_{baseline}_over_{n}"] = summarize(
             [paired_ratio(b, p) for b, p in zip(base, repeats[n])], "ratio (measured)", "higher")
-        figs[f"placement_sim_ratio_{BASELINE}_over_{n}"] = figure(
-            median(simulated[BASELINE]) / median(simulated[n]), "ratio (simulated)", "higher")
+        figs[f"placement_sim_ratio_{baseline}_over_{n}"] = figure(
+            median(simulated[baseline]) / median(simulated[n]), "ratio (simulated)", "higher")
     return figs
 
 
@@ -370,17 +461,19 @@ def measure(cfg: BenchConfig, say: Any = print) -> tuple[dict[str, Any], dict[st
         profile_path = Path(tmp) / "profile.json"
         say(f"{NAME}: loom profile of {CONFIG.name} (1 thread) -> {profile_path}")
         profile_s = run_profiler(profile_path, cfg.profile_repeats)
+        profile = profile_summary(profile_path, cfg.profile_repeats, profile_s)
         say(f"{NAME}: {names}, {WORLD_SIZE} gloo processes x 1 thread each; {cfg.warmup} warmup + {cfg.repeats} "
             f"repeats x {per} timed steps, the placements taking turns step by step")
-        groups = run_groups(cfg, say)
+        groups = run_groups(cfg, say, str(profile_path))
         say(f"{NAME}: simulating the {len(timed_steps)} timed steps of each placement")
-        predicted = predictions(cfg, profile_path, timed_steps, total)
+        predicted, ran = predictions(cfg, profile_path, timed_steps, total)
     simulated = {n: [p[0] for p in got] for n, got in predicted.items()}
-    global_batch = train_config(BASELINE, total).data.global_batch_size
+    global_batch = train_config(cfg.baseline, total).data.global_batch_size
     repeats = {n: repeat_sums([s["total"] for s in g.steps], cfg.warmup, cfg.repeats, per) for n, g in groups.items()}
-    figures = placement_figures(names, repeats, simulated, global_batch)
-    details = {n: {"what": PLACEMENTS[n][0], "overrides": PLACEMENTS[n][1],
-                   "first_step_loss": g.losses[0],
+    figures = placement_figures(names, repeats, simulated, global_batch, cfg.baseline)
+    details = {n: {"what": PLACEMENTS[n][0], "overrides": PLACEMENTS[n][1]
+                   + (["run.profile=<the benchmark's profile>"] if n in PROFILED else []),
+                   **ran[n], "first_step_loss": g.losses[0],
                    "dispatch_ms": round(median([s["dispatch"] for s in g.steps[cfg.warmup:]]) * 1e3, 3),
                    "engine_step_ms": round(median([s["engine_step"] for s in g.steps[cfg.warmup:]]) * 1e3, 3),
                    "cpu_ms_per_rank": [round(median([s["cpu"][r] for s in g.steps[cfg.warmup:]]) * 1e3, 3)
@@ -395,16 +488,17 @@ def measure(cfg: BenchConfig, say: Any = print) -> tuple[dict[str, Any], dict[st
     config = {**asdict(cfg), "config_file": str(CONFIG.relative_to(REPO)), "world_size": WORLD_SIZE,
               "threads_per_process": 1, "backend": "gloo", "global_batch": global_batch,
               "steps_per_repeat": per, "timed_steps": timed_steps, "profile_wall_s": round(profile_s, 1),
+              "profile": profile,
               "path": "loom.train.rank.build_rank + RankRun.step, as loom train",
               "timing": "barrier to barrier around RankRun.step, the slower rank; every placement trains the same "
                         "global batch at step i, the placements taking turns in a Williams order",
               "simulation": "the same timed steps' batches, a loom profile of the model taken before the steps "
                             "(ProfiledCostModel), dispatch priced, the ranks sharing the host's cores",
-              "ratio_direction": "placement_step_ratio_disaggregated_over_<p> above 1: <p> is faster than "
-                                 "disaggregated",
+              "ratio_direction": f"placement_step_ratio_{cfg.baseline}_over_<p> above 1: <p> is faster than "
+                                 f"{cfg.baseline}",
               "first_step_loss_max_rel_diff": check_same_work({n: g.losses[0] for n, g in groups.items()},
                                                               {n: [s["indices"] for s in g.steps]
-                                                               for n, g in groups.items()}),
+                                                               for n, g in groups.items()}, cfg.baseline),
               "placements_detail": details, "wall_s": round(time.perf_counter() - t0, 1)}
     return figures, config
 
@@ -419,12 +513,12 @@ def main(argv: list[str] | None = None) -> None:
             ap.add_argument(flag, action="store_true")
         else:
             ap.add_argument(flag, type=type(value), default=value, help=" ")
-    ap.add_argument("--only", default="", help="comma-separated placements to run (with disaggregated); prints "
+    ap.add_argument("--only", default="", help="comma-separated placements to run (with the baseline); prints "
                     "and writes no result file, so a partial run never replaces the full one")
     args = ap.parse_args(argv)
     values = {name: getattr(args, name) for name in asdict(BenchConfig())}
     if args.only:
-        values["placements"] = ",".join(dict.fromkeys([BASELINE] + [p for p in args.only.split(",") if p]))
+        values["placements"] = ",".join(dict.fromkeys([args.baseline] + [p for p in args.only.split(",") if p]))
     try:
         cfg = BenchConfig(**values).check()
     except ValueError as e:

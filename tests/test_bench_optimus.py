@@ -1,7 +1,8 @@
 """benchmarks/optimus.py at a reduced configuration (GPT-175B + ViT-22B at LLM DP 2 x PP 8 x TP 8
 on 128 GPUs, 8 microbatches per pipeline; one process, seconds): the result's shape, and that
 ``optimus_sim_ratio``'s two sides are the simulated Megatron-style interleaved first_stage plan
-and the Optimus scheduler's own latency. No figure is asserted on time."""
+and the Optimus scheduler's own latency; the real run's ratios from given step times, its
+configuration and its argument checks (no process is launched). No figure is asserted on time."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.common import write_result
-from benchmarks.optimus import FIGURES, REAL_RATIO_NOT_MEASURED, measure
+from benchmarks.optimus import (FIGURES, REAL_FIGURES, REAL_MEGATRON, REAL_NOT_RUN, REAL_OPTIMUS, RealConfig, main,
+                                measure, real_ratio_figures)
+from benchmarks.placements import BenchConfig, placement_figures, train_config
 from loom.cli.bench import benchmark_names
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.hardware import Cluster
@@ -42,8 +45,8 @@ def test_result_shape(measured, tmp_path: Path):
     assert figures["bubble_fill_fraction"]["better"] == "higher"
     assert 0 < figures["bubble_fill_fraction"]["value"] <= 1
     assert figures["optimus_sim_ratio"]["better"] == "higher"
-    # the real-run ratio is recorded as not measured, never as a number
-    assert "optimus_real_ratio" not in figures and config["optimus_real_ratio"] == REAL_RATIO_NOT_MEASURED
+    # without the real run its ratios are recorded as not measured, never as numbers
+    assert not set(REAL_FIGURES) & set(figures) and config["optimus_real"] == REAL_NOT_RUN
     assert config["gpus"] == 128 and config["microbatches_per_pipeline"] == MICROBATCHES
     assert config["simulate_s"] > 0 and config["candidates"] > 0 and config["partitions"] > 0
     assert set(config["megatron"]) == {"first_stage_interleaved", "first_stage", "disaggregated"}
@@ -78,6 +81,53 @@ def test_ratio_sides(measured):
     assert meg["bubble_fraction"] == pytest.approx(sim.bubble_fraction, abs=1e-4)
     assert meg["peak_memory_per_rank_gb"] == pytest.approx(max(sim.peak_memory.values()) / 1e9, abs=0.01)
     assert figures["optimus_sim_ratio"]["value"] == pytest.approx(sim.iteration_time / best.latency, abs=1e-3)
+
+
+def test_real_ratios_from_given_step_times():
+    """first_stage's step-time sum over optimus's per repeat (the same batches), median and
+    spread over the repeats; the simulated ratio from the median simulated steps."""
+    names = [REAL_MEGATRON, REAL_OPTIMUS]
+    repeats = {REAL_MEGATRON: [[0.3, 0.3], [0.5, 0.3], [0.2, 0.4], [0.3, 0.3]],
+               REAL_OPTIMUS: [[0.2, 0.2], [0.4, 0.4], [0.3, 0.3], [0.1, 0.2]]}
+    simulated = {REAL_MEGATRON: [0.21, 0.27, 0.24], REAL_OPTIMUS: [0.2, 0.1, 0.15]}
+    figs = real_ratio_figures(placement_figures(names, repeats, simulated, global_batch=16, baseline=REAL_MEGATRON))
+    assert set(figs) == set(REAL_FIGURES)
+    real, sim = figs["optimus_real_ratio"], figs["optimus_real_sim_ratio"]
+    # per repeat: 0.6/0.4 = 1.5, 0.8/0.8 = 1.0, 0.6/0.6 = 1.0, 0.6/0.3 = 2.0; median 1.25, min-max under 5 repeats
+    assert real["value"] == pytest.approx(1.25) and real["spread"] == [1.0, 2.0] and real["spread_is"] == "min-max"
+    assert real["better"] == "higher" and "first_stage over optimus" in real["unit"]
+    assert sim["value"] == pytest.approx(0.24 / 0.15) and sim["spread"] is None and sim["better"] == "higher"
+    # the other direction would be the reciprocal: the numerator is first_stage
+    flipped = placement_figures(names, repeats, simulated, global_batch=16, baseline=REAL_OPTIMUS)
+    assert flipped[f"placement_sim_ratio_{REAL_OPTIMUS}_over_{REAL_MEGATRON}"]["value"] == pytest.approx(0.15 / 0.24)
+
+
+def test_real_run_sides_are_megatrons_layout_and_the_filled_colocated_one():
+    meg, opt = train_config(REAL_MEGATRON, 4).plan, train_config(REAL_OPTIMUS, 4, "/tmp/profile.json")
+    assert (meg.placement, meg.bubble_fill, meg.schedule, meg.spec("llm").num_stages) == ("first_stage", "none", "1f1b", 2)
+    assert (opt.plan.placement, opt.plan.bubble_fill, opt.plan.spec("vision").data_parallel) == ("colocated", "optimus", 2)
+    assert opt.plan.spec("llm").num_stages == 2 and opt.run.profile == "/tmp/profile.json"
+    # the pair runs as a placements benchmark with first_stage as the baseline: 2 steps a repeat
+    cfg = BenchConfig(placements=f"{REAL_MEGATRON},{REAL_OPTIMUS}", baseline=REAL_MEGATRON).check()
+    assert cfg.steps_per_repeat() == 2
+
+
+@pytest.mark.parametrize("fields, match", [({"repeats": 2}, "--real-repeats 2: give 3 or more"),
+                                           ({"warmup": 0}, "--real-warmup 0"),
+                                           ({"profile_repeats": 0}, "--real-profile-repeats 0")])
+def test_real_run_arguments_are_checked(fields, match):
+    with pytest.raises(ValueError, match=match):
+        RealConfig(**fields).check()
+    assert RealConfig().check().repeats >= 3
+
+
+def test_cli_refuses_bad_real_repeats_and_unknown_figures(capsys):
+    with pytest.raises(SystemExit):
+        main(["--real-repeats", "1"])
+    assert "--real-repeats 1: give 3 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--only", "optimus_real_ratio,nope"])
+    assert "unknown figures ['nope']" in capsys.readouterr().err
 
 
 def test_listed_by_loom_bench():
