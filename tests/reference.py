@@ -19,10 +19,15 @@ from loom.train.rank import make_lr_scheduler, make_optimizer
 
 
 def save_rank(path: Path, loss: float, named_parameters: dict[str, torch.nn.Parameter], **extra: Any) -> None:
-    """A worker's result: the all-reduced loss, its stage's gradients, the parameters without one."""
+    """A worker's result: the all-reduced loss, its stage's gradients (a TP shard's gathered
+    whole: a collective over the TP group, whose ranks hold the same names in the same order),
+    the parameters without one."""
+    from torch.distributed.tensor import DTensor
+
     torch.save({
         "loss": loss,
-        "grads": {n: p.grad.clone() for n, p in named_parameters.items() if p.grad is not None},
+        "grads": {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+                  for n, p in named_parameters.items() if p.grad is not None},
         "no_grad": sorted(n for n, p in named_parameters.items() if p.grad is None),
         **extra,
     }, path)

@@ -147,14 +147,17 @@ def test_simulator_prices_the_fill() -> None:
 
 def test_compare_sets_an_optimus_plan_beside_the_others() -> None:
     """``loom simulate --compare``'s Optimus plan: colocated, every rank in the LLM's pipeline,
-    the fill on; at degrees the colocated runtime does not run (TP 8), a `ScenarioError` that
-    names the field."""
+    the fill on, encoders at the LLM's TP; with context parallelism (which the colocated runtime
+    does not run), a `ScenarioError` that names the field."""
     from loom.planner.baselines import optimus_plan
     from loom.sim.scenario import ScenarioError, load_scenario
 
     config = "configs/sim/llama3-70b-vith-1024xh100.toml"
-    with pytest.raises(ScenarioError, match=re.escape("parallel.tensor_parallel = 8")):
-        optimus_plan(load_scenario(config))
+    with pytest.raises(ScenarioError, match=re.escape("parallel.context_parallel = 2")):
+        optimus_plan(load_scenario(config, ["parallel.context_parallel=2"]))
+    big = optimus_plan(load_scenario(config))  # 1024 GPUs at TP 8 x DP 8: 16 positions, a ViT replica per unit
+    assert (big.spec(LLM).pipeline_depth, big.spec("vision").data_parallel, big.spec("vision").tensor_parallel,
+            big.spec(LLM).zero_stage) == (16, 128, 8, 0)
     scenario = load_scenario(config, ['model.llm="llama3-8b"', "cluster.num_gpus=8", "parallel.tensor_parallel=1",
                                       "parallel.zero_stage=0", "parallel.data_parallel=2",
                                       "parallel.microbatches_per_pipeline=8", "data.global_batch_size=32"])

@@ -14,7 +14,7 @@ import torch
 from loom.data.demo import DemoConfig
 from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
-from loom.train.build import build_data, build_model
+from loom.train.build import bubble_filler, build_data, build_model
 from loom.train.config import ModelConfig, TrainConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 
@@ -60,6 +60,11 @@ def _config(case: str) -> TrainConfig:
     elif case == "colocated_dp2":  # vision and audio DP 4 on the ranks of an LLM PP 2 x DP 2
         plan = Plan([ModuleSpec("vision", data_parallel=4), ModuleSpec("audio", data_parallel=4),
                      ModuleSpec("llm", num_stages=2, data_parallel=2)], num_microbatches=4, placement="colocated")
+    elif case == "colocated_tp2_dp2":  # vision and audio TP 2 x DP 4 on an LLM TP 2 x PP 2 x DP 2, the fill on
+        plan = Plan([ModuleSpec("vision", data_parallel=4, tensor_parallel=2),
+                     ModuleSpec("audio", data_parallel=4, tensor_parallel=2),
+                     ModuleSpec("llm", num_stages=2, data_parallel=2, tensor_parallel=2)], num_microbatches=4,
+                    placement="colocated", bubble_fill="optimus")
     elif case == "multimodal_interleaved":
         plan = Plan([*enc, ModuleSpec("llm", num_stages=4, virtual_stages=2)], num_microbatches=4)
     elif case in ("multimodal_1f1b", "multimodal_gpipe", "multimodal_zb-h1"):
@@ -98,6 +103,8 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
         # built on meta: the rank materialises its own stage only, from per-layer seeds
         model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
         engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"))
+        if cfg.plan.bubble_fill != "none":  # as loom train sets it
+            engine.schedule_transform = bubble_filler(cfg, model, dataset, engine.plan)
         # two steps without an optimizer: the second sends what the first taught both sides of a
         # channel without headers
         for step in range(2):
@@ -128,6 +135,7 @@ CASES = {
 FOLDED = {"multimodal_1f1b": ["multimodal_gpipe", "frozen", "missing_modality", "multimodal_zb-h1",
                               "frozen_encoders_zb-h1", "multimodal_interleaved", "first_stage_dp2_interleaved",
                               "colocated_dp2"],
+          "multimodal_dp2": ["colocated_tp2_dp2"],
           "llm_only_1f1b": ["llm_only_gpipe", "llm_only_interleaved", "first_stage", "colocated_interleaved"]}
 
 

@@ -165,7 +165,8 @@ def test_colocated_encoders_wrap_the_llm_order(schedule: str, virtual: int) -> N
     (dict(data_parallel=2), {}, "plan.modules['vision'].data_parallel = 2 must be 4"),
     (dict(data_parallel=4, num_stages=2), {}, "plan.modules['vision'].num_stages = 2 must be 1"),
     (dict(data_parallel=4, tensor_parallel=2), {}, "plan.modules['vision'].tensor_parallel = 2 must be 1"),
-    (dict(data_parallel=2), dict(data_parallel=1, tensor_parallel=2), "plan.modules['llm'].tensor_parallel = 2"),
+    (dict(data_parallel=2), dict(data_parallel=1, tensor_parallel=2), "plan.modules['vision'].tensor_parallel = 1 must be 2"),
+    (dict(data_parallel=4), dict(context_parallel=2), "plan.modules['llm'].context_parallel = 2"),
     (dict(data_parallel=4, zero_stage=1), dict(zero_stage=1), "plan.modules['llm'].zero_stage = 1"),
 ])
 def test_bad_colocated_plans_name_the_field(vision: dict, llm: dict, words: str) -> None:

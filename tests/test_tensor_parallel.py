@@ -26,7 +26,7 @@ from loom.plan.plan import ModuleSpec, Plan
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
 from loom.runtime.unit import is_sharded
-from loom.train.build import build_data, build_model
+from loom.train.build import bubble_filler, build_data, build_model
 from loom.train.config import ModelConfig, TrainConfig
 from reference import assert_matches_reference, identity_step, reference_backward
 
@@ -63,6 +63,10 @@ def _config(case: str) -> TrainConfig:
     elif case == "first_stage_tp2":  # the vision encoder inside the LLM's TP 2 unit (Megatron-LM's layout)
         plan = Plan([ModuleSpec("vision", tensor_parallel=2), ModuleSpec("llm", tensor_parallel=2)],
                     num_microbatches=2, placement="first_stage")
+    elif case == "colocated_tp2":  # a vision replica at TP 2 on each TP 2 unit of a 2-stage LLM, the fill on
+        plan = Plan([ModuleSpec("vision", data_parallel=2, tensor_parallel=2),
+                     ModuleSpec("llm", num_stages=2, tensor_parallel=2)], num_microbatches=4,
+                    placement="colocated", bubble_fill="optimus")
     elif case == "vision_tp2":
         plan = Plan([ModuleSpec("vision", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2)],
@@ -84,7 +88,7 @@ def _config(case: str) -> TrainConfig:
 
 # one launch per world size (its cases run one after another in the same processes)
 LAUNCHES = {"llm_tp2": (2, ["llm_tp2", "first_stage_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip",
-                                                           "llm_tp2_pp2v2_clip"]),
+                                                           "llm_tp2_pp2v2_clip", "colocated_tp2"]),
             "vision_tp2": (6, ["vision_tp2"]), "frozen_tp_zero3_clip": (6, ["frozen_tp_zero3_clip"])}
 
 
@@ -111,6 +115,8 @@ def _worker(rank: int, world_size: int, cases: list[str], out: str) -> None:
         model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
         clip = MAX_NORM if case.endswith("clip") else 0.0
         engine = ParallelEngine.create(model, cfg.plan, torch.device("cpu"), max_grad_norm=clip)
+        if cfg.plan.bubble_fill != "none":  # as loom train sets it
+            engine.schedule_transform = bubble_filler(cfg, model, dataset, engine.plan)
         # two steps: the second reuses what the first taught each channel (headers dropped)
         for step in range(2):
             for p in engine.named_parameters().values():

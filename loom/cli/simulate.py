@@ -125,7 +125,8 @@ def row_of(scenario, name: str, plan, label, result, balanced, baseline, files: 
         "plan": name,
         # a stage count per module; under interleaving, pipeline positions and their chunks
         "layout": ", ".join((f"{m.name} in llm.0" if plan.hosted_by_llm(m.name) and plan.placement == "first_stage" else
-                             f"{m.name} dp {m.data_parallel} on the llm's ranks" if plan.hosted_by_llm(m.name) else
+                             f"{m.name} dp {m.data_parallel}{f' tp {m.tensor_parallel}' if m.tensor_parallel > 1 else ''}"
+                             f" on the llm's {'units' if m.tensor_parallel > 1 else 'ranks'}" if plan.hosted_by_llm(m.name) else
                              f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}")
                             + (f" ({m.virtual_stages} chunks)" if m.virtual_stages > 1 else "") for m in plan.modules),
         **result.summary(),

@@ -189,20 +189,21 @@ def _check_guests(plan: "Plan", how: str, **want: int) -> None:
 
 
 def check_colocated(plan: "Plan") -> None:
-    """``placement = "colocated"``: every rank of the LLM also runs one replica of each encoder,
-    whole (data parallelism over all the LLM's ranks, OrchMLLM's and Optimus's setups). Encoders
-    with stages or TP of their own over the LLM's ranks (Optimus's model planner) and an LLM with
-    TP or CP are refused here: the runtime does not run them yet."""
+    """``placement = "colocated"``: every pipeline unit of the LLM (its TP group) also runs one
+    replica of each encoder, whole, at the LLM's TP degree (data parallelism over all the LLM's
+    units, OrchMLLM's and Optimus's setups). Encoders with stages or a TP of their own over the
+    LLM's ranks (Optimus's model planner) and an LLM with CP are refused here: the runtime does
+    not run them yet."""
     llm = plan.spec(LLM)
-    for name in ("tensor_parallel", "context_parallel"):
-        if getattr(llm, name) > 1:
-            raise PlanError(f"plan.placement = 'colocated' with plan.modules['llm'].{name} = {getattr(llm, name)} is "
-                            f"not supported yet: use placement = 'disaggregated' or 'first_stage' for it")
+    if llm.context_parallel > 1:
+        raise PlanError(f"plan.placement = 'colocated' with plan.modules['llm'].context_parallel = "
+                        f"{llm.context_parallel} is not supported yet: use placement = 'disaggregated' for it")
     if llm.zero_stage:  # the rank's one optimizer would span two data-parallel groups
         raise PlanError(f"plan.placement = 'colocated' with plan.modules['llm'].zero_stage = {llm.zero_stage} is not "
                         f"supported yet: use zero_stage = 0 with it")
-    _check_guests(plan, f"runs one replica of each encoder, whole, on every one of the LLM's {llm.num_units} ranks",
-                  data_parallel=llm.num_units, tensor_parallel=1, zero_stage=0)
+    _check_guests(plan, f"runs one replica of each encoder, whole, on every one of the LLM's {llm.num_units} "
+                        f"pipeline units (TP groups of {llm.tensor_parallel})",
+                  data_parallel=llm.num_units, tensor_parallel=llm.tensor_parallel, zero_stage=0)
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:

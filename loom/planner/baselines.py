@@ -4,10 +4,10 @@
   LLM's TP and DP, and the LLM's layers are split evenly over the remaining stages;
 - **first-stage** (Megatron-LM's own layout): every rank in the LLM's pipeline, the encoders
   inside its first position;
-- **optimus** (optimus.md §2.3, §3.4 to §3.6): every rank in the LLM's pipeline at TP 1, one
-  replica of each encoder on every rank (``colocated``), the encoders' work moved into the
-  LLM's bubbles (``bubble_fill = "optimus"``, `loom.sim.bubble_fill`); the runtime colocates
-  only at TP = CP = 1 without ZeRO, so scenarios at other degrees get no such plan;
+- **optimus** (optimus.md §2.3, §3.4 to §3.6): every rank in the LLM's pipeline, one replica of
+  each encoder on every pipeline unit at the LLM's TP (``colocated``), the encoders' work moved
+  into the LLM's bubbles (``bubble_fill = "optimus"``, `loom.sim.bubble_fill`), without ZeRO
+  (the colocated runtime runs none); scenarios with CP get no such plan;
 - **frozen-aware**: the loosely-coupled search of cornstarch.md §2.6 (Algorithm 1) picks each
   module's stage count for the device budget by simulated iteration time, and the stage
   boundaries come from the frozen-aware partitioning DP (cornstarch.md §3.2.2, eq. 3.5) over
@@ -66,22 +66,23 @@ def first_stage_plan(scenario: Scenario) -> Plan:
 
 def optimus_plan(scenario: Scenario) -> Plan:
     """Optimus's layout as loom runs it (module docstring): the LLM split evenly over
-    ``num_gpus / DP`` pipeline positions at the scenario's DP, each encoder one replica per
-    rank, the bubble fill on. A `ScenarioError` names the degree that rules it out."""
+    ``num_gpus / (TP x DP)`` pipeline positions at the scenario's TP and DP, each encoder one
+    replica per pipeline unit at the LLM's TP, the bubble fill on, no ZeRO. A `ScenarioError`
+    names what rules it out."""
     d, arch, cluster = scenario.degrees, scenario.arch, scenario.cluster
-    for name, value in (("tensor_parallel", d.tensor_parallel), ("context_parallel", d.context_parallel),
-                        ("zero_stage", d.zero_stage)):
-        if value != (0 if name == "zero_stage" else 1):
-            raise ScenarioError(f"parallel.{name} = {value}: the colocated placement runs the LLM at TP = CP = 1 "
-                                f"without ZeRO; set parallel.tensor_parallel = 1, context_parallel = 1 and "
-                                f"zero_stage = 0 for an Optimus plan")
-    positions = cluster.num_gpus // d.data_parallel
-    if positions < 1 or positions * d.data_parallel != cluster.num_gpus:
-        raise ScenarioError(f"cluster.num_gpus = {cluster.num_gpus} is not a multiple of parallel.data_parallel = "
+    if d.context_parallel != 1:
+        raise ScenarioError(f"parallel.context_parallel = {d.context_parallel}: the colocated placement runs the LLM "
+                            f"without context parallelism; set it to 1 for an Optimus plan")
+    per_position = d.tensor_parallel * d.data_parallel
+    positions = cluster.num_gpus // per_position
+    if positions < 1 or positions * per_position != cluster.num_gpus:
+        raise ScenarioError(f"cluster.num_gpus = {cluster.num_gpus} is not a multiple of TP {d.tensor_parallel} x DP "
                             f"{d.data_parallel}: the Optimus plan gives every rank to the LLM's pipeline")
-    encoders = [ModuleSpec(n, data_parallel=cluster.num_gpus, recompute=d.recompute) for n in arch.encoder_names]
+    units = positions * d.data_parallel
+    encoders = [ModuleSpec(n, data_parallel=units, tensor_parallel=d.tensor_parallel, recompute=d.recompute)
+                for n in arch.encoder_names]
     llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=positions * d.virtual_stages,
-                     recompute=d.recompute, virtual_stages=d.virtual_stages)
+                     tensor_parallel=d.tensor_parallel, recompute=d.recompute, virtual_stages=d.virtual_stages)
     plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
                 schedule=d.schedule, placement="colocated", bubble_fill="optimus")
     try:

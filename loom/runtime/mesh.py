@@ -59,8 +59,8 @@ def check_meshes(plan: Plan, meshes: dict[str, DeviceMesh], rank: int) -> None:
                             f"gives {plan.mesh_shape(name)} over {MESH_DIMS}")
         coordinate = mesh.get_coordinate()
         expected = mine.index if name == mine.module else None
-        if plan.hosted_by_llm(name) and plan.placement == "colocated":  # every rank hosts a replica
-            expected = (0, rank, 0, 0)
+        if plan.hosted_by_llm(name) and plan.placement == "colocated":  # every unit hosts a replica, at its TP
+            expected = (0, rank // plan.spec(name).tensor_parallel, 0, rank % plan.spec(name).tensor_parallel)
         elif plan.hosted_by_llm(name) and mine.stage == 0:  # first_stage: the LLM's first position hosts it
             expected = (0, mine.replica, 0, mine.tensor)
         if (tuple(coordinate) if coordinate is not None else None) != expected:
