@@ -291,9 +291,15 @@ def test_first_stage_refuses_balancing_policies(demo) -> None:
     model, arch, dataset = demo
     plan = _first_stage_plan(model)
     check_balance_config(BalanceConfig(), plan, 6)  # the identity layout is what first_stage runs
-    for config in (BalanceConfig(default="orchmllm"), BalanceConfig(policy={"encoders": "orchmllm"})):
+    # DistTrain's microbatches hold a sample in every module: the encoders keep the LLM's slots
+    shared = make_layout(BalanceConfig(default="disttrain", min_gain=float("-inf")), plan,
+                         sample_costs(arch, [dataset.meta(i) for i in range(6)]))
+    assert all(shared.shares_llm_slots(e) for e in plan.encoder_names)
+    assert shared.slots["llm"] != [tuple(range(2 * j, 2 * j + 2)) for j in range(3)]  # it did rearrange
+    for config in (BalanceConfig(default="orchmllm"), BalanceConfig(policy={"encoders": "orchmllm"}),
+                   BalanceConfig(default="entrain")):
         with pytest.raises(BalanceError, match=r"balance.policy .* with plan.placement = 'first_stage'.*"
-                                               r"set balance.default = 'none'"):
+                                               r"choose balance.default = 'disttrain'"):
             check_balance_config(config, plan, 6)
         with pytest.raises(BalanceError, match=r"plan.placement = 'first_stage'"):
             make_layout(config, plan, sample_costs(arch, [dataset.meta(i) for i in range(6)]))

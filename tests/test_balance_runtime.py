@@ -76,6 +76,9 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     elif layout == "colocated":  # a vision replica on each rank of a 2-stage LLM (OrchMLLM's every module on every rank)
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4,
                     placement="colocated")
+    elif layout == "firststage":  # vision inside the first stage of each of 2 LLM pipelines (Megatron-LM's layout)
+        plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2, data_parallel=2)],
+                    num_microbatches=4, placement="first_stage")
     elif layout == "optimus":  # vision and audio replicas on both ranks of a 2-stage LLM, work moved into its bubbles
         model = dataclasses.replace(model, audio=AudioConfig(**small))
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
@@ -169,10 +172,11 @@ CASES = {
 # cases run inside another case's launch (same world size): the suite's time is in the launches
 # mixedzb: zb-h1 with routed rows into split LLM stages; interleaved: Entrain's deferral into an
 # interleaved LLM
-# optimus: Optimus's bubble fill (plan.bubble_fill) of colocated vision and audio encoders
+# optimus: Optimus's bubble fill (plan.bubble_fill) of colocated vision and audio encoders; firststage:
+# DistTrain's layout (a sample of every module per microbatch) with the encoders inside the LLM's first stage
 FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
           "pipe2-disttrain": ["colocated-orchmllm"], "pipe2-none": ["optimus-none"],
-          "pipe2packed-entrain": ["optimus-orchmllm"]}
+          "pipe2packed-entrain": ["optimus-orchmllm"], "pipe2dp2-disttrain": ["firststage-disttrain"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -205,7 +209,8 @@ def test_balancing_really_rearranges(tmp_path: Path) -> None:
 
     for case, expect_routes in [("pipe2dp2-orchmllm", True), ("pipe2packed-entrain", True), ("pipe2dp2-disttrain", False),
                                 ("mixed-orchmllm", True), ("deeppacked-entrain", True), ("omni-entrain", True),
-                                ("colocated-orchmllm", True), ("optimus-orchmllm", True)]:
+                                ("colocated-orchmllm", True), ("optimus-orchmllm", True),
+                                ("firststage-disttrain", False)]:
         cfg, balance = _config(case)
         tokenizer, dataset = build_data(cfg)
         model = build_model(cfg.model, tokenizer, seed=SEED)

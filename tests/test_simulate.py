@@ -54,7 +54,7 @@ def test_compare_prints_both_plans_and_writes_traces(tmp_path, capsys):
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     plans = {r["plan"]: r for r in result["plans"]}
-    assert set(plans) == {"first-stage", "megatron-style", "frozen-aware"}
+    assert set(plans) == {"first-stage", "megatron-style", "optimus", "frozen-aware"}
     for r in plans.values():
         assert r["simulated"] and r["iteration_time_s"] > 0 and 0 < r["mfu"] < 1 and r["world_size"] <= 64
         trace = json.loads(open(r["trace"]).read())
@@ -62,6 +62,8 @@ def test_compare_prints_both_plans_and_writes_traces(tmp_path, capsys):
     assert plans["megatron-style"]["layout"].startswith("vision 1x2x4")
     # Megatron-LM's own layout: every rank in the LLM's pipeline, the encoder inside its first stage
     assert plans["first-stage"]["layout"] == "vision in llm.0, llm 8x2x4x1" and plans["first-stage"]["world_size"] == 64
+    # Optimus's: a vision replica on every TP group of the LLM's pipeline, its work in the LLM's bubbles
+    assert plans["optimus"]["layout"] == "vision dp 16 tp 4 on the llm's units, llm 8x2x4x1"
 
 
 def test_table_output(tmp_path, capsys):
@@ -154,3 +156,21 @@ def test_load_scenario_refuses_what_the_cli_refuses(tmp_path, change, overrides,
 def test_load_scenario_applies_overrides(tmp_path):
     scenario = load_scenario(write(tmp_path, SMALL), ["cluster.num_gpus=128", "parallel.tensor_parallel=8"])
     assert scenario.cluster.num_gpus == 128 and scenario.degrees.tensor_parallel == 8
+
+
+def test_first_stage_runs_only_the_policies_that_keep_the_llms_slots(tmp_path, capsys):
+    """Encoders inside the LLM's first stage run its slots: DistTrain's layout (a sample of every
+    module per microbatch) applies, a per-phase policy is skipped with a note."""
+    with open(write(tmp_path, SMALL)) as f:
+        text = f.read()
+    scenario = tmp_path / "fs.toml"
+    scenario.write_text(text + '\n[plans.fs]\nplacement = "first_stage"\nnum_microbatches = 8\n'
+                        '[[plans.fs.modules]]\nname = "vision"\ndata_parallel = 2\ntensor_parallel = 4\n'
+                        '[[plans.fs.modules]]\nname = "llm"\nnum_stages = 8\ndata_parallel = 2\ntensor_parallel = 4\n')
+    rc = main(["simulate", "--config", str(scenario), "--json", "--no-png", "--policy", "orchmllm,disttrain",
+               "--out", str(tmp_path / "out")])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    rows = json.loads(captured.out)["plans"]
+    assert [r.get("policy") for r in rows] == ["none", "disttrain"]
+    assert "only disttrain of the policies applies" in captured.err

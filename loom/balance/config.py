@@ -15,6 +15,9 @@ from loom.schedule.layout import round_size
 POLICIES = ("none", "orchmllm", "disttrain", "entrain")
 ORDERS = ("given", "disttrain")
 JOINT = ("disttrain", "entrain")  # policies that decide every phase at once
+# policies whose layouts give every phase the LLM's slots (DistTrain's microbatches hold a
+# sample in every module): the only ones encoders inside the LLM's first stage can run
+SHARED_SLOTS = ("disttrain",)
 
 
 class BalanceError(ValueError):
@@ -96,9 +99,9 @@ def check_balance_config(config: BalanceConfig, plan: Plan, global_batch_size: i
     on the config: the balance section's values, a batch with fewer samples than microbatches,
     per-phase policies whose rounds do not divide the microbatches, and the joint policies'
     needs (equal data-parallel degrees, microbatches and, for Entrain, samples divisible by the
-    replica count), and no rearranging policy with ``plan.placement = "first_stage"`` (the
-    encoders there run inside the LLM's first stage, on its slots;
-    `loom.schedule.generators.build_schedule` refuses the same).
+    replica count), and with ``plan.placement = "first_stage"`` no policy but those of
+    `SHARED_SLOTS` (the encoders there run inside the LLM's first stage, on its slots;
+    `loom.schedule.generators.build_schedule` refuses other layouts).
     Policy ``none`` needs nothing beyond a sample per microbatch: its identity layout runs any
     plan."""
     phases = plan.module_names
@@ -112,10 +115,12 @@ def check_balance_config(config: BalanceConfig, plan: Plan, global_batch_size: i
     chosen = set(config.summary(phases).values())
     if chosen == {"none"}:
         return
-    if plan.placement == "first_stage":  # a rank runs slot j of its encoders with its LLM stage's
+    if plan.placement == "first_stage" and not chosen <= {"none", *SHARED_SLOTS}:
+        # a rank runs slot j of its encoders with its LLM stage's
         raise BalanceError(f"balance.policy {config.summary(phases)} with plan.placement = {plan.placement!r}: the "
-                           f"encoders run each LLM microbatch's own samples; set balance.default = 'none' and name no "
-                           f"balance.policy, or use placement = 'disaggregated' to balance")
+                           f"encoders run each LLM microbatch's own samples; choose balance.default = "
+                           f"{' or '.join(repr(p) for p in SHARED_SLOTS)} (its microbatches hold a sample in every "
+                           f"module) or 'none', or use placement = 'disaggregated' to balance per phase")
     if chosen & set(JOINT):
         (policy,) = chosen
         dp = plan.spec(LLM).data_parallel

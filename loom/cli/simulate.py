@@ -68,6 +68,7 @@ def plans_of(scenario, compare: bool) -> dict[str, Any]:
 def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager: int) -> list[tuple]:
     """``(policy label or None, file stem suffix, SimResult, BalancedRun or None)`` per run of
     ``plan``; under policies the first is the ``none`` baseline in the given order."""
+    from loom.balance.config import SHARED_SLOTS
     from loom.balance.policy import JOINT, BalanceConfig
 
     # every run pays the dispatcher (metadata all-gather, decision, payload all-to-all), as `loom train` does
@@ -78,10 +79,12 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
     if policies is None:
         return [(None, "", base.result, None)]
     runs = [("none", ".none", base.result, base)]
-    if plan.placement == "first_stage":  # its encoders run the LLM's slots: nothing to balance
-        print(f"loom: plan with placement {plan.placement}: balancing policies do not apply (each encoder "
-              f"microbatch runs with the LLM microbatch of its slot); simulated under none only", file=sys.stderr)
-        return runs
+    if plan.placement == "first_stage" and set(policies) - {"none", *SHARED_SLOTS}:
+        # its encoders run the LLM's slots: only a policy that keeps them shared applies
+        print(f"loom: plan with placement {plan.placement}: only {', '.join(SHARED_SLOTS)} of the policies applies "
+              f"(each encoder microbatch runs with the LLM microbatch of its slot); the others are skipped",
+              file=sys.stderr)
+        policies = [p for p in policies if p in ("none", *SHARED_SLOTS)]
     for name in policies:
         own_order = "given" if name in JOINT else order  # DistTrain and Entrain bring their own order
         if name == "none" and own_order == "given":
