@@ -1,6 +1,6 @@
 """Placements, measured: real 2-rank CPU runs of the demo model under ``disaggregated``,
-``first_stage`` and ``colocated`` (issue 10's acceptance), each beside the simulator's
-prediction of the same steps.
+``first_stage`` and ``colocated`` (issue 10's acceptance), and ``colocated`` with Optimus's
+bubble fill, each beside the simulator's prediction of the same steps.
 
     python -m benchmarks.placements [--repeats 5 --warmup 2 --only disaggregated,colocated ...]
 
@@ -19,9 +19,9 @@ same 2 ranks (`PLACEMENTS`; docs/plans.md, "First-stage placement", "Colocated p
 - ``optimus``: ``colocated`` with ``plan.bubble_fill = "optimus"``: each iteration's schedule
   with vision's forward and backward blocks moved into the LLM's bubbles (optimus.md §3.2 to
   §3.6, `loom.sim.bubble_fill`), the fill timed by the benchmark's own ``loom profile``
-  (``run.profile``, as a user runs it after profiling). Both sides keep `Plan.resolve`'s stage
-  boundaries: the profile steers the fill only, not the partition ``loom train`` would derive
-  from it, so the LLM's stages are those of ``colocated`` and ``first_stage``.
+  (``run.profile``, as a user runs it after profiling). Every placement keeps `Plan.resolve`'s
+  stage boundaries: the profile steers the fill only, not the partition ``loom train`` would
+  derive from it, so ``optimus``'s LLM stages are those of ``colocated`` and ``first_stage``.
 
 The profile (below) is taken before any group starts, so ``optimus``'s ranks read it when they
 build. Each placement is a group of 2 fresh gloo processes with one thread each (the machine has 2
@@ -38,9 +38,8 @@ is written to a file; the simulator loads it as production does (`load_profile_f
 `ProfiledCostModel`) and plays, for every timed step's global batch, the schedule the engine
 runs for that placement and layout (for ``optimus``, the engine's own transform,
 `loom.train.build.bubble_filler`, applied as `ParallelEngine.schedule_for` applies it), with
-the dispatch priced (`loom.sim.dispatch`), the 2
-ranks sharing the host's cores (`CoreSharing`) and the loss all-reduce, as
-``benchmarks/sim_fidelity.py`` does for the demo.
+the dispatch priced (`loom.sim.dispatch`), the 2 ranks sharing the host's cores
+(`CoreSharing`) and the loss all-reduce, as ``benchmarks/sim_fidelity.py`` does for the demo.
 
 Figures, per placement ``<p>``:
 
@@ -60,7 +59,11 @@ and between placements, against the baseline ``<b>`` (``--baseline``, disaggrega
 - ``placement_sim_ratio_<b>_over_<p>``: the simulator's prediction of that ratio (its median
   simulated steps' ratio), beside it.
 
-Writes ``benchmarks/results/placements.json`` (not with ``--only``).
+The config's ``placements_detail`` records per placement its resolved plan, the compute order
+of the schedule its engine ran on the first timed step's batch (`compute_order`) and, for a
+filled one, whether the fill changed the generator's schedule (``fill_changed_schedule``); its
+``profile`` how the profile was taken and on what. Writes ``benchmarks/results/placements.json``
+(not with ``--only``).
 """
 
 from __future__ import annotations
@@ -529,7 +532,8 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["figure", "value", "unit", "better", "spread"], rows))
     for n, d in config["placements_detail"].items():
         print(f"{n}: CPU ms per rank, measured {d['cpu_ms_per_rank']}, simulated compute "
-              f"{d['simulated_compute_cpu_ms_per_rank']}")
+              f"{d['simulated_compute_cpu_ms_per_rank']}"
+              + (f"; the fill changed the schedule: {d['fill_changed_schedule']}" if "fill_changed_schedule" in d else ""))
     print(f"{NAME}: {config['wall_s']} s in all (profile {config['profile_wall_s']} s)")
     if args.only:
         print("(--only: no result file written)")
