@@ -79,11 +79,14 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     elif layout == "firststage":  # vision inside the first stage of each of 2 LLM pipelines (Megatron-LM's layout)
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2, data_parallel=2)],
                     num_microbatches=4, placement="first_stage")
-    elif layout == "optimus":  # vision and audio replicas on both ranks of a 2-stage LLM, work moved into its bubbles
+    elif layout in ("optimus", "optimuschunks"):  # vision and audio replicas on both ranks of a 2-stage LLM,
+        # their work moved into its bubbles; optimuschunks: vision cut in 2 chunks the fill moves one by one
         model = dataclasses.replace(model, audio=AudioConfig(**small))
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
-        plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("audio", data_parallel=2),
-                     ModuleSpec("llm", num_stages=2)], num_microbatches=4, placement="colocated", bubble_fill="optimus")
+        chunks = 2 if layout == "optimuschunks" else 1
+        plan = Plan([ModuleSpec("vision", data_parallel=2, num_stages=chunks, virtual_stages=chunks),
+                     ModuleSpec("audio", data_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4,
+                    placement="colocated", bubble_fill="optimus")
     elif layout == "omni":  # vision and audio encoders -> 2-stage LLM, frozen LLM, trainable projectors
         model = dataclasses.replace(model, audio=AudioConfig(**small), freeze=["vision.encoder", "llm"])
         demo = dataclasses.replace(demo, mix={"text": 0.2, "multi_image": 0.3, "audio": 0.3, "image_audio": 0.2})
@@ -172,11 +175,13 @@ CASES = {
 # cases run inside another case's launch (same world size): the suite's time is in the launches
 # mixedzb: zb-h1 with routed rows into split LLM stages; interleaved: Entrain's deferral into an
 # interleaved LLM
-# optimus: Optimus's bubble fill (plan.bubble_fill) of colocated vision and audio encoders; firststage:
+# optimus: Optimus's bubble fill (plan.bubble_fill) of colocated vision and audio encoders (optimuschunks:
+# vision in 2 chunks per rank, filled chunk by chunk); firststage:
 # DistTrain's layout (a sample of every module per microbatch) with the encoders inside the LLM's first stage
 FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
           "pipe2-disttrain": ["colocated-orchmllm"], "pipe2-none": ["optimus-none"],
-          "pipe2packed-entrain": ["optimus-orchmllm"], "pipe2dp2-disttrain": ["firststage-disttrain"]}
+          "pipe2packed-entrain": ["optimus-orchmllm"], "pipe2dp2-disttrain": ["firststage-disttrain"],
+          "pipe2eager-entrain": ["optimuschunks-orchmllm"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))

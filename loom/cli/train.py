@@ -21,6 +21,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from loom.plan.plan import LLM
 from loom.cli.common import CliError, load_train_config
 from loom.train.config import TrainConfig, config_to_toml
 from loom.train.launch import Supervisor, is_loom_process
@@ -95,7 +96,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     cmd = torchrun_command(cfg, config_path, run_dir)
     print(f"loom: {world} processes, plan " + ", ".join(
         f"{m.name} {m.pipeline_depth} stage(s)"
-        + (f" of {m.virtual_stages} chunks (interleaved)" if m.virtual_stages > 1 else "") + f" x dp {m.data_parallel}"
+        + ((f" of {m.virtual_stages} chunks (interleaved)" if m.name == LLM else f" in {m.virtual_stages} chunks")
+           if m.virtual_stages > 1 else "") + f" x dp {m.data_parallel}"
         + "".join(f" x {k} {v}" for k, v in (("cp", m.context_parallel), ("tp", m.tensor_parallel)) if v > 1)
         for m in cfg.plan.modules)
         + f", {cfg.plan.num_microbatches} microbatches, {cfg.plan.schedule}; run dir {run_dir}", flush=True)

@@ -137,9 +137,16 @@ def check_virtual_stages(plan: "Plan", m: ModuleSpec) -> None:
         raise PlanError(f"{where}.virtual_stages = {v!r}: must be an integer, at least 1 (1: no interleaving)")
     if v == 1:
         return
+    if m.name != LLM and plan.placement == "colocated":
+        # a colocated encoder cut into chunks, all on its unit: the bubble fill moves each chunk's
+        # work on its own (layer granularity, optimus.md §3.5)
+        if v != m.num_stages:
+            raise PlanError(f"{where}.virtual_stages = {v} with num_stages = {m.num_stages}: a colocated encoder runs "
+                            f"all its stages on each unit, so virtual_stages must equal num_stages")
+        return
     if m.name != LLM:
-        raise PlanError(f"{where}.virtual_stages = {v}: interleaved pipelines are supported on the {LLM!r} module only; "
-                        f"set it to 1 on encoders")
+        raise PlanError(f"{where}.virtual_stages = {v}: interleaved pipelines are supported on the {LLM!r} module only "
+                        f"(and chunked colocated encoders); set it to 1 on encoders")
     if m.num_stages % v:
         raise PlanError(f"{where}.virtual_stages = {v} does not divide num_stages = {m.num_stages}: the stages are "
                         f"dealt round-robin over num_stages / virtual_stages pipeline positions; make num_stages a "
@@ -177,12 +184,13 @@ def check_first_stage(plan: "Plan") -> None:
 
 
 def _check_guests(plan: "Plan", how: str, **want: int) -> None:
-    """Every encoder of a placement that hosts it on the LLM's ranks: one stage, no CP, and
-    the degrees ``want`` gives."""
+    """Every encoder of a placement that hosts it on the LLM's ranks: one stage (colocated: one
+    pipeline position, its stages chunks on it), no CP, and the degrees ``want`` gives."""
     for m in plan.modules:
         if m.name == LLM:
             continue
-        for name, value in {"num_stages": 1, "context_parallel": 1, **want}.items():
+        stages = m.virtual_stages if plan.placement == "colocated" else 1
+        for name, value in {"num_stages": stages, "context_parallel": 1, **want}.items():
             if getattr(m, name) != value:
                 raise PlanError(f"plan.placement = {plan.placement!r} {how}: plan.modules[{m.name!r}].{name} = "
                                 f"{getattr(m, name)} must be {value}, or use placement = 'disaggregated'")
@@ -339,8 +347,8 @@ class Plan:
         replica ``u`` of each encoder)."""
         name, position, replica = self.role_of_unit(unit)
         guests = [e for e in self.encoder_names if self.hosted_by_llm(e)]
-        if self.placement == "colocated":
-            hosted = [(e, 0, unit) for e in guests]
+        if self.placement == "colocated":  # every chunk of each encoder (one, unless cut into chunks)
+            hosted = [(e, s, unit) for e in guests for s in range(self.spec(e).num_stages)]
         else:
             hosted = [(e, 0, replica) for e in guests] if position == 0 else []
         return hosted + [(name, s, replica) for s in self.spec(name).hosted_stages(position)]

@@ -304,7 +304,9 @@ def _around(order: list[tuple[Stage, ActionKind, int]], guests: list[Stage], mic
     encoder forwards wait on nothing, so the units cannot deadlock; the price is every encoder
     activation held until the end of the iteration."""
     forwards = [(g, ActionKind.FORWARD, j) for j in microbatches for g in guests]
-    backwards = [(g, ActionKind.BACKWARD, j) for j in microbatches for g in guests if needs_backward[g]]
+    # an encoder cut into chunks back-propagates its last chunk first
+    reverse = sorted(guests, key=lambda g: (guests.index((g[0], 0)), -g[1]))
+    backwards = [(g, ActionKind.BACKWARD, j) for j in microbatches for g in reverse if needs_backward[g]]
     return forwards + order + backwards
 
 

@@ -57,7 +57,8 @@ class _Block:
     duration: float
     deadline: float = float("inf")
     ready: float = 0.0
-    key: tuple[int, int] = (0, 0)  # (microbatch, encoder index): the tie-break, a stable order
+    key: tuple[int, int, int] = (0, 0, 0)  # (microbatch, encoder, chain position): the tie-break, a stable order
+    chain: "_Block | None" = None  # the next chunk's block of the same microbatch and direction
 
 
 @dataclass
@@ -99,11 +100,18 @@ def _message_key(u: int, a: Action) -> tuple:
             a.stage, a.samples)
 
 
-def _blocks(acts: list[Action], own: str) -> tuple[list[int], list[list[int]]]:
+def _local_chunk(u: int, a: Action) -> bool:
+    """A message between two chunks of one encoder on unit ``u`` (a colocated encoder cut into
+    chunks): its order, not a timing, links their blocks."""
+    return a.peer == u and a.peer_module == a.module
+
+
+def _blocks(u: int, acts: list[Action], own: str) -> tuple[list[int], list[list[int]]]:
     """Split a unit's list into its skeleton (indices of ``own`` module's actions and the
-    per-iteration ones) and its encoder blocks (index runs, one per encoder microbatch and
-    direction). A block's actions are contiguous in a colocated schedule; one that is not
-    (a split backward's deferred part) is left in the skeleton."""
+    per-iteration ones) and its encoder blocks (index runs, one per encoder chunk, microbatch
+    and direction). A block's actions are contiguous in a colocated schedule, and a forward
+    block receives only from the encoder's previous chunk on the unit; a run that is not so (a
+    split backward's deferred part) is left in the skeleton."""
     skeleton: list[int] = []
     runs: dict[tuple[str, int, int, bool], list[int]] = {}
     for i, a in enumerate(acts):
@@ -115,7 +123,7 @@ def _blocks(acts: list[Action], own: str) -> tuple[list[int], list[list[int]]]:
     blocks = []
     for idx in runs.values():
         if idx[-1] - idx[0] + 1 == len(idx) and any(acts[i].kind in _COMPUTE for i in idx) \
-                and not any(acts[i].kind is ActionKind.RECV_ACT for i in idx):
+                and all(_local_chunk(u, acts[i]) for i in idx if acts[i].kind is ActionKind.RECV_ACT):
             blocks.append(idx)
         else:
             skeleton.extend(idx)
@@ -123,92 +131,135 @@ def _blocks(acts: list[Action], own: str) -> tuple[list[int], list[list[int]]]:
     return skeleton, blocks
 
 
+class _Timing:
+    """What a round reads off the play: each action's (start, end) per unit, and for every
+    receive its message's arrival and where its sender's message is received."""
+
+    def __init__(self, schedule: Schedule, play: Play) -> None:
+        self.times = {u: _times(play, u) for u in play.units}
+        self.recv_at: dict[tuple, tuple[int, int]] = {}  # message key -> (receiving unit, action index)
+        self.arrival: dict[tuple[int, int], float] = {}
+        for u in play.units:
+            n = 0
+            for i, a in enumerate(schedule.actions[u]):
+                if a.kind in _RECEIVES:
+                    self.recv_at[_message_key(u, a)] = (u, i)
+                    self.arrival[(u, i)] = play.arrivals[u][n]
+                    n += 1
+
+
+def _unit_blocks(u: int, acts: list[Action], runs: list[list[int]], timing: _Timing,
+                 names: list[str]) -> list[_Block]:
+    """The blocks of unit ``u`` with their durations and windows (module docstring). A chunk's
+    forward must end before the next chunk's starts, a chunk's backward start after the next
+    chunk's ends: their windows follow from that chunk's, along the chain."""
+    t = timing.times[u]
+    blocks: dict[tuple[str, int, int, bool], _Block] = {}
+    for idx in runs:
+        first = acts[idx[0]]
+        comp = [i for i in idx if acts[i].kind in _COMPUTE]
+        fwd = acts[comp[0]].kind is ActionKind.FORWARD
+        b = _Block([acts[i] for i in idx], fwd, sum(t[i][1] - t[i][0] for i in comp),
+                   key=(first.microbatch, names.index(first.module), first.stage if fwd else -first.stage))
+        for i in idx:
+            a = acts[i]
+            if _local_chunk(u, a):
+                continue
+            if fwd and a.kind is ActionKind.SEND_ACT and _message_key(u, a) in timing.recv_at:
+                # latest end: the consumer's receive start minus the message's transfer
+                v, k = timing.recv_at[_message_key(u, a)]
+                b.deadline = min(b.deadline, timing.times[v][k][0] - (timing.arrival[(v, k)] - t[i][0]))
+            elif not fwd and a.kind is ActionKind.RECV_GRAD:  # earliest start: its gradient's arrival
+                b.ready = max(b.ready, timing.arrival[(u, i)])
+        blocks[(first.module, first.stage, first.microbatch, fwd)] = b
+    for (m, s, j, fwd), b in sorted(blocks.items(), key=lambda kv: -kv[0][1] if kv[0][3] else kv[0][1]):
+        nxt = blocks.get((m, s + 1, j, fwd)) if fwd else None
+        if nxt is not None:  # forwards from the last chunk back
+            b.deadline = min(b.deadline, nxt.deadline - nxt.duration)
+    for (m, s, j, fwd), b in sorted(blocks.items(), key=lambda kv: -kv[0][1]):
+        prev = blocks.get((m, s + 1, j, fwd)) if not fwd else None
+        if prev is not None:  # backwards from the last chunk down
+            b.ready = max(b.ready, prev.ready + prev.duration)
+    for (m, s, j, fwd), b in blocks.items():
+        b.chain = blocks.get((m, s + 1, j, fwd))  # the block it must precede (forward) or follow (backward)
+    return list(blocks.values())
+
+
+def _fill_unit(u: int, acts: list[Action], own: str, timing: _Timing, names: list[str]) -> tuple[list[Action], int]:
+    """Unit ``u``'s new list (module docstring) and how many of its blocks went into gaps."""
+    skeleton, runs = _blocks(u, acts, own)
+    if not runs:
+        return list(acts), 0
+    t = timing.times[u]
+    blocks = _unit_blocks(u, acts, runs, timing, names)
+    # the skeleton's compute actions and the gaps between consecutive ones
+    comp = [i for i in skeleton if acts[i].kind in _COMPUTE]
+    gaps = []  # (start, end, insertion position in the skeleton list)
+    for a_i, b_i in zip(comp, comp[1:]):
+        pos = skeleton.index(b_i)
+        while pos > 0 and acts[skeleton[pos - 1]].kind in _RECEIVES:
+            pos -= 1  # before the receives that feed the next compute action
+        gaps.append((t[a_i][1], t[b_i][0], pos))
+    used = [0.0] * len(gaps)  # forwards fill a gap from its start, backwards after them
+    gap_of: dict[int, int | None] = {}  # id(block) -> its gap, None: the head or the tail
+    placed: dict[int, list[tuple[float, _Block]]] = {}
+    head, tail = [], []
+    for b in sorted((b for b in blocks if b.forward), key=lambda b: (-b.deadline, *b.key[:2], -b.key[2])):
+        # no later than the chunk it feeds (a later chunk's deadline is later: it went first)
+        last = len(gaps) - 1 if b.chain is None else gap_of[id(b.chain)]
+        for g in reversed(range(last + 1 if last is not None else 0)):
+            start, end, pos = gaps[g]
+            at = start + used[g]
+            if at + b.duration <= min(end, b.deadline) + _EPS:
+                used[g] += b.duration
+                placed.setdefault(pos, []).append((at, b))
+                gap_of[id(b)] = g
+                break
+        else:
+            head.append(b)
+            gap_of[id(b)] = None
+    for b in sorted((b for b in blocks if not b.forward), key=lambda b: (b.ready, b.key)):
+        # no earlier than the chunk whose gradient it takes (its gradient arrives first: it went first)
+        first = 0 if b.chain is None else gap_of[id(b.chain)]
+        for g in range(first, len(gaps)) if first is not None else ():
+            start, end, pos = gaps[g]
+            at = max(start + used[g], b.ready)
+            if at + b.duration <= end + _EPS:
+                used[g] = at + b.duration - start
+                placed.setdefault(pos, []).append((at, b))
+                gap_of[id(b)] = g
+                break
+        else:
+            tail.append(b)
+            gap_of[id(b)] = None
+    head.sort(key=lambda b: (b.deadline, b.key))
+    tail.sort(key=lambda b: (b.ready, b.key))
+    new: list[Action] = [a for b in head for a in b.actions]
+    end_pos = next((p for p, i in enumerate(skeleton)
+                    if acts[i].kind in (ActionKind.GRAD_SYNC, ActionKind.OPTIMIZER_STEP)), len(skeleton))
+    for p, i in enumerate(skeleton):
+        # in a gap, forwards in chain order (they were placed last chunk first), backwards as placed
+        for _, b in sorted(placed.get(p, ()), key=lambda x: (not x[1].forward, x[1].key if x[1].forward else x[0])):
+            new.extend(b.actions)
+        if p == end_pos:
+            new.extend(a for b in tail for a in b.actions)
+        new.append(acts[i])
+    if end_pos == len(skeleton):
+        new.extend(a for b in tail for a in b.actions)
+    assert len(new) == len(acts), "bubble fill lost or duplicated an action"
+    return new, sum(len(v) for v in placed.values())
+
+
 def fill_round(schedule: Schedule, plan: Plan, play: Play) -> tuple[Schedule, int]:
     """One round of the module docstring's filling on ``schedule``, played as ``play``: the
     new schedule and how many blocks now sit in gaps rather than at the head or the tail."""
-    times = {u: _times(play, u) for u in play.units}
-    recv_at: dict[tuple, tuple[int, int]] = {}  # message key -> (receiving unit, action index)
-    arrival: dict[tuple[int, int], float] = {}
-    for u in play.units:
-        n = 0
-        for i, a in enumerate(schedule.actions[u]):
-            if a.kind in _RECEIVES:
-                recv_at[_message_key(u, a)] = (u, i)
-                arrival[(u, i)] = play.arrivals[u][n]
-                n += 1
+    timing = _Timing(schedule, play)
+    names = [m.name for m in plan.modules]
     out: dict[int, list[Action]] = {}
     moved = 0
     for u in play.units:
-        acts, t = schedule.actions[u], times[u]
-        own = plan.role_of_unit(u)[0]
-        skeleton, runs = _blocks(acts, own)
-        if not runs:
-            out[u] = list(acts)
-            continue
-        blocks = []
-        names = [m.name for m in plan.modules]
-        for idx in runs:
-            first = acts[idx[0]]
-            comp = [i for i in idx if acts[i].kind in _COMPUTE]
-            dur = sum(t[i][1] - t[i][0] for i in comp)
-            fwd = acts[comp[0]].kind is ActionKind.FORWARD
-            b = _Block([acts[i] for i in idx], fwd, dur, key=(first.microbatch, names.index(first.module)))
-            if fwd:  # latest end: each consumer's receive start minus the message's transfer
-                for i in idx:
-                    a = acts[i]
-                    if a.kind is ActionKind.SEND_ACT and _message_key(u, a) in recv_at:
-                        v, k = recv_at[_message_key(u, a)]
-                        transfer = arrival[(v, k)] - t[i][0]
-                        b.deadline = min(b.deadline, times[v][k][0] - transfer)
-            else:  # earliest start: its last gradient's arrival
-                b.ready = max((arrival[(u, i)] for i in idx if acts[i].kind is ActionKind.RECV_GRAD), default=0.0)
-            blocks.append(b)
-        # the skeleton's compute actions and the gaps between consecutive ones
-        comp = [i for i in skeleton if acts[i].kind in _COMPUTE]
-        gaps = []  # (start, end, insertion position in the skeleton list)
-        for a_i, b_i in zip(comp, comp[1:]):
-            pos = skeleton.index(b_i)
-            while pos > 0 and acts[skeleton[pos - 1]].kind in _RECEIVES:
-                pos -= 1  # before the receives that feed the next compute action
-            gaps.append([t[a_i][1], t[b_i][0], pos])
-        used = [0.0] * len(gaps)  # forwards fill a gap from its start, backwards after them
-        placed: dict[int, list[tuple[float, _Block]]] = {}
-        head, tail = [], []
-        for b in sorted((b for b in blocks if b.forward), key=lambda b: (-b.deadline, b.key)):
-            for g in reversed(range(len(gaps))):
-                start, end, pos = gaps[g]
-                at = start + used[g]
-                if at + b.duration <= min(end, b.deadline) + _EPS:
-                    used[g] += b.duration
-                    placed.setdefault(pos, []).append((at, b))
-                    break
-            else:
-                head.append(b)
-        for b in sorted((b for b in blocks if not b.forward), key=lambda b: (b.ready, b.key)):
-            for g in range(len(gaps)):
-                start, end, pos = gaps[g]
-                at = max(start + used[g], b.ready)
-                if at + b.duration <= end + _EPS:
-                    used[g] = at + b.duration - start
-                    placed.setdefault(pos, []).append((at, b))
-                    break
-            else:
-                tail.append(b)
-        moved += sum(len(v) for v in placed.values())
-        head.sort(key=lambda b: (b.deadline, b.key))
-        new: list[Action] = [a for b in head for a in b.actions]
-        end_pos = next((p for p, i in enumerate(skeleton)
-                        if acts[i].kind in (ActionKind.GRAD_SYNC, ActionKind.OPTIMIZER_STEP)), len(skeleton))
-        for p, i in enumerate(skeleton):
-            for _, b in sorted(placed.get(p, ()), key=lambda x: (x[0], x[1].key)):
-                new.extend(b.actions)
-            if p == end_pos:
-                new.extend(a for b in tail for a in b.actions)
-            new.append(acts[i])
-        if end_pos == len(skeleton):
-            new.extend(a for b in tail for a in b.actions)
-        assert len(new) == len(acts), "bubble fill lost or duplicated an action"
-        out[u] = new
+        out[u], n = _fill_unit(u, schedule.actions[u], plan.role_of_unit(u)[0], timing, names)
+        moved += n
     return Schedule(schedule.kind, schedule.num_microbatches, out, dict(schedule.needs_backward)), moved
 
 
