@@ -81,6 +81,11 @@ def test_ratio_sides(measured):
     assert meg["bubble_fraction"] == pytest.approx(sim.bubble_fraction, abs=1e-4)
     assert meg["peak_memory_per_rank_gb"] == pytest.approx(max(sim.peak_memory.values()) / 1e9, abs=0.01)
     assert figures["optimus_sim_ratio"]["value"] == pytest.approx(sim.iteration_time / best.latency, abs=1e-3)
+    # played: loom's Optimus plan (ViT whole on each TP-8 unit, colocated, no ZeRO), filled and simulated
+    played = config["optimus_played"]
+    assert played["encoder"] == {"dp": 16, "tp": 8} and played["iteration_s"] <= played["coarse_iteration_s"]
+    assert figures["optimus_played_sim_ratio"]["value"] == pytest.approx(sim.iteration_time / played["iteration_s"],
+                                                                         rel=1e-3)
 
 
 def test_real_ratios_from_given_step_times():
