@@ -22,13 +22,15 @@ runtime cannot split a stage's forward by layers):
 - backwards, earliest gradient first, each into the earliest gap that starts after its gradient
   arrived (``EB_i >= B_i``) with room for it; the rest stay at the tail, in arrival order.
 
-A block goes into a gap only if the gap's free time holds it whole, so the skeleton's timing
-holds to first order; the gap's insertion point is right before the receives of the skeleton
-compute action that ends the gap. Moves that would break a dependency cannot happen: a forward
+A block goes into a gap only if the gap's free time holds it whole (the skeleton's timing then
+holds to first order), or, in a second pass, with up to half its own time past the gap's end
+(`OVERFLOWS`: a short delay of the LLM against the whole block at the head or the tail); the
+play keeps whichever is faster. The gap's insertion point is right before the receives of the
+skeleton compute action that ends the gap. Moves that would break a dependency cannot happen: a forward
 ends before anything that consumes it started in the played timeline, a backward starts after
 its gradient arrived, so the order stays causal (the play checks it again: a deadlock discards
-the round). `fill_bubbles` runs rounds while the simulated iteration time falls and returns the
-best schedule played, never a slower one than its input.
+the round). `fill_bubbles` runs rounds while the simulated iteration time falls, per tolerance,
+and returns the best schedule played, never a slower one than its input.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ from loom.sim.work import PartWork, work_table
 _COMPUTE = (ActionKind.FORWARD, ActionKind.BACKWARD, ActionKind.BACKWARD_INPUT, ActionKind.BACKWARD_WEIGHT)
 _RECEIVES = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
 _EPS = 1e-12
+# how far past a gap's end a block may run, as a share of its own time: 0 keeps the LLM's timing
+# to first order; a little more lets a gap slightly too short for a whole block take it, delaying
+# the LLM by less than the block would cost at the head or the tail; the play picks the better
+OVERFLOWS = (0.0, 0.5)
 
 
 @dataclass
@@ -185,7 +191,8 @@ def _unit_blocks(u: int, acts: list[Action], runs: list[list[int]], timing: _Tim
     return list(blocks.values())
 
 
-def _fill_unit(u: int, acts: list[Action], own: str, timing: _Timing, names: list[str]) -> tuple[list[Action], int]:
+def _fill_unit(u: int, acts: list[Action], own: str, timing: _Timing, names: list[str],
+               overflow: float = 0.0) -> tuple[list[Action], int]:
     """Unit ``u``'s new list (module docstring) and how many of its blocks went into gaps."""
     skeleton, runs = _blocks(u, acts, own)
     if not runs:
@@ -210,7 +217,7 @@ def _fill_unit(u: int, acts: list[Action], own: str, timing: _Timing, names: lis
         for g in reversed(range(last + 1 if last is not None else 0)):
             start, end, pos = gaps[g]
             at = start + used[g]
-            if at + b.duration <= min(end, b.deadline) + _EPS:
+            if at + b.duration <= min(end + overflow * b.duration, b.deadline) + _EPS:
                 used[g] += b.duration
                 placed.setdefault(pos, []).append((at, b))
                 gap_of[id(b)] = g
@@ -224,7 +231,7 @@ def _fill_unit(u: int, acts: list[Action], own: str, timing: _Timing, names: lis
         for g in range(first, len(gaps)) if first is not None else ():
             start, end, pos = gaps[g]
             at = max(start + used[g], b.ready)
-            if at + b.duration <= end + _EPS:
+            if at + b.duration <= end + overflow * b.duration + _EPS:
                 used[g] = at + b.duration - start
                 placed.setdefault(pos, []).append((at, b))
                 gap_of[id(b)] = g
@@ -250,7 +257,7 @@ def _fill_unit(u: int, acts: list[Action], own: str, timing: _Timing, names: lis
     return new, sum(len(v) for v in placed.values())
 
 
-def fill_round(schedule: Schedule, plan: Plan, play: Play) -> tuple[Schedule, int]:
+def fill_round(schedule: Schedule, plan: Plan, play: Play, overflow: float = 0.0) -> tuple[Schedule, int]:
     """One round of the module docstring's filling on ``schedule``, played as ``play``: the
     new schedule and how many blocks now sit in gaps rather than at the head or the tail."""
     timing = _Timing(schedule, play)
@@ -258,37 +265,39 @@ def fill_round(schedule: Schedule, plan: Plan, play: Play) -> tuple[Schedule, in
     out: dict[int, list[Action]] = {}
     moved = 0
     for u in play.units:
-        out[u], n = _fill_unit(u, schedule.actions[u], plan.role_of_unit(u)[0], timing, names)
+        out[u], n = _fill_unit(u, schedule.actions[u], plan.role_of_unit(u)[0], timing, names, overflow)
         moved += n
     return Schedule(schedule.kind, schedule.num_microbatches, out, dict(schedule.needs_backward)), moved
 
 
 def fill_bubbles(schedule: Schedule, plan: Plan, cost: CostModel, work=None, sample_work=None,
-                 rounds: int = 4) -> FillResult:
+                 rounds: int = 4, overflows: tuple[float, ...] = OVERFLOWS) -> FillResult:
     """Optimus's bubble filling (module docstring) of a colocated ``schedule`` under ``cost``,
     for microbatch workloads ``work`` (and ``sample_work`` for a balanced layout's parts, as
-    `loom.sim.simulate` takes them): up to ``rounds`` rounds, the best schedule played."""
+    `loom.sim.simulate` takes them): for each of ``overflows``, up to ``rounds`` rounds from
+    the coarse schedule; the best schedule played."""
     if plan.placement != "colocated":
         raise PlanError(f"plan.bubble_fill = 'optimus' fills the bubbles of colocated encoders, but plan.placement = "
                         f"{plan.placement!r}: use placement = 'colocated' or bubble_fill = 'none'")
     works = work_table(work, schedule.num_microbatches)
     part = PartWork(sample_work, work is not None)
-    play = _play(schedule, plan, cost, works, part)
-    best, best_s = schedule, max(play.clock)
-    coarse_s, history, moved, done, last = best_s, [], 0, 0, best_s
-    current = schedule
-    for _ in range(rounds):
-        nxt, n = fill_round(current, plan, play)
-        done += 1
-        try:
-            play = _play(nxt, plan, cost, works, part)
-        except DeadlockError:  # cannot happen by construction; never run what the play refuses
-            break
-        s = max(play.clock)
-        history.append(s)
-        if s < best_s - _EPS:
-            best, best_s, moved = nxt, s, n
-        if s >= last - _EPS:  # no better than the round before: the fill has converged
-            break
-        current, last = nxt, s
+    first = _play(schedule, plan, cost, works, part)
+    coarse_s = max(first.clock)
+    best, best_s, history, moved, done = schedule, coarse_s, [], 0, 0
+    for overflow in overflows:
+        current, play, last = schedule, first, coarse_s
+        for _ in range(rounds):
+            nxt, n = fill_round(current, plan, play, overflow)
+            done += 1
+            try:
+                play = _play(nxt, plan, cost, works, part)
+            except DeadlockError:  # cannot happen by construction; never run what the play refuses
+                break
+            s = max(play.clock)
+            history.append(s)
+            if s < best_s - _EPS:
+                best, best_s, moved = nxt, s, n
+            if s >= last - _EPS:  # no better than the round before: this tolerance has converged
+                break
+            current, last = nxt, s
     return FillResult(best, coarse_s, best_s, moved, done, history)
