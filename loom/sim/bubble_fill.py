@@ -5,22 +5,25 @@ simulator's timeline and checked by playing the result.
 The input is a ``placement = "colocated"`` schedule (`loom.schedule.generators`): on every
 pipeline unit, its encoder replicas' forwards run first and their backwards last, around the
 LLM's own order, which is Optimus's coarse schedule without its shift (§3.4 steps 1 and 3).
-A *block* is one encoder microbatch's forward (the ``FORWARD`` and its ``SEND_ACT``\\ s) or
-backward (its ``RECV_GRAD``\\ s, the ``BACKWARD``\\ s and any ``SEND_GRAD``\\ s) on that unit; the
-unit's other actions, the LLM's, are its *skeleton*, whose order never changes.
+A *block* is one encoder microbatch's forward (its receive from the previous chunk, the
+``FORWARD`` and its sends) or backward (its gradient receives, the ``BACKWARD`` and any
+gradient sends) on that unit, for the whole encoder or, when the plan cuts it into chunks
+(``num_stages = virtual_stages``, all on the unit), for each chunk; the unit's other actions,
+the LLM's, are its *skeleton*, whose order never changes.
 
 One round (`fill_round`) plays the schedule and, per unit, reads the *gaps* of its skeleton:
 the time between one skeleton compute action's end and the next one's start (the LLM waiting
 on a message, or the unit running encoder blocks there now), excluding the head (before the
 first LLM compute) and the tail (after the last). Then, as Optimus's fine schedule does with
-the LLM timeline fixed (§3.5, at the granularity of a whole microbatch's encoder work: the
-runtime cannot split a stage's forward by layers):
+the LLM timeline fixed (§3.5, at the granularity of the blocks: layers when the chunks are):
 
 - forwards, latest deadline first, each into the latest gap where it ends before its deadline,
   the moment its consumer (the LLM's first stage) reaches the matching receive minus the
   message's transfer (``EF_i <= F_i``, §3.6); the rest stay at the head, earliest deadline first;
 - backwards, earliest gradient first, each into the earliest gap that starts after its gradient
-  arrived (``EB_i >= B_i``) with room for it; the rest stay at the tail, in arrival order.
+  arrived (``EB_i >= B_i``) with room for it; the rest stay at the tail, in arrival order;
+- a chunk's forward goes no later than the chunk it feeds, its backward no earlier than the
+  chunk whose gradient it takes (their windows follow along the chain).
 
 A block goes into a gap only if the gap's free time holds it whole (the skeleton's timing then
 holds to first order), or, in a second pass, with up to half its own time past the gap's end
