@@ -63,7 +63,7 @@ def _config(case: str) -> TrainConfig:
     elif case == "first_stage_tp2":  # the vision encoder inside the LLM's TP 2 unit (Megatron-LM's layout)
         plan = Plan([ModuleSpec("vision", tensor_parallel=2), ModuleSpec("llm", tensor_parallel=2)],
                     num_microbatches=2, placement="first_stage")
-    elif case == "colocated_tp2":  # a vision replica at TP 2 on each TP 2 unit of a 2-stage LLM, the fill on
+    elif case == "colocated_tp2_clip":  # a vision replica at TP 2 on each TP 2 unit of a 2-stage LLM, the fill on
         plan = Plan([ModuleSpec("vision", data_parallel=2, tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2, tensor_parallel=2)], num_microbatches=4,
                     placement="colocated", bubble_fill="optimus")
@@ -88,7 +88,7 @@ def _config(case: str) -> TrainConfig:
 
 # one launch per world size (its cases run one after another in the same processes)
 LAUNCHES = {"llm_tp2": (2, ["llm_tp2", "first_stage_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip",
-                                                           "llm_tp2_pp2v2_clip", "colocated_tp2"]),
+                                                           "llm_tp2_pp2v2_clip", "colocated_tp2_clip"]),
             "vision_tp2": (6, ["vision_tp2"]), "frozen_tp_zero3_clip": (6, ["frozen_tp_zero3_clip"])}
 
 

@@ -586,7 +586,11 @@ class PipelineExecutor:
         if self.zero is not None and self.zero.shards_gradients:  # every dp shard once (loom.runtime.zero)
             local = self.zero.grad_norm_sq(params).to(self.device)
         else:
-            local = self.unit.grad_norm_sq(params).to(self.device)
+            # a stage's replicas hold the same gradients after the sync: count its first one only
+            # (a colocated encoder's replicas sit on every LLM unit, not only on other LLM replicas)
+            first = [p for st in self.stages.values() if st.replica == 0 for p in st.trainable_parameters()
+                     if p.grad is not None]
+            local = self.unit.grad_norm_sq(first).to(self.device)
         dist.all_reduce(local)
         norm = local.sqrt()
         if params:
