@@ -165,7 +165,9 @@ def test_colocated_encoders_wrap_the_llm_order(schedule: str, virtual: int) -> N
     (dict(data_parallel=2), {}, "plan.modules['vision'].data_parallel = 2 must be 4"),
     (dict(data_parallel=4, num_stages=2), {}, "plan.modules['vision'].num_stages = 2 must be 1"),
     (dict(data_parallel=4, tensor_parallel=2), {}, "plan.modules['vision'].tensor_parallel = 2 must be 1"),
-    (dict(data_parallel=2), dict(data_parallel=1, tensor_parallel=2), "plan.modules['vision'].tensor_parallel = 1 must be 2"),
+    (dict(data_parallel=2, tensor_parallel=4), dict(data_parallel=1, tensor_parallel=2),
+     "plan.modules['vision'].tensor_parallel = 4 must be 2"),
+    (dict(data_parallel=1), dict(data_parallel=1, tensor_parallel=2), "plan.modules['vision'].data_parallel = 1 must be 4"),
     (dict(data_parallel=4), dict(context_parallel=2), "plan.modules['llm'].context_parallel = 2"),
     (dict(data_parallel=4, zero_stage=1), dict(zero_stage=1), "plan.modules['llm'].zero_stage = 1"),
 ])
@@ -175,6 +177,29 @@ def test_bad_colocated_plans_name_the_field(vision: dict, llm: dict, words: str)
                 placement="colocated")
     with pytest.raises(PlanError, match=re.escape(words)):
         plan.resolve({"vision": 3, "llm": 8})
+
+
+def test_an_encoder_at_tp_1_beside_a_tp_2_llm_runs_in_lanes() -> None:
+    """Colocated vision at TP 1 x DP 8 beside an LLM at TP 2 x PP 2 x DP 2 (issue 10's example):
+    one replica per rank, the two of a unit sharing each of its microbatches (`Plan.lanes`);
+    the IR addresses the unit, payloads go to its leader, the cost model prices a lane's share.
+    The reference semantics on gloo are tests/test_tensor_parallel.py's ``colocated_lanes``."""
+    from loom.balance.config import BalanceConfig, BalanceError, check_balance_config
+    from loom.balance.payload import slot_destinations
+    from loom.cost.model import Workload
+
+    plan = Plan([ModuleSpec("vision", data_parallel=8), ModuleSpec("llm", num_stages=2, data_parallel=2,
+                                                                      tensor_parallel=2)],
+                num_microbatches=8, placement="colocated").resolve({"vision": 3, "llm": 8})
+    assert plan.world_size == 8 and plan.lanes("vision") == 2 and plan.lanes("llm") == 1
+    assert [plan.replica_of_microbatch("vision", j) for j in range(8)] == [0, 2, 4, 6] * 2
+    assert [plan.unit_of("vision", 0, r) for r in (0, 2, 4, 6)] == [0, 1, 2, 3]
+    assert plan.stages_of(5) == [("vision", 0, 4), ("llm", 1, 0)]  # rank 5: unit 2's second lane
+    assert slot_destinations(plan, "vision", 8).ravel().tolist() == [0, 2, 4, 6] * 2  # the units' leaders
+    validate_schedule(build_schedule(plan), plan)
+    assert Workload(101, 1000, 3).share(2) == Workload(51, 500, 2)
+    with pytest.raises(BalanceError, match=re.escape("plan.modules['vision'] in lanes")):
+        check_balance_config(BalanceConfig(default="orchmllm"), plan, 16)
 
 
 def test_simulator_prices_colocated() -> None:

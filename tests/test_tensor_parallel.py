@@ -67,6 +67,9 @@ def _config(case: str) -> TrainConfig:
         plan = Plan([ModuleSpec("vision", data_parallel=2, tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2, tensor_parallel=2)], num_microbatches=4,
                     placement="colocated", bubble_fill="optimus")
+    elif case == "colocated_lanes":  # vision at TP 1 x DP 4, one replica per rank, beside an LLM TP 2 x PP 2
+        plan = Plan([ModuleSpec("vision", data_parallel=4), ModuleSpec("llm", num_stages=2, tensor_parallel=2)],
+                    num_microbatches=4, placement="colocated", bubble_fill="optimus")
     elif case == "vision_tp2":
         plan = Plan([ModuleSpec("vision", num_stages=2, stage_boundaries=[0, 2, 5], tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2)],
@@ -88,7 +91,8 @@ def _config(case: str) -> TrainConfig:
 
 # one launch per world size (its cases run one after another in the same processes)
 LAUNCHES = {"llm_tp2": (2, ["llm_tp2", "first_stage_tp2"]), "llm_tp2_pp2_clip+audio_tp2": (4, ["llm_tp2_pp2_clip", "audio_tp2", "llm_tp2_pp2_zb-h1_clip",
-                                                           "llm_tp2_pp2v2_clip", "colocated_tp2_clip"]),
+                                                           "llm_tp2_pp2v2_clip", "colocated_tp2_clip",
+                                                           "colocated_lanes"]),
             "vision_tp2": (6, ["vision_tp2"]), "frozen_tp_zero3_clip": (6, ["frozen_tp_zero3_clip"])}
 
 
@@ -152,9 +156,13 @@ def _check(case: str, world: int, out: Path) -> None:
         for r, res in enumerate(results):
             assert res["grad_norm"] == pytest.approx(norm, rel=1e-5), f"rank {r} grad_norm"
     assert_matches_reference(results, model, ref_loss)
-    # the TP modules' ranks really hold shards
+    # the TP modules' ranks really hold shards (a rank hosting several modules: any of them at TP > 1)
+    cfg.plan.resolve(build_model(cfg.model, tokenizer, device="meta").layer_counts())
     for r, res in enumerate(results):
-        assert (res["sharded"] > 0) == (cfg.plan.spec(res["module"]).tensor_parallel > 1), f"rank {r} shards"
+        tp = any(cfg.plan.spec(m).tensor_parallel > 1 for m, _, _ in cfg.plan.stages_of(r))
+        assert (res["sharded"] > 0) == tp, f"rank {r} shards"
+    if case == "colocated_lanes":  # the encoder at TP 1 in lanes: its parameters whole on every rank
+        assert all(any(n.startswith("encoders.vision") for n in res["grads"]) for res in results)
     if case == "frozen_tp_zero3_clip":  # the frozen encoder has no gradient, its projector does
         vision = [res for res in results if res["module"] == "vision"]
         assert all(any(".projector." in n for n in res["grads"]) for res in vision)

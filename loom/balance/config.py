@@ -115,6 +115,11 @@ def check_balance_config(config: BalanceConfig, plan: Plan, global_batch_size: i
     chosen = set(config.summary(phases).values())
     if chosen == {"none"}:
         return
+    laned = [m for m in plan.encoder_names if plan.lanes(m) > 1]
+    if laned:  # a unit's replicas share each of its microbatches: the policies balance whole replicas
+        raise BalanceError(f"balance.policy {config.summary(phases)} with plan.modules[{laned[0]!r}] in lanes (TP 1 "
+                           f"colocated beside the LLM's TP {plan.spec(LLM).tensor_parallel}): not supported yet; set "
+                           f"balance.default = 'none', or give the encoder the LLM's tensor_parallel")
     if plan.placement == "first_stage" and not chosen <= {"none", *SHARED_SLOTS}:
         # a rank runs slot j of its encoders with its LLM stage's
         raise BalanceError(f"balance.policy {config.summary(phases)} with plan.placement = {plan.placement!r}: the "

@@ -71,7 +71,8 @@ def slot_destinations(plan: Plan, phase: str, num_slots: int) -> np.ndarray:
     # `Plan.rank_of(phase, stage, replica)` at tensor and context rank 0, over arrays
     unit = np.arange(spec.pipeline_depth)[None, :] * spec.data_parallel + np.arange(spec.data_parallel)[:, None]
     per_replica = plan.rank_offset(phase) + unit * (spec.context_parallel * spec.tensor_parallel)
-    return per_replica.astype(np.int64)[np.arange(num_slots) % spec.data_parallel]
+    replicas = np.array([plan.replica_of_microbatch(phase, j) for j in range(num_slots)], dtype=np.int64)
+    return per_replica.astype(np.int64)[replicas]
 
 
 def phase_slot_index(layout: BatchLayout, phase: str, permuted: bool = True) -> np.ndarray:

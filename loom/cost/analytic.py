@@ -217,7 +217,9 @@ class AnalyticCostModel(CostModel):
 
     # ---- per-layer costs -------------------------------------------------------------------
     def layer_costs(self, module: str, stage: int, work: Workload) -> list[LayerCost]:
-        """Per layer of the stage, seconds per rank for a microbatch with this workload."""
+        """Per layer of the stage, seconds per rank for a microbatch with this workload (an
+        encoder in lanes: a lane's share of it)."""
+        work = work.share(self.plan.lanes(module))
         key = (module, stage, work)
         cached = self._costs.get(key)
         if cached is None:

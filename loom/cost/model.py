@@ -61,6 +61,11 @@ class Workload:
     def __add__(self, other: "Workload") -> "Workload":
         return Workload(self.tokens + other.tokens, self.attn_sq + other.attn_sq, self.segments + other.segments)
 
+    def share(self, n: int) -> "Workload":
+        """One of ``n`` equal shares by segments (an encoder in lanes, `loom.plan.plan.Plan.lanes`),
+        rounded up: the slowest lane's."""
+        return self if n == 1 else Workload(-(-self.tokens // n), -(-self.attn_sq // n), -(-self.segments // n))
+
 
 # A microbatch's workload per module: {"vision": Workload, "audio": ..., "llm": ...}.
 MicrobatchWork = dict[str, Workload]

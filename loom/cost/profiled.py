@@ -96,8 +96,9 @@ class ProfiledCostModel(CostModel):
         return any(self._needs_input[module][i] or self._trainable[module][i] for i in self._layers(module, stage))
 
     def _split(self, module: str) -> int:
+        """How many ways a stage's compute is split: TP x CP, or an encoder's lanes (each a share of the items)."""
         spec = self.plan.spec(module)
-        return spec.tensor_parallel * spec.context_parallel
+        return spec.tensor_parallel * spec.context_parallel * self.plan.lanes(module)
 
     def _wants_gradient_before(self, module: str, stage: int) -> bool:
         """Whether the stage's input requires grad (something trainable upstream of it)."""

@@ -183,11 +183,12 @@ def check_first_stage(plan: "Plan") -> None:
                   data_parallel=llm.data_parallel, tensor_parallel=llm.tensor_parallel, zero_stage=llm.zero_stage)
 
 
-def _check_guests(plan: "Plan", how: str, **want: int) -> None:
-    """Every encoder of a placement that hosts it on the LLM's ranks: one stage (colocated: one
-    pipeline position, its stages chunks on it), no CP, and the degrees ``want`` gives."""
+def _check_guests(plan: "Plan", how: str, only: str | None = None, **want: int) -> None:
+    """Every encoder (or encoder ``only``) of a placement that hosts it on the LLM's ranks: one
+    stage (colocated: one pipeline position, its stages chunks on it), no CP, and the degrees
+    ``want`` gives."""
     for m in plan.modules:
-        if m.name == LLM:
+        if m.name == LLM or (only is not None and m.name != only):
             continue
         stages = m.virtual_stages if plan.placement == "colocated" else 1
         for name, value in {"num_stages": stages, "context_parallel": 1, **want}.items():
@@ -209,9 +210,16 @@ def check_colocated(plan: "Plan") -> None:
     if llm.zero_stage:  # the rank's one optimizer would span two data-parallel groups
         raise PlanError(f"plan.placement = 'colocated' with plan.modules['llm'].zero_stage = {llm.zero_stage} is not "
                         f"supported yet: use zero_stage = 0 with it")
-    _check_guests(plan, f"runs one replica of each encoder, whole, on every one of the LLM's {llm.num_units} "
-                        f"pipeline units (TP groups of {llm.tensor_parallel})",
-                  data_parallel=llm.num_units, tensor_parallel=llm.tensor_parallel, zero_stage=0)
+    tp = llm.tensor_parallel
+    for m in plan.modules:
+        if m.name != LLM and tp > 1 and m.tensor_parallel == 1:  # lanes: a replica on every TP rank
+            _check_guests(plan, f"runs an encoder at TP 1 beside the LLM's TP {tp} as one replica per rank "
+                                f"({llm.num_units} units x {tp} lanes), each a share of its unit's items",
+                          data_parallel=llm.num_units * tp, virtual_stages=1, zero_stage=0, only=m.name)
+        elif m.name != LLM:
+            _check_guests(plan, f"runs one replica of each encoder, whole, on every one of the LLM's {llm.num_units} "
+                                f"pipeline units (TP groups of {tp}), or at TP 1 one on every rank",
+                          data_parallel=llm.num_units, tensor_parallel=tp, zero_stage=0, only=m.name)
 
 
 def even_boundaries(num_layers: int, num_stages: int) -> list[int]:
@@ -320,8 +328,8 @@ class Plan:
     def unit_of(self, name: str, stage: int, replica: int) -> int:
         if self.hosted_by_llm(name):
             self.spec(name)
-            if self.placement == "colocated":  # replica r on the LLM's unit r
-                return replica
+            if self.placement == "colocated":  # replica r on the LLM's unit r (r // lanes: one per TP rank)
+                return replica // self.lanes(name)
             return self.unit_of(LLM, 0, replica)  # on the LLM's first position, replica for replica
         offset = 0
         for m in self._owners():
@@ -348,15 +356,29 @@ class Plan:
         name, position, replica = self.role_of_unit(unit)
         guests = [e for e in self.encoder_names if self.hosted_by_llm(e)]
         if self.placement == "colocated":  # every chunk of each encoder (one, unless cut into chunks)
-            hosted = [(e, s, unit) for e in guests for s in range(self.spec(e).num_stages)]
+            hosted = [(e, s, unit * self.lanes(e)) for e in guests for s in range(self.spec(e).num_stages)]
         else:
             hosted = [(e, 0, replica) for e in guests] if position == 0 else []
         return hosted + [(name, s, replica) for s in self.spec(name).hosted_stages(position)]
 
     def replica_of_microbatch(self, name: str, microbatch: int) -> int:
         """Which data-parallel replica of ``name`` runs ``microbatch`` (round-robin, so edges
-        between modules of different DP degrees route each microbatch explicitly)."""
+        between modules of different DP degrees route each microbatch explicitly). An encoder in
+        lanes (`lanes`) runs each microbatch on all the replicas of one unit, each a share of
+        its items: the unit's first replica names it."""
+        lanes = self.lanes(name)
+        if lanes > 1:
+            return microbatch % (self.spec(name).data_parallel // lanes) * lanes
         return microbatch % self.spec(name).data_parallel
+
+    def lanes(self, name: str) -> int:
+        """How many replicas of module ``name`` share each pipeline unit: the LLM's TP degree for a
+        colocated encoder at TP 1 beside an LLM at TP > 1 (one replica per TP rank, each
+        forwarding a share of the unit's encoder microbatch, `loom.runtime.executor`), else 1."""
+        if self.placement != "colocated" or name == LLM:
+            return 1
+        llm, spec = self.spec(LLM), self.spec(name)
+        return llm.tensor_parallel if llm.tensor_parallel > 1 and spec.tensor_parallel == 1 else 1
 
     def microbatches_of(self, name: str, replica: int) -> list[int]:
         return [j for j in range(self.num_microbatches) if self.replica_of_microbatch(name, j) == replica]

@@ -332,9 +332,8 @@ class Dispatcher:
             return batches  # shares them with its unit (`loom.runtime.unit.UnitPlace.share_microbatches`)
         held: dict[int, dict[str, tuple[int, ...]]] = {}  # slot -> phase -> its positions
         for phase in self.phases:
-            dp = self.plan.spec(phase).data_parallel
             for j, slot in enumerate(layout.slots[phase]):
-                if j % dp == self._replica_of[phase]:
+                if self.plan.replica_of_microbatch(phase, j) == self._replica_of[phase]:
                     held.setdefault(j, {})[phase] = tuple(slot)
         for j in sorted(held):
             slots = held[j]

@@ -80,10 +80,11 @@ class ParallelEngine:
         # hybrid mesh, the root FSDP2 needs to join it with (dp_replicate, dp_shard) (loom.runtime.zero)
         unit = UnitPlace.of(plan, rank, {**meshes, **hybrid})
         # each layer split over the unit's TP ranks as soon as it has values (loom.runtime.tensor_parallel)
-        # every hosted module's layers split over the unit's TP ranks (first_stage: the encoders on
-        # the LLM's first position take its TP degree)
+        # every hosted module's layers split over the unit's TP ranks at its own TP degree
+        # (first_stage and colocated encoders take the LLM's; an encoder in lanes, TP 1, is whole)
         stages = build_stages(model, plan, rank, release_others=release_others, device=device,
-                              shard_layer=lambda module: layer_sharder(model, module, unit.tp_mesh))
+                              shard_layer=lambda module: layer_sharder(
+                                  model, module, unit.tp_mesh if plan.spec(module).tensor_parallel > 1 else None))
         stage = stages[0]  # ZeRO 2/3 is refused where a rank hosts several; hosted encoders share the LLM's zero_stage
         dp_group = data_parallel_group(meshes, plan, rank, replicas)
         groups = {(st.module, st.stage): stage_data_parallel_group(meshes, plan, rank, st.module, replicas)

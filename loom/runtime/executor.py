@@ -46,6 +46,7 @@ from loom.data.sample import Batch
 from loom.model.layers import run_layers
 from loom.model.multimodal import MultimodalModel, loss_sum
 from loom.plan.plan import LLM, Plan
+from loom.runtime.lanes import gather_lanes, lane_share
 from loom.runtime.comm import P2PCommunicator
 from loom.runtime.context_parallel import RankContext, microbatch_context, select_features
 from loom.runtime.precision import Precision
@@ -333,6 +334,8 @@ class PipelineExecutor:
         if split is not None:
             st.parts = [self.precision.message(p) for p in self._forward_parts(stage, st.batch, j, split, it.rows)]
             out = torch.cat(st.parts)
+        elif self.plan.lanes(stage.module) > 1:  # an encoder in lanes: this rank's share, then every lane's rows
+            out = gather_lanes(self._lane_forward(stage, st.batch), self.unit.tp_group)
         else:
             x = self._stage_input(stage, st.inputs, j, it.rows)
             rc = self._cp_context(it, j, stage.module)
@@ -525,6 +528,14 @@ class PipelineExecutor:
             return {m: rows.assemble(m, j, sorted(p, key=lambda t: t[0])) for m, p in parts.items()}
         (x,) = received.values()
         return x
+
+    def _lane_forward(self, stage: Stage, batch: Batch) -> torch.Tensor:
+        """This rank's share of an encoder microbatch's items in lanes (`loom.runtime.lanes`)."""
+        module = stage.module
+        key, items = next(iter(batch.modality_inputs[module].items()))
+        share = lane_share(len(items), self.plan.lanes(module), self.unit.tensor)
+        sub = dataclasses.replace(batch, modality_inputs={module: {key: [items[i] for i in share]}})
+        return run_layers(stage.layers, None, self.model.module_context(module, sub))
 
     def _forward_parts(self, stage: Stage, batch: Batch, j: int, parts: list[tuple[int, ...]],
                        rows: RowMap) -> list[torch.Tensor]:
