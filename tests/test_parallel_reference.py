@@ -60,8 +60,9 @@ def _config(case: str) -> TrainConfig:
     elif case == "colocated_dp2":  # vision and audio DP 4 on the ranks of an LLM PP 2 x DP 2
         plan = Plan([ModuleSpec("vision", data_parallel=4), ModuleSpec("audio", data_parallel=4),
                      ModuleSpec("llm", num_stages=2, data_parallel=2)], num_microbatches=4, placement="colocated")
-    elif case == "colocated_tp2_dp2":  # vision and audio TP 2 x DP 4 on an LLM TP 2 x PP 2 x DP 2, the fill on
-        plan = Plan([ModuleSpec("vision", data_parallel=4, tensor_parallel=2),
+    elif case == "colocated_tp2_dp2":  # issue 10's example: vision TP 1 x DP 8 (in lanes) and audio TP 2 x DP 4
+        # on an LLM TP 2 x PP 2 x DP 2, the fill on
+        plan = Plan([ModuleSpec("vision", data_parallel=8),
                      ModuleSpec("audio", data_parallel=4, tensor_parallel=2),
                      ModuleSpec("llm", num_stages=2, data_parallel=2, tensor_parallel=2)], num_microbatches=4,
                     placement="colocated", bubble_fill="optimus")

@@ -445,7 +445,7 @@ class Plan:
                     f"{where}.num_stages = {m.num_stages} exceeds the module's {n_layers} layers; use at most "
                     f"{n_layers} stages"
                 )
-            if m.data_parallel > self.num_microbatches:
+            if m.data_parallel // self.lanes(m.name) > self.num_microbatches:  # lanes share a unit's microbatches
                 raise PlanError(
                     f"{where}.data_parallel = {m.data_parallel} exceeds plan.num_microbatches = "
                     f"{self.num_microbatches}: every replica needs at least one microbatch"

@@ -136,7 +136,7 @@ def _check_resolved(plan: Plan) -> None:
             raise PlanError(f"{where}.stage_boundaries is unresolved; call Plan.resolve(layer_counts) first")
         if spec.data_parallel < 1:
             raise PlanError(f"{where}.data_parallel = {spec.data_parallel}: must be at least 1")
-        if spec.data_parallel > plan.num_microbatches:
+        if spec.data_parallel // plan.lanes(spec.name) > plan.num_microbatches:  # lanes share a unit's microbatches
             raise PlanError(
                 f"{where}.data_parallel = {spec.data_parallel} exceeds plan.num_microbatches = "
                 f"{plan.num_microbatches}: every replica needs at least one microbatch"
