@@ -56,7 +56,7 @@ def plans_of(scenario, compare: bool) -> dict[str, Any]:
         plans["megatron-style"] = megatron_plan(scenario)
         try:
             plans["optimus"] = optimus_plan(scenario)
-        except ScenarioError as e:  # the runtime colocates only at TP = CP = 1: say why it is missing
+        except ScenarioError as e:  # the colocated runtime runs no LLM CP: say why it is missing
             print(f"loom: no optimus plan: {e}")
         plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
     plans.update(scenario.plans)

@@ -212,7 +212,7 @@ def check_colocated(plan: "Plan") -> None:
                         f"supported yet: use zero_stage = 0 with it")
     tp = llm.tensor_parallel
     for m in plan.modules:
-        if m.name != LLM and tp > 1 and m.tensor_parallel == 1:  # lanes: a replica on every TP rank
+        if m.name != LLM and plan.lanes(m.name) > 1:  # lanes: a replica on every TP rank
             _check_guests(plan, f"runs an encoder at TP 1 beside the LLM's TP {tp} as one replica per rank "
                                 f"({llm.num_units} units x {tp} lanes), each a share of its unit's items",
                           data_parallel=llm.num_units * tp, virtual_stages=1, zero_stage=0, only=m.name)

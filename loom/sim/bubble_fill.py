@@ -181,16 +181,12 @@ def _unit_blocks(u: int, acts: list[Action], runs: list[list[int]], timing: _Tim
             elif not fwd and a.kind is ActionKind.RECV_GRAD:  # earliest start: its gradient's arrival
                 b.ready = max(b.ready, timing.arrival[(u, i)])
         blocks[(first.module, first.stage, first.microbatch, fwd)] = b
-    for (m, s, j, fwd), b in sorted(blocks.items(), key=lambda kv: -kv[0][1] if kv[0][3] else kv[0][1]):
-        nxt = blocks.get((m, s + 1, j, fwd)) if fwd else None
-        if nxt is not None:  # forwards from the last chunk back
+    for (m, s, j, fwd), b in sorted(blocks.items(), key=lambda kv: -kv[0][1]):  # from the last chunk down
+        b.chain = nxt = blocks.get((m, s + 1, j, fwd))  # the block it must precede (forward) or follow (backward)
+        if nxt is not None and fwd:
             b.deadline = min(b.deadline, nxt.deadline - nxt.duration)
-    for (m, s, j, fwd), b in sorted(blocks.items(), key=lambda kv: -kv[0][1]):
-        prev = blocks.get((m, s + 1, j, fwd)) if not fwd else None
-        if prev is not None:  # backwards from the last chunk down
-            b.ready = max(b.ready, prev.ready + prev.duration)
-    for (m, s, j, fwd), b in blocks.items():
-        b.chain = blocks.get((m, s + 1, j, fwd))  # the block it must precede (forward) or follow (backward)
+        elif nxt is not None:
+            b.ready = max(b.ready, nxt.ready + nxt.duration)
     return list(blocks.values())
 
 
