@@ -14,11 +14,17 @@ Figures:
   seconds (`time.process_time`, so the shared machine's load matters less) of the bubble
   scheduler, the model planner plus the search over every encoder plan and partition with its
   stage pricing (`PaperRun.plan_s + schedule_s`), with the fine step on each plan's ``refine``
-  best coarse partitions (optimus.md §3.2 Algorithm 2; ``--refine 0``: coarse only). Median
-  over the repeats, spread min-max. ``simulate_s`` in the config is the CPU time of simulating
+  best coarse partitions (optimus.md §3.2 Algorithm 2; ``--refine 0``: coarse only), at kernel
+  granularity (`loom.planner.optimus.fine`: the simulated LLM timeline and the encoder stages
+  cut into kernels by `loom.cost.kernels`, so encoder kernels may fill the TP bubbles inside
+  the LLM's layers, §1.2, §3.5). Median over the repeats, spread min-max. ``simulate_s`` in the config is the CPU time of simulating
   the LLM's timeline, the scheduler's input (the offline profile's stand-in), not part of it.
 - ``bubble_fill_fraction`` (higher is better): the share of the LLM's bubble GPU-time that the
-  best schedule's encoder work fills (`BubbleSchedule.bubble_fill_fraction`).
+  best schedule's encoder work fills (`BubbleSchedule.bubble_fill_fraction`). At kernel
+  granularity the bubbles include the TP bubbles (the compute stream idle during the LLM's TP
+  collectives); the config gives the TP bubbles' time and how much of it encoder kernels fill
+  (``tp_bubbles``), and the layer-granularity search's best beside it (``optimus_layer_best``:
+  there the TP collectives count as LLM work).
 - ``optimus_sim_ratio`` (higher is better): Megatron's iteration time over Optimus's. The
   Megatron side is simulated: the ``first_stage`` placement (ViT-22B inside the LLM's first
   pipeline position at its TP 8 and DP 48) with interleaved 1F1B at ``--virtual-stages`` (2 by
@@ -70,6 +76,7 @@ Writes ``benchmarks/results/optimus.json`` (not with ``--only`` or ``--no-real``
 from __future__ import annotations
 
 import argparse
+import bisect
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -155,12 +162,31 @@ def scheduler_runs(repeats: int, refine: int, num_microbatches: int = NUM_MICROB
     return [paper_search(num_microbatches=num_microbatches, refine=refine, llm_plan=llm_plan) for _ in range(repeats)]
 
 
+def tp_bubbles(run: PaperRun) -> dict[str, float]:
+    """The LLM's TP bubble seconds over its stages (one rank each) and the encoder compute the
+    best schedule places inside them."""
+    best, total, filled = run.result.best, 0.0, 0.0
+    for stage in run.timeline.stages:
+        total += sum(hi - lo for lo, hi in stage.link)
+    for b in best.blocks:
+        if b.comm:
+            continue
+        link = run.timeline.stages[b.llm_stage].link
+        i = bisect.bisect_right([hi for _, hi in link], b.start - best.shift)
+        while i < len(link) and link[i][0] + best.shift < b.end:
+            filled += max(0.0, min(b.end, link[i][1] + best.shift) - max(b.start, link[i][0] + best.shift))
+            i += 1
+    group = best.candidate.group_size  # a device is TP_enc ranks, as the bubble figure counts
+    return {"tp_bubble_s": round(total * group, 4), "tp_bubble_filled_s": round(filled, 4),
+            "tp_bubble_filled_fraction": round(filled / (total * group), 4) if total else 0.0}
+
+
 def coarse_only(run: PaperRun, llm_plan: LLMParallel = LLM_PLAN) -> dict[str, Any]:
     """The coarse search's best schedule on ``run``'s own timeline and plans (context for a refined run)."""
     arch, work = paper_arch(), paper_workload()
     cluster = Cluster("h100", llm_plan.data_parallel * llm_plan.pipeline_parallel * llm_plan.tensor_parallel)
     best = optimus_search(run.planned, run.timeline,
-                          lambda c: encoder_stage_times(arch, c, cluster, work, recompute="full")).best
+                          lambda c: encoder_stage_times(arch, c, cluster, work, recompute="full", kernels=True)).best
     if best is None:
         raise RuntimeError("the coarse search found no schedule although the refined one did")
     return _rounded(best.summary())
@@ -282,8 +308,15 @@ def measure(repeats: int = 3, refine: int = 8, virtual_stages: int = 2, num_micr
         "optimus_memory_what": "loom's memory model on the planner's worst rank, the pipeline's largest part in flight",
         "optimus_real": REAL_NOT_RUN,
     }
+    config["granularity"] = "kernel"
+    config["tp_bubbles"] = tp_bubbles(runs[0])
     if refine:
         config["optimus_coarse_only_best"] = coarse_only(runs[0], llm_plan)
+        layer_run = paper_search(num_microbatches=num_microbatches, refine=refine, llm_plan=llm_plan,
+                                 granularity="layer")
+        if layer_run.result.best is not None:
+            config["optimus_layer_best"] = {**_rounded(layer_run.result.best.summary()),
+                                            "schedule_s": round(layer_run.plan_s + layer_run.schedule_s, 4)}
     if wanted & {"optimus_sim_ratio", "optimus_played_sim_ratio"}:
         baselines = megatron_runs(virtual_stages, num_microbatches, llm_plan)
         megatron = baselines["first_stage_interleaved"]
@@ -345,6 +378,9 @@ def main(argv: list[str] | None = None) -> None:
     print(format_table(["figure", "value", "unit", "better", "spread"], rows))
     print(f"simulate_s (LLM timeline, not in optimus_schedule_s): {config['simulate_s']}")
     print(f"optimus best: {config['optimus_best']}")
+    print(f"TP bubbles: {config['tp_bubbles']}")
+    if "optimus_layer_best" in config:
+        print(f"optimus best at layer granularity: {config['optimus_layer_best']}")
     for label, b in config.get("megatron", {}).items():
         print(f"megatron {label}: {b}")
     if isinstance(config["optimus_real"], str):

@@ -381,7 +381,11 @@ class Plan:
         return llm.tensor_parallel if llm.tensor_parallel > 1 and spec.tensor_parallel == 1 else 1
 
     def microbatches_of(self, name: str, replica: int) -> list[int]:
-        return [j for j in range(self.num_microbatches) if self.replica_of_microbatch(name, j) == replica]
+        """The microbatches `replica_of_microbatch` gives ``replica`` of ``name``, in order."""
+        lanes = self.lanes(name)
+        if replica % lanes:  # not a unit's first replica: its lanes share the leader's microbatches
+            return []
+        return list(range(replica // lanes, self.num_microbatches, self.spec(name).data_parallel // lanes))
 
     def layers_of(self, name: str, stage: int) -> tuple[int, int]:
         b = self.spec(name).stage_boundaries

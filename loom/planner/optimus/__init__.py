@@ -28,7 +28,7 @@ from loom.planner.optimus.coarse import (
     coarse_schedule,
 )
 from loom.planner.optimus.events import schedule_events
-from loom.planner.optimus.fine import best_fine_schedule, fine_schedule
+from loom.planner.optimus.fine import best_fine_schedule, fine_schedule, latency_bound
 from loom.planner.optimus.model_planner import (
     ColocationMemory,
     EncoderCandidate,
@@ -53,6 +53,6 @@ __all__ = [
     "LLMParallel", "LLMTimeline", "OptimusResult", "PlannerResult", "PrunedPlan", "RankMemory", "ScheduleViolation",
     "StageTimeline", "best_coarse_schedule", "best_fine_schedule", "check_bubble_schedule", "coarse_ranking",
     "coarse_schedule", "compositions", "count_partitions", "encoder_stage_times", "fine_schedule",
-    "llm_timeline_from_sim", "optimus_search", "paper_model_memory", "paper_overhead_memory", "plan_encoders",
+    "latency_bound", "llm_timeline_from_sim", "optimus_search", "paper_model_memory", "paper_overhead_memory", "plan_encoders",
     "schedule_events",
 ]

@@ -81,6 +81,10 @@ class EncoderBlock:
     start: float
     end: float
     layer: int = -1  # -1: the whole stage at once; else the layer's index in the stage (forward order)
+    # at kernel granularity: the kernel's index in the order its pass runs the stage's kernels,
+    # and whether it is a collective (it holds the link, not the compute stream)
+    kernel: int = -1
+    comm: bool = False
 
 
 @dataclass(frozen=True)
@@ -284,11 +288,14 @@ def fill(blocks: Sequence[EncoderBlock], timeline: LLMTimeline, candidate: Encod
          shift: float) -> tuple[float, float, float]:
     """The LLM's bubble time over its shifted window, summed over devices (``TP_enc`` ranks
     each), the encoder work inside that window (it never overlaps LLM compute), and all encoder
-    work: `BubbleSchedule`'s ``bubble_time``, ``filled_time`` and ``encoder_time``."""
+    work: `BubbleSchedule`'s ``bubble_time``, ``filled_time`` and ``encoder_time``. Encoder
+    collectives at kernel granularity hold the link, not the compute stream: they fill no
+    bubble and do not count as work."""
     bubble = candidate.group_size * sum(timeline.end - st.busy_time for st in timeline.stages)
     end = timeline.end + shift
-    filled = sum(max(0.0, min(b.end, end) - max(b.start, shift)) for b in blocks)
-    return bubble, filled, sum(b.end - b.start for b in blocks)
+    compute = [b for b in blocks if not b.comm]
+    filled = sum(max(0.0, min(b.end, end) - max(b.start, shift)) for b in compute)
+    return bubble, filled, sum(b.end - b.start for b in compute)
 
 
 def coarse_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes,
@@ -348,10 +355,12 @@ def check_bubble_schedule(schedule: BubbleSchedule, timeline: LLMTimeline, times
     - encoder stage order: a forward of stage ``s`` starts after stage ``s - 1``'s of the same
       microbatch has ended and been sent; a backward of stage ``s`` after stage ``s + 1``'s;
     - each block lasts its stage's time, or (the fine schedule's, `loom.planner.optimus.fine`)
-      each of a stage's layers runs once, in order (a backward last layer first), lasting its
-      layer's time; blocks on a device do not overlap each other, nor the device's LLM busy
-      intervals; whole-stage forwards end by the device's first LLM compute and whole-stage
-      backwards start after its last LLM backward (the coarse regions)."""
+      each of a stage's layers (or, at kernel granularity, kernels) runs once, in order (a
+      backward last layer first), lasting its time; compute blocks on a device do not overlap
+      each other, nor the device's LLM busy intervals; collectives do not overlap each other
+      nor the LLM's TP collectives (``StageTimeline.link``); whole-stage forwards end by the
+      device's first LLM compute and whole-stage backwards start after its last LLM backward
+      (the coarse regions)."""
     c, shift = schedule.candidate, schedule.shift
     g = c.group_size
     n = timeline.num_microbatches
@@ -369,22 +378,28 @@ def check_bubble_schedule(schedule: BubbleSchedule, timeline: LLMTimeline, times
     bwd: dict[tuple[int, int, int], tuple[float, float]] = {}
     for (direction, j, k, s), blocks in parts.items():
         where = f"{direction} of pipeline {j} microbatch {k} stage {s}"
-        layers = times.layers(direction, s)
+        units = times.units(direction, s)
         if len(blocks) == 1 and blocks[0].layer < 0:  # the whole stage at once
-            units = [(blocks[0], sum(layers))]
+            runs = [(blocks[0], sum(d for d, _, _ in units))]
         else:
-            order = sorted(blocks, key=lambda b: b.layer, reverse=direction == BACKWARD)
-            expected = list(range(len(layers))) if direction == FORWARD else list(range(len(layers)))[::-1]
-            if [b.layer for b in order] != expected:
-                raise ScheduleViolation(f"{where}: runs layers {[b.layer for b in order]}, not each of its "
-                                        f"{len(layers)} layers once")
-            units = list(zip(order, layers))
-        for (x, _), (y, _) in zip(units, units[1:]):
+            kernel = blocks[0].kernel >= 0
+            order = sorted(blocks, key=lambda b: b.kernel if kernel else
+                           (b.layer if direction == FORWARD else -b.layer))
+            got = [(b.kernel, b.layer, b.comm) if kernel else b.layer for b in order]
+            expected = [(x, layer, comm) if kernel else layer for x, (_, comm, layer) in enumerate(units)]
+            if got != expected:
+                raise ScheduleViolation(f"{where}: runs {'kernels' if kernel else 'layers'} {got[:8]}..., not each "
+                                        f"of its {len(units)} once in order")
+            runs = [(b, d) for b, (d, _, _) in zip(order, units)]
+        for (x, _), (y, _) in zip(runs, runs[1:]):
             if y.start + _EPS < x.end:
-                raise ScheduleViolation(f"{where}: layer {y.layer} starts before layer {x.layer} ends")
-        for b, dur in units:
+                raise ScheduleViolation(f"{where}: layer {y.layer} (kernel {y.kernel}) starts before layer {x.layer} "
+                                        f"(kernel {x.kernel}) ends")
+        for b, dur in runs:
             if abs((b.end - b.start) - dur) > 1e-9 * max(1.0, dur):
-                raise ScheduleViolation(f"{where} (layer {b.layer}) lasts {b.end - b.start}, not its {dur}")
+                raise ScheduleViolation(f"{where} (layer {b.layer}, kernel {b.kernel}) lasts {b.end - b.start}, not "
+                                        f"its {dur}")
+        units = runs
         (fwd if direction == FORWARD else bwd)[(j, k, s)] = (units[0][0].start, units[-1][0].end)
     S = times.num_stages
     for i, (j, k) in enumerate(schedule.feeds):
@@ -410,17 +425,20 @@ def check_bubble_schedule(schedule: BubbleSchedule, timeline: LLMTimeline, times
             if bwd[(j, k, s - 1)][0] + _EPS < bwd[(j, k, s)][1] + times.transfer:
                 raise ScheduleViolation(f"pipeline {j} microbatch {k}: backward of stage {s - 1} starts before "
                                         f"stage {s}'s gradient arrives")
-    by_device: dict[tuple[int, ...], list[EncoderBlock]] = {}
+    by_device: dict[tuple[tuple[int, ...], bool], list[EncoderBlock]] = {}
     for b in schedule.blocks:
-        by_device.setdefault(b.ranks, []).append(b)
-    for ranks, blocks in by_device.items():
+        by_device.setdefault((b.ranks, b.comm), []).append(b)
+    for (ranks, comm), blocks in by_device.items():
+        what = "collectives" if comm else "compute"
         blocks.sort(key=lambda b: (b.start, b.end))
         for x, y in zip(blocks, blocks[1:]):
             if y.start + _EPS < x.end:
                 raise ScheduleViolation(f"ranks {ranks}: {x.direction} of pipeline {x.pipeline} microbatch "
-                                        f"{x.microbatch} overlaps {y.direction} of microbatch {y.microbatch}")
+                                        f"{x.microbatch} overlaps {y.direction} of microbatch {y.microbatch} "
+                                        f"({what})")
         stage = timeline.stages[blocks[0].llm_stage]
-        ends = [hi + shift for _, hi in stage.busy]
+        llm = stage.link if comm else stage.busy
+        ends = [hi + shift for _, hi in llm]
         for b in blocks:
             if b.layer < 0 and b.direction == FORWARD and b.end > stage.compute_start + shift + _EPS:
                 raise ScheduleViolation(f"ranks {ranks}: forward of pipeline {b.pipeline} microbatch {b.microbatch} "
@@ -429,8 +447,8 @@ def check_bubble_schedule(schedule: BubbleSchedule, timeline: LLMTimeline, times
                 raise ScheduleViolation(f"ranks {ranks}: backward of pipeline {b.pipeline} microbatch "
                                         f"{b.microbatch} starts before the LLM's last backward there ends")
             first = bisect.bisect_right(ends, b.start + _EPS)  # the first LLM interval ending after b starts
-            if first < len(stage.busy) and stage.busy[first][0] + shift + _EPS < b.end:
-                lo, hi = stage.busy[first]
+            if first < len(llm) and llm[first][0] + shift + _EPS < b.end:
+                lo, hi = llm[first]
                 raise ScheduleViolation(f"ranks {ranks}: {b.direction} of pipeline {b.pipeline} microbatch "
-                                        f"{b.microbatch} overlaps the LLM's compute [{lo + shift:.6g}, "
-                                        f"{hi + shift:.6g}]")
+                                        f"{b.microbatch} overlaps the LLM's {'TP collective' if comm else 'compute'} "
+                                        f"[{lo + shift:.6g}, {hi + shift:.6g}]")

@@ -2,12 +2,20 @@
 2's OptimizeSchedule, findCritical and ScheduleKernels, §3.5), starting from the coarse
 schedule of `loom.planner.optimus.coarse`.
 
-loom's LLM timeline (`loom.planner.optimus.timeline`) is at action granularity: its bubbles
-between LLM compute are the pipeline bubbles ("PP other", §1.2), not the sub-millisecond TP
-bubbles inside a layer, so the unit placed here is an encoder *layer* (the runtime's unit, as
-the issue asks of the runtime), not a kernel; a layer never straddles LLM compute (optimus.md
-§7 point 6: no straddling). Encoder communication kernels under LLM compute (§2.4) need a
-kernel-level timeline and are not modelled.
+Two granularities, set by the inputs:
+
+- **layer** (an action-granularity `LLMTimeline`, `EncoderStageTimes` with layers): the bubbles
+  between LLM compute are the pipeline bubbles ("PP other", §1.2) and the unit placed is an
+  encoder *layer*, the unit the runtime's fill moves (`loom.sim.bubble_fill`);
+- **kernel** (a kernel-granularity `LLMTimeline` and `EncoderStageTimes.kernel_forward`, both
+  from `loom.cost.kernels`): the LLM's compute actions are cut into kernels, so the TP bubbles
+  inside its layers (the compute stream idles during its TP collectives, §1.2) are free time
+  too, and the unit placed is an encoder *kernel* (ScheduleKernels, §3.5). An encoder compute
+  kernel takes free compute time; an encoder collective takes free link time (not during the
+  LLM's TP collectives: §2.4 puts encoder communication under LLM compute, never in TP
+  bubbles), and may overlap LLM compute.
+
+A unit never straddles LLM work (optimus.md §7 point 6: no straddling).
 
 Times are relative to the LLM's start (the LLM runs at ``[0, llm_end]``, shifted by ``shift``
 on the absolute clock of the coarse schedule). Each device (an encoder stage's ``TP_enc``
@@ -33,9 +41,12 @@ this module fills) and after it (the coarse backwards).
   last stage down (each stage's layers last first), into the interleaved regions after its
   gradient arrives;
 - a move is kept only if the dependencies still hold (``EF_i <= F_i``, ``EB_i >= B_i`` by the
-  mapping, checked on the *new* schedule: optimus.md §7 point 7) and the latency strictly
-  drops (§3.5 [interp]: "also stop if S2.lat >= S.lat"); otherwise the loop returns the current
-  schedule. So the latency never rises over the iterations, and never exceeds the coarse one.
+  mapping, checked on the *new* schedule: optimus.md §7 point 7) and the latency does not rise
+  (§3.5 [interp] says "stop if S2.lat >= S.lat"; decided: a tie continues, because pipelines
+  with equal parts are critical together and only moving one microbatch from each lowers the
+  latency; every move takes one microbatch out of a coarse region, so the loop ends). Each
+  phase returns its lowest-latency schedule (ties: the fewest moves), so the latency never
+  exceeds the coarse one.
 
 The backward phase keeps the forward phase's mapping of encoder microbatches to LLM
 microbatches (the backward does not change arrivals).
@@ -63,42 +74,51 @@ from loom.planner.optimus.timeline import LLMTimeline
 
 
 class _Device:
-    """Occupied intervals of one device (relative time): the LLM's compute and the encoder
-    layers moved there; sorted, disjoint."""
+    """Occupied intervals of one resource of a device (relative time), the compute stream or the
+    link: the LLM's and the encoder units moved there; sorted, disjoint. Never changed in
+    place: `with_added` makes a new one, so states share devices."""
 
     def __init__(self, starts: list[float], ends: list[float]) -> None:
         self.starts, self.ends = starts, ends
 
-    def copy(self) -> _Device:
-        return _Device(list(self.starts), list(self.ends))
+    def cursor(self, t: float) -> int:
+        """The first interval ending after ``t``."""
+        return bisect.bisect_right(self.ends, t)
 
-    def fit(self, t: float, d: float) -> float:
-        """The earliest start >= ``t`` of ``d`` free seconds."""
-        i = bisect.bisect_right(self.starts, t) - 1
-        if i >= 0 and self.ends[i] > t:
-            t = self.ends[i]
-        i += 1
-        while i < len(self.starts) and t + d > self.starts[i] + _EPS:
-            t = max(t, self.ends[i])
+    def fit(self, i: int, t: float, d: float) -> tuple[float, int]:
+        """The earliest start >= ``t`` of ``d`` free seconds, searching from interval ``i`` (a
+        `cursor` at or before ``t``), and the cursor after it: successive fits of later units
+        walk the intervals once."""
+        starts, ends, n = self.starts, self.ends, len(self.starts)
+        while i < n and ends[i] <= t:
             i += 1
-        return t
+        while i < n and t + d > starts[i] + _EPS:
+            if ends[i] > t:
+                t = ends[i]
+            i += 1
+        return t, i
 
-    def add(self, lo: float, hi: float) -> None:
-        i = bisect.bisect_left(self.starts, lo)
-        self.starts.insert(i, lo)
-        self.ends.insert(i, hi)
+    def with_added(self, added: list[tuple[float, float]]) -> _Device:
+        """This device with the disjoint ``added`` intervals (sorted) occupied too."""
+        if not added:
+            return self
+        # two sorted runs: sorting merges them in linear time; disjoint intervals keep their
+        # ends in the order of their starts
+        return _Device(sorted(self.starts + [lo for lo, _ in added]), sorted(self.ends + [hi for _, hi in added]))
 
 
 @dataclass
 class _State:
     pre: list[int]  # per pipeline: microbatches 0 .. pre[j] - 1 still forward in the pre-LLM region
-    devices: dict[tuple[int, int], _Device]  # (pipeline, stage) -> its device
-    # moved work: (direction, pipeline, microbatch) -> ([(stage, layer, start, end)], EF or EB)
-    moved: dict[tuple[str, int, int], tuple[list[tuple[int, int, float, float]], float]] = field(default_factory=dict)
+    devices: dict[tuple[int, int], _Device]  # (pipeline, stage) -> its device's compute stream
+    links: dict[tuple[int, int], _Device]  # (pipeline, stage) -> its device's link (kernel granularity)
+    # moved work: (direction, pipeline, microbatch) -> ([(stage, layer, kernel, comm, start, end)], EF or EB)
+    moved: dict[tuple[str, int, int], tuple[list[tuple[int, int, int, bool, float, float]], float]] = \
+        field(default_factory=dict)
     order: list[tuple[str, int, int]] = field(default_factory=list)
 
     def copy(self) -> _State:
-        return _State(list(self.pre), dict(self.devices), dict(self.moved), list(self.order))
+        return _State(list(self.pre), dict(self.devices), dict(self.links), dict(self.moved), list(self.order))
 
 
 class _Fine:
@@ -106,6 +126,10 @@ class _Fine:
         self.c = _Coarse(timeline, candidate, times)
         self.tl, self.cand, self.times = timeline, candidate, times
         self.g = candidate.group_size
+        self.units = {(d, s): times.units(d, s) for d in (FORWARD, BACKWARD) for s in range(times.num_stages)}
+        # per LLM stage: its compute stream and its link, as every partition starts from them
+        self.busy = [_Device([lo for lo, _ in st.busy], [hi for _, hi in st.busy]) for st in timeline.stages]
+        self.link = [_Device([lo for lo, _ in st.link], [hi for _, hi in st.link]) for st in timeline.stages]
 
     # -- the forward arrivals and the least shift ----------------------------------------------
     def arrivals(self, st: _State) -> tuple[list[tuple[float, int, int]], list[tuple[float, int, int]], float]:
@@ -182,28 +206,33 @@ class _Fine:
     # -- ScheduleKernels ------------------------------------------------------------------------
     def place(self, st: _State, direction: str, j: int, k: int, ready: float) -> _State | None:
         """``st`` with microbatch ``k`` of pipeline ``j`` moved into the interleaved regions,
-        layer by layer from ``ready`` (None: a layer does not fit)."""
+        unit by unit (layers or kernels) from ``ready`` (None: a unit does not fit)."""
         c, S, times = self.c, self.c.S, self.times
         a = j // self.g
         new = st.copy()
         blocks = []
         stages = range(S) if direction == FORWARD else range(S - 1, -1, -1)
+        kernel = times.kernel_level
         first = None
         for s in stages:
-            dev = new.devices[(j, s)].copy()
-            new.devices[(j, s)] = dev
+            devices = (new.devices[(j, s)], new.links[(j, s)])
+            added: tuple[list, list] = ([], [])
             t = max(ready, c.cstart[a][s])
-            n = len(times.layers(direction, s))
-            for idx, d in enumerate(times.layers(direction, s)):
-                start = dev.fit(t, d)
-                if start + d > c.cend[a][s] + _EPS:
+            cursors = [devices[0].cursor(t), devices[1].cursor(t)]
+            limit = c.cend[a][s] + _EPS
+            for idx, (d, comm, layer) in enumerate(self.units[(direction, s)]):
+                # each unit starts after the previous one ends, so none of this pass's earlier
+                # units lies after t: fitting against the devices as they were is exact
+                start, cursors[comm] = devices[comm].fit(cursors[comm], t, d)
+                t = start + d
+                if t > limit:
                     return None
-                dev.add(start, start + d)
-                layer = idx if direction == FORWARD else n - 1 - idx
-                blocks.append((s, layer, start, start + d))
+                added[comm].append((start, t))
+                blocks.append((s, layer, idx if kernel else -1, comm, start, t))
                 if first is None:
                     first = start
-                t = start + d
+            new.devices[(j, s)] = devices[0].with_added(added[0])
+            new.links[(j, s)] = devices[1].with_added(added[1])
             ready = t + times.transfer
         point = (ready - times.transfer + c.to_llm[a]) if direction == FORWARD else first
         new.moved[(direction, j, k)] = (blocks, point)
@@ -213,16 +242,17 @@ class _Fine:
     # -- OptimizeSchedule -----------------------------------------------------------------------
     def optimize(self, parts: Sequence[int]) -> tuple[_State, float, list[tuple[float, int, int]], float]:
         c = self.c
-        devices = {}
+        devices, links = {}, {}
         for j in range(len(parts)):
             for s in range(c.S):
-                busy = self.tl.stages[self.cand.llm_stage(j, s)].busy
-                devices[(j, s)] = _Device([lo for lo, _ in busy], [hi for _, hi in busy])
-        st = _State(list(parts), devices)
+                devices[(j, s)] = self.busy[self.cand.llm_stage(j, s)]
+                links[(j, s)] = self.link[self.cand.llm_stage(j, s)]
+        st = _State(list(parts), devices, links)
         found = self.least_shift(st)
         assert found is not None  # the coarse schedule always has a shift
         x, arrivals = found
         lat = coarse = self.latency(x, self.post(st, arrivals)[0])
+        best = (st, x, arrivals, lat)  # the lowest latency seen (ties: the fewest moves)
         # FWD
         while True:
             contrib = [float("-inf")] * len(parts)
@@ -245,9 +275,12 @@ class _Fine:
                 break
             nx, narr = found
             nlat = self.latency(nx, self.post(new, narr)[0])
-            if nlat >= lat - _EPS:
+            if nlat > lat + _EPS:
                 break
             st, x, arrivals, lat = new, nx, narr, nlat
+            if lat < best[3] - _EPS:
+                best = (st, x, arrivals, lat)
+        st, x, arrivals, lat = best
         # BWD
         while True:
             finish, _ = self.post(st, arrivals)
@@ -263,14 +296,17 @@ class _Fine:
             if new is None:
                 break
             nlat = self.latency(x, self.post(new, arrivals)[0])
-            if nlat >= lat - _EPS:
+            if nlat > lat + _EPS:
                 break
             st, lat = new, nlat
-        return st, x, arrivals, coarse
+            if lat < best[3] - _EPS:
+                best = (st, x, arrivals, lat)
+        return best[0], x, arrivals, coarse
 
-    def build(self, parts: Sequence[int]) -> BubbleSchedule:
+    def build(self, parts: Sequence[int], optimized: tuple | None = None) -> BubbleSchedule:
+        """The schedule of ``parts`` (``optimized``: its `optimize` result, if known)."""
         c, cand, times = self.c, self.cand, self.times
-        st, x, arrivals, coarse = self.optimize(parts)
+        st, x, arrivals, coarse = self.optimize(parts) if optimized is None else optimized
         record: list[tuple[int, int, int, int, float, float]] = []
         finish, eb = self.post(st, arrivals, record)
         feed_of = {(j, k): i for i, (_, j, k) in enumerate(arrivals)}
@@ -284,11 +320,11 @@ class _Fine:
         for j, k, i, s, start, end in record:
             blocks.append(EncoderBlock(BACKWARD, j, k, i, s, cand.llm_stage(j, s), cand.ranks(j, s), start + x,
                                        end + x))
-        for (d, j, k), (layers, point) in st.moved.items():
+        for (d, j, k), (units, point) in st.moved.items():
             i = feed_of[(j, k)]
-            for s, layer, start, end in layers:
+            for s, layer, kernel, comm, start, end in units:
                 blocks.append(EncoderBlock(d, j, k, i, s, cand.llm_stage(j, s), cand.ranks(j, s), start + x, end + x,
-                                           layer))
+                                           layer, kernel, comm))
             if d == BACKWARD:
                 eb[i] = point
         llm_end = self.tl.end + x
@@ -309,21 +345,44 @@ def fine_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: Enc
     return _Fine(timeline, candidate, times).build(tuple(partition))
 
 
+def latency_bound(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes) -> float:
+    """A lower bound on the latency of every schedule of ``candidate``, coarse or fine: the
+    LLM's end plus the shift the first LLM microbatch forces. Its encoder output cannot come
+    from a moved forward (those start at or after their device's first LLM compute, which is
+    not before ``F_0``), so it comes from a first forward chain run from time 0:
+    ``shift >= chain + to_llm - F_0``."""
+    c = _Coarse(timeline, candidate, times)
+    return timeline.end + max(0.0, c.fend[0][c.S - 1] + min(c.to_llm) - c.F[0])
+
+
 def best_fine_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes,
-                       top: int = 8, max_partitions: int | None = 4096) -> tuple[BubbleSchedule | None, int]:
+                       top: int = 8, max_partitions: int | None = 4096,
+                       beat: float = float("inf")) -> tuple[BubbleSchedule | None, int]:
     """Algorithm 2 (optimus.md §3.2) with the fine step applied to the ``top`` partitions of
     lowest coarse latency (`loom.planner.optimus.coarse.coarse_ranking`), not to every one
     (decided: the fine step costs a re-evaluation per move; the coarse latency bounds the fine
     one from above, so the best coarse partitions are the natural ones to refine). Returns the
-    lowest fine latency (ties: the better coarse rank) and how many partitions were ranked."""
+    lowest fine latency (ties: the better coarse rank) and how many partitions were ranked.
+
+    Refining stops once a schedule reaches `latency_bound` (no partition can do better), and
+    does not start when the bound is not below ``beat`` (another candidate's latency, which
+    this one cannot then beat): the best coarse schedule is returned then."""
     if top < 1:
         raise OptimusPlanError(f"top = {top}: refine at least one partition")
     ranked, count = coarse_ranking(timeline, candidate, times, top, max_partitions=max_partitions)
     engine = _Fine(timeline, candidate, times)
-    best: BubbleSchedule | None = None
+    bound = latency_bound(timeline, candidate, times)
+    if ranked and bound >= beat - _EPS:
+        return engine.c.build(ranked[0][1]), count
+    best: tuple[float, tuple[int, ...], tuple] | None = None
     for _, parts in ranked:
-        sched = engine.build(parts)
-        if best is None or sched.latency < best.latency - _EPS:
-            best = sched
-    return best, count
+        if best is not None and best[0] <= bound + _EPS:
+            break
+        optimized = engine.optimize(parts)
+        st, x, arrivals, _ = optimized
+        lat = engine.latency(x, engine.post(st, arrivals)[0])
+        if best is None or lat < best[0] - _EPS:
+            best = (lat, parts, optimized)
+    # only the winner's blocks are built
+    return (None if best is None else engine.build(best[1], best[2])), count
 

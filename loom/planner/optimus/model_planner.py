@@ -53,6 +53,7 @@ A plan with ``m > N_mb`` has no partition with positive parts and is pruned (§7
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ from loom.cost import comm
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch import LLM, LayerArch, ModelArch
 from loom.cost.hardware import Cluster
+from loom.cost.kernels import Kernel, stage_kernels
 from loom.cost.memory import (
     activation_bytes_per_token,
     backward_working_bytes,
@@ -467,7 +469,11 @@ class EncoderStageTimes:
 
     ``layer_forward[s]`` and ``layer_backward[s]``, the seconds of each layer of stage ``s`` in
     forward order, are the units the fine schedule places (`loom.planner.optimus.fine`); they
-    must add up to the stage's time. Left empty, a stage is one unit."""
+    must add up to the stage's time. Left empty, a stage is one unit.
+
+    ``kernel_forward[s]`` and ``kernel_backward[s]``, at kernel granularity, are stage ``s``'s
+    kernels in the order each pass runs them (`loom.cost.kernels`): they replace the layers as
+    the fine schedule's units, and also add up to the stage's time."""
 
     forward: tuple[float, ...]
     backward: tuple[float, ...]
@@ -475,6 +481,8 @@ class EncoderStageTimes:
     to_llm: tuple[float, ...] = (0.0,)
     layer_forward: tuple[tuple[float, ...], ...] = ()
     layer_backward: tuple[tuple[float, ...], ...] = ()
+    kernel_forward: tuple[tuple[Kernel, ...], ...] = ()
+    kernel_backward: tuple[tuple[Kernel, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.forward or len(self.forward) != len(self.backward):
@@ -493,6 +501,18 @@ class EncoderStageTimes:
                 if not ls or min(ls) < 0 or abs(sum(ls) - total) > 1e-9 * max(1.0, total):
                     raise OptimusPlanError(f"EncoderStageTimes.{name}[{s}] = {ls[:4]}... must be non-negative "
                                            f"layer times adding up to the stage's {total}")
+        for name, stage_times in (("kernel_forward", self.forward), ("kernel_backward", self.backward)):
+            kernels = getattr(self, name)
+            if kernels and (len(kernels) != len(stage_times) or any(
+                    not ks or min(k.seconds for k in ks) < 0
+                    or abs(sum(k.seconds for k in ks) - total) > 1e-9 * max(1.0, total)
+                    for ks, total in zip(kernels, stage_times))):
+                raise OptimusPlanError(f"EncoderStageTimes.{name}: give per encoder stage ({len(stage_times)}) "
+                                       "non-negative kernels adding up to the stage's time")
+
+    @property
+    def kernel_level(self) -> bool:
+        return bool(self.kernel_forward)
 
     @property
     def num_stages(self) -> int:
@@ -506,15 +526,28 @@ class EncoderStageTimes:
         layers = self.layer_backward[stage] if self.layer_backward else (self.backward[stage],)
         return tuple(reversed(layers))
 
+    def units(self, direction: str, stage: int) -> tuple[tuple[float, bool, int], ...]:
+        """The fine schedule's units of ``stage`` in the order ``direction`` runs them, as
+        ``(seconds, comm, layer)``: the kernels at kernel granularity, else the layers
+        (compute, ``layer`` their index in forward order)."""
+        if self.kernel_level:
+            kernels = (self.kernel_forward if direction == "forward" else self.kernel_backward)[stage]
+            return tuple((k.seconds, k.comm, k.layer) for k in kernels)
+        n = len(self.layers("forward", stage))
+        return tuple((d, False, i if direction == "forward" else n - 1 - i)
+                     for i, d in enumerate(self.layers(direction, stage)))
+
     def to_llm_of(self, group: int) -> float:
         return self.to_llm[group] if len(self.to_llm) > 1 else self.to_llm[0]
 
 
 def encoder_stage_times(arch: ModelArch, candidate: EncoderCandidate, cluster: Cluster,
-                        work: dict[str, Workload], dtype_bytes: int = 2, recompute: str = "none") -> EncoderStageTimes:
+                        work: dict[str, Workload], dtype_bytes: int = 2, recompute: str = "none",
+                        kernels: bool = False) -> EncoderStageTimes:
     """`EncoderStageTimes` of ``candidate`` from loom's analytic cost model on ``cluster``, for
-    one microbatch of per-encoder workload ``work`` (stages split by layer count). Transfers
-    use the colocated ranks' links (`loom.cost.comm`)."""
+    one microbatch of per-encoder workload ``work`` (stages split by layer count), with each
+    stage's kernels (`loom.cost.kernels`) when ``kernels``. Transfers use the colocated ranks'
+    links (`loom.cost.comm`)."""
     enc, llm = candidate.encoder, candidate.llm
     encoders = arch.encoder_names
     # a one-replica plan of the encoders at (PP_enc, TP_enc): the per-stage compute times; its
@@ -547,4 +580,17 @@ def encoder_stage_times(arch: ModelArch, candidate: EncoderCandidate, cluster: C
     last = enc.pipeline_parallel - 1
     to_llm = tuple(message(last, candidate.ranks(a * candidate.group_size, last)[0], llm.rank(0, 0, 0))
                    for a in range(candidate.groups))
-    return EncoderStageTimes(tuple(fwd), tuple(bwd), transfer, to_llm, tuple(lf), tuple(lb))
+    kf: tuple[tuple[Kernel, ...], ...] = ()
+    kb: tuple[tuple[Kernel, ...], ...] = ()
+    if kernels:
+        # a stage's layers numbered across its encoders, in plan order (as ``lf``)
+        def numbered(direction: str, s: int) -> tuple[Kernel, ...]:
+            out, base = [], 0
+            for e in encoders:
+                ks = stage_kernels(cost, e, s, direction, work[e])
+                out.append([dataclasses.replace(k, layer=k.layer + base) for k in ks])
+                base += len(cost.layer_costs(e, s, work[e]))
+            return tuple(k for ks in (out if direction == "forward" else out[::-1]) for k in ks)
+        kf = tuple(numbered("forward", s) for s in range(enc.pipeline_parallel))
+        kb = tuple(numbered("backward", s) for s in range(enc.pipeline_parallel))
+    return EncoderStageTimes(tuple(fwd), tuple(bwd), transfer, to_llm, tuple(lf), tuple(lb), kf, kb)

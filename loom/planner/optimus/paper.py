@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch import LLM, ModelArch
 from loom.cost.hardware import Cluster
+from loom.cost.kernels import stage_kernels
 from loom.cost.model import Workload
 from loom.cost.model_configs import FrontendConfig, ModuleConfig, TransformerConfig, load_module_config
 from loom.plan.plan import ModuleSpec, Plan
@@ -74,15 +75,23 @@ class PaperRun:
     schedule_s: float
 
 
+GRANULARITIES = ("kernel", "layer")
+
+
 def paper_search(max_partitions: int | None = 4096, memory_limit: float = 80e9, recompute: str = "full",
                  num_microbatches: int = NUM_MICROBATCHES, refine: int = 0,
-                 llm_plan: LLMParallel = LLM_PLAN) -> PaperRun:
+                 llm_plan: LLMParallel = LLM_PLAN, granularity: str = "kernel") -> PaperRun:
     """The model planner and the coarse bubble scheduler at the module docstring's
     configuration. The LLM's timeline is loom's simulation of GPT-175B alone at (DP 48, PP 8,
     TP 8), 1F1B, ZeRO-1, on 3072 H100 (replica 0's pipeline); ``recompute`` applies to the LLM
     and the encoder (Megatron's baselines at this scale recompute fully); ``refine`` as in
     `optimus_search`. ``llm_plan`` replaces the LLM's degrees, on as many GPUs as it spans (a
-    smaller instance for tests)."""
+    smaller instance for tests). ``granularity`` is the fine schedule's (`loom.planner.optimus.fine`):
+    ``"kernel"`` cuts the LLM's timeline and the encoder stages into kernels
+    (`loom.cost.kernels`), ``"layer"`` keeps whole actions and places layers."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"granularity = {granularity!r}: choose one of {GRANULARITIES}")
+    kernels = granularity == "kernel"
     arch, work = paper_arch(), paper_workload()
     num_gpus = llm_plan.data_parallel * llm_plan.pipeline_parallel * llm_plan.tensor_parallel
     cluster = Cluster("h100", num_gpus)
@@ -94,14 +103,15 @@ def paper_search(max_partitions: int | None = 4096, memory_limit: float = 80e9, 
     plan.resolve(llm_only.layer_counts(), num_gpus)
     cost = AnalyticCostModel(llm_only, plan, cluster)
     sim = simulate(build_schedule(plan), plan, cost, [{LLM: work[LLM]}] * plan.num_microbatches)
-    timeline = llm_timeline_from_sim(sim)
+    timeline = llm_timeline_from_sim(
+        sim, kernels=(lambda e: stage_kernels(cost, LLM, e.stage, e.kind, work[LLM])) if kernels else None)
     t1 = time.process_time()
     planned = plan_encoders(arch, llm_plan, num_microbatches, llm_tokens=work[LLM].tokens,
                             encoder_tokens={"vision": work["vision"].tokens}, memory_limit=memory_limit,
                             llm_recompute=recompute, encoder_recompute=recompute)
     t2 = time.process_time()
     result = optimus_search(planned, timeline, lambda c: encoder_stage_times(arch, c, cluster, work,
-                                                                             recompute=recompute),
+                                                                             recompute=recompute, kernels=kernels),
                             max_partitions=max_partitions, refine=refine)
     t3 = time.process_time()
     return PaperRun(timeline, planned, result, t1 - t0, t2 - t1, t3 - t2)

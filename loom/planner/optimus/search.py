@@ -41,7 +41,8 @@ def optimus_search(planned: PlannerResult, timeline: LLMTimeline,
     for cand in planned.candidates:
         times = stage_times(cand)
         if refine:
-            sched, count = best_fine_schedule(timeline, cand, times, refine, max_partitions)
+            beat = float("inf") if best is None else best.latency
+            sched, count = best_fine_schedule(timeline, cand, times, refine, max_partitions, beat)
         else:
             sched, count = best_coarse_schedule(timeline, cand, times, max_partitions=max_partitions)
         rows.append((cand, sched, count))

@@ -12,9 +12,13 @@ weight pass does not hold the encoder back).
 What is *not* busy is a bubble encoder compute may fill: waiting on receives, the
 data-parallel gradient synchronisation (optimus.md Table 1's DP bubbles are communication), and
 the batch dispatch at the step's head (a collective and host work). All tensor-parallel ranks
-of a stage share its timeline (the simulator plays a stage's TP group as one unit). This is the
-coarse view: the TP bubbles inside a layer (§1.2) need the fine schedule and a kernel-level
-timeline, which loom's simulator does not produce.
+of a stage share its timeline (the simulator plays a stage's TP group as one unit).
+
+At action granularity each compute action is one busy interval. At kernel granularity
+(`llm_timeline_from_sim` given ``kernels``, e.g. `loom.cost.kernels.stage_kernels`) each action
+is cut into its kernels: the compute kernels are busy, the TP collectives between them are the
+TP bubbles of optimus.md §1.2 (the compute stream idles) and go to ``link``, the intervals the
+stage's TP link is busy, which encoder communication kernels must avoid (§2.4).
 
 The adapter reads any schedule loom plays (GPipe, 1F1B, ZB-H1). Megatron's interleaved 1F1B
 and the warm-up adjustment of §2.5 (Fig. 12) are not built, so ``F_i`` and ``B_i`` are those of
@@ -27,8 +31,12 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+from collections.abc import Callable, Sequence
+
 from loom.cost.arch import LLM
+from loom.cost.kernels import Kernel
 from loom.planner.optimus.model_planner import OptimusPlanError
+from loom.schedule.timeline import TimelineEvent
 from loom.sim.result import SimResult
 
 # the compute stream's work (module docstring); ZB-H1 splits a backward into its input and
@@ -39,20 +47,24 @@ BUSY_KINDS = ("forward", *BACKWARD_KINDS, "optimizer_step")
 
 @dataclass(frozen=True)
 class StageTimeline:
-    """One LLM stage: sorted, disjoint busy intervals ``(start, end)``; ``compute_start`` is
-    its first forward's start and ``compute_end`` its last backward's end."""
+    """One LLM stage: sorted, disjoint busy intervals ``(start, end)`` of its compute stream;
+    ``compute_start`` is its first forward's start and ``compute_end`` its last backward's end;
+    ``link``, at kernel granularity, the intervals its TP collectives hold the link (module
+    docstring; empty at action granularity)."""
 
     busy: tuple[tuple[float, float], ...]
     compute_start: float
     compute_end: float
+    link: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        prev = float("-inf")
-        for lo, hi in self.busy:
-            if hi < lo or lo < prev:
-                raise OptimusPlanError(f"StageTimeline.busy = {self.busy[:4]}...: intervals must be sorted, "
-                                       "disjoint and have end >= start")
-            prev = hi
+        for name in ("busy", "link"):
+            prev = float("-inf")
+            for lo, hi in getattr(self, name):
+                if hi < lo or lo < prev:
+                    raise OptimusPlanError(f"StageTimeline.{name} = {getattr(self, name)[:4]}...: intervals must be "
+                                           "sorted, disjoint and have end >= start")
+                prev = hi
         if self.compute_end < self.compute_start:
             raise OptimusPlanError(f"StageTimeline: compute_end = {self.compute_end} precedes compute_start = "
                                    f"{self.compute_start}")
@@ -109,10 +121,27 @@ def _merge(intervals: list[tuple[float, float]]) -> tuple[tuple[float, float], .
     return tuple(out)
 
 
-def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM) -> LLMTimeline:
+def _kernel_intervals(e: TimelineEvent, kernels: Sequence[Kernel]) -> tuple[list, list]:
+    """The compute and the communication intervals of event ``e`` cut into ``kernels`` (their
+    times scaled to the event's span, which core sharing may stretch)."""
+    total = sum(k.seconds for k in kernels)
+    if total <= 0:
+        return [(e.start_s, e.end_s)], []
+    scale = (e.end_s - e.start_s) / total
+    compute, link, t = [], [], e.start_s
+    for k in kernels:
+        end = t + k.seconds * scale
+        (link if k.comm else compute).append((t, end))
+        t = end
+    return compute, link
+
+
+def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM,
+                          kernels: Callable[[TimelineEvent], Sequence[Kernel]] | None = None) -> LLMTimeline:
     """The `LLMTimeline` of LLM pipeline ``replica`` in a `loom.sim.SimResult` (module
     docstring). ``end`` is the simulated iteration time. A backward in several events (a
-    balancing policy's split backward) ends with its last part."""
+    balancing policy's split backward) ends with its last part. ``kernels(event)``, the kernels
+    of a forward or backward event, gives the kernel-granularity timeline (module docstring)."""
     units = {u: role for u, role in result.roles.items() if role[0] == module and role[2] == replica}
     if not units:
         replicas = sorted({r for m, _, r in result.roles.values() if m == module})
@@ -121,6 +150,7 @@ def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM
     stage_of_rank = {result.first_rank[u]: role[1] for u, role in units.items()}
     num_stages = max(role[1] for role in units.values()) + 1
     busy: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    link: dict[int, list[tuple[float, float]]] = defaultdict(list)
     first_fwd: dict[int, float] = {}
     last_bwd: dict[int, float] = {}
     fwd0: dict[int, float] = {}
@@ -130,7 +160,12 @@ def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM
         s = stage_of_rank.get(e.rank)
         if s is None or e.module != module or e.kind not in BUSY_KINDS:
             continue
-        busy[s].append((e.start_s, e.end_s))
+        if kernels is not None and e.kind != "optimizer_step":
+            compute, comm = _kernel_intervals(e, kernels(e))
+            busy[s] += compute
+            link[s] += comm
+        else:
+            busy[s].append((e.start_s, e.end_s))
         if e.kind == "forward":
             first_fwd[s] = min(first_fwd.get(s, e.start_s), e.start_s)
             if s == 0:
@@ -146,8 +181,8 @@ def llm_timeline_from_sim(result: SimResult, replica: int = 0, module: str = LLM
     if missing:
         raise OptimusPlanError(f"llm_timeline_from_sim: microbatches {missing[:8]} have no backward on LLM stage 0 "
                                "(a frozen LLM first stage?): Optimus needs B_i for every microbatch")
-    stages = tuple(StageTimeline(_merge(busy[s]), first_fwd.get(s, 0.0), last_bwd.get(s, first_fwd.get(s, 0.0)))
-                   for s in range(num_stages))
+    stages = tuple(StageTimeline(_merge(busy[s]), first_fwd.get(s, 0.0), last_bwd.get(s, first_fwd.get(s, 0.0)),
+                                 _merge(link[s])) for s in range(num_stages))
     order = sorted(fwd0, key=lambda j: (fwd0[j], j))
     return LLMTimeline(stages, tuple(fwd0[j] for j in order), tuple(bwd0[j] for j in order),
                        float(result.iteration_time), tuple(order))
