@@ -9,7 +9,8 @@ from typing import Any
 from torch import nn
 
 from loom.cost.arch import LLM, LayerArch, ModelArch, ModuleArch
-from loom.model.multimodal import MLPProjector, MultimodalModel
+from loom.model.multimodal import MultimodalModel
+from loom.model.projector import MLPProjector
 from loom.model.zoo import AudioEncoder, VisionEncoder
 
 

@@ -102,6 +102,8 @@ class Batch:
     - ``sample_ids``: which samples, in order.
     - ``segments``: with packing, the samples' lengths in the single row ``[1, L]`` (attention
       and positions restart at each); ``None`` for one right-padded row per sample.
+    - ``generation_inputs``: per generator name, the keyword inputs of its ``context()``, e.g.
+      ``{"image": {"targets": [...], "seeds": [...]}}``, items in sample order.
     """
 
     input_ids: torch.Tensor
@@ -109,6 +111,12 @@ class Batch:
     modality_inputs: dict[str, dict[str, list[torch.Tensor]]]
     sample_ids: list[int]
     segments: list[int] | None = None
+    generation_inputs: dict[str, dict[str, list]] = field(default_factory=dict)
+
+    def num_generations(self, name: str) -> int:
+        """Items generator ``name`` trains on in this batch."""
+        inputs = self.generation_inputs.get(name)
+        return 0 if inputs is None else len(inputs["targets"])
 
     @property
     def num_targets(self) -> int:

@@ -17,9 +17,15 @@ Construction may happen on the meta device (`loom.train.build.build_model` does)
 (`loom.model.materialise`), so a pipeline rank allocates only its stage and every layer has
 the same values wherever it is built.
 
+Generators (`loom.model.generator.ModalityGenerator`, DistTrain's output projector and
+generator, disttrain.md §1) come after the LLM: its final hidden states at each generator's
+generation positions (``generation_ids``) condition the generator, whose loss adds to the
+language-model loss (`MultimodalModel.loss`).
+
 Freezing is ``requires_grad`` and nothing else (docs/architecture.md principle 3), set through
 `MultimodalModel.freeze` / `unfreeze` on parts named ``"vision"``, ``"vision.encoder"``,
-``"vision.projector"``, ``"llm"``.
+``"vision.projector"``, ``"llm"``, and a generator's ``"<name>"``, ``"<name>.generator"``,
+``"<name>.projector"``.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from loom.model.adapter import adapter_for
+from loom.model.generator import ModalityGenerator
 from loom.model.layers import Layer, prefixed, run_layers
+from loom.model.projector import make_projector
 from loom.model.materialise import (SeededInit, check_untied, is_meta, materialise, materialise_module,
                                     reset_buffers, reset_parameters)
 
@@ -42,22 +50,6 @@ IGNORE_INDEX = -100
 
 BeforeEncoder = Callable[[dict[str, Any]], dict[str, Any]]
 AfterModule = Callable[[dict[str, Any], torch.Tensor], torch.Tensor]
-
-
-class MLPProjector(nn.Sequential):
-    """LLaVA-1.5 style two-layer projector: Linear -> GELU -> Linear."""
-
-    def __init__(self, in_features: int, out_features: int):
-        super().__init__(nn.Linear(in_features, out_features), nn.GELU(), nn.Linear(out_features, out_features))
-        self.in_features, self.out_features = in_features, out_features
-
-
-def make_projector(kind: str, in_features: int, out_features: int) -> nn.Module:
-    if kind == "linear":
-        return nn.Linear(in_features, out_features)
-    if kind == "mlp":
-        return MLPProjector(in_features, out_features)
-    raise ValueError(f"projector = {kind!r}: choose 'linear', 'mlp' or pass an nn.Module")
 
 
 class ModalityEncoder(nn.Module):
@@ -130,40 +122,66 @@ class ModalityEncoder(nn.Module):
 
 
 class MultimodalModel(nn.Module):
-    """Encoders feeding an LLM; runs standalone as the reference semantics.
+    """Encoders feeding an LLM, and generators after it; runs standalone as the reference
+    semantics.
 
     ``placeholder_ids[name]`` is the token id that marks encoder ``name``'s tokens in
-    ``input_ids`` (the collated batch expands each item's marker to ``num_tokens`` copies).
+    ``input_ids`` (the collated batch expands each item's marker to ``num_tokens`` copies);
+    ``generation_ids[name]`` the token id of generator ``name``'s generation positions (each
+    item to generate expands to ``cond_tokens`` of them; the LLM embeds them as tokens).
     """
 
     init_seed: int = 0  # run seed of per-layer initialisation (`materialise`); build_model sets it
 
-    def __init__(self, encoders: dict[str, ModalityEncoder], llm: nn.Module, placeholder_ids: dict[str, int]):
+    def __init__(self, encoders: dict[str, ModalityEncoder], llm: nn.Module, placeholder_ids: dict[str, int],
+                 generators: dict[str, ModalityGenerator] | None = None,
+                 generation_ids: dict[str, int] | None = None):
         super().__init__()
-        if "llm" in encoders:
-            raise ValueError("encoders may not be named 'llm': that name is the language model's")
+        generators = dict(generators or {})
+        generation_ids = dict(generation_ids or {})
+        if "llm" in encoders or "llm" in generators:
+            raise ValueError("encoders and generators may not be named 'llm': that name is the language model's")
+        shared = sorted(set(encoders) & set(generators))
+        if shared:
+            raise ValueError(f"{shared} name both an encoder and a generator: give every module its own name")
         missing = [n for n in encoders if n not in placeholder_ids]
         if missing:
             raise ValueError(f"placeholder_ids lacks {missing}: give each encoder its placeholder token id")
+        missing = [n for n in generators if n not in generation_ids]
+        if missing:
+            raise ValueError(f"generation_ids lacks {missing}: give each generator its generation token id")
         self.encoders = nn.ModuleDict(encoders)
         self.llm = llm
+        self.generators = nn.ModuleDict(generators)
         self.placeholder_ids = dict(placeholder_ids)
+        self.generation_ids = {n: generation_ids[n] for n in generators}
         llm_width = getattr(llm, "hidden_size", None) or llm.config.hidden_size
         for enc in self.encoders.values():
             enc.build_projector(llm_width)
+        for gen in self.generators.values():
+            gen.build_projector(llm_width)
 
     @property
     def module_names(self) -> list[str]:
-        """Modules in graph order: encoders (as given), then ``"llm"``."""
-        return [*self.encoders.keys(), "llm"]
+        """Modules in graph order: encoders (as given), ``"llm"``, then generators (as given)."""
+        return [*self.encoders.keys(), "llm", *self.generators.keys()]
 
     # ---- freezing ------------------------------------------------------------------------
     def _part(self, part: str) -> nn.Module:
         if part == "llm":
             return self.llm
         name, _, sub = part.partition(".")
+        if name in self.generators:
+            gen = self.generators[name]
+            if sub == "":
+                return gen
+            if sub in ("generator", "projector"):
+                return getattr(gen, sub)
+            raise ValueError(f"unknown part {part!r}: after {name!r} use '.generator' or '.projector'")
         if name not in self.encoders:
-            raise ValueError(f"unknown part {part!r}: parts are 'llm', or '<encoder>[.encoder|.projector]' with encoders {list(self.encoders)}")
+            raise ValueError(f"unknown part {part!r}: parts are 'llm', '<encoder>[.encoder|.projector]' with encoders "
+                             f"{list(self.encoders)}, or '<generator>[.generator|.projector]' with generators "
+                             f"{list(self.generators)}")
         enc = self.encoders[name]
         if sub == "":
             return enc
@@ -187,8 +205,25 @@ class MultimodalModel(nn.Module):
         """The ordered layers of module ``name``, named as in this model's ``named_parameters``.
 
         The LLM's first layer is its embedding followed by the merge of encoder tokens
-        (Cornstarch's ``cb_before_llm``), so it takes ``x = {encoder name: tokens}``.
+        (Cornstarch's ``cb_before_llm``), so it takes ``x = {encoder name: tokens}``. With
+        generators, its last layer returns ``{"logits": ..., "generate": {generator name:
+        states}}``: besides the logits, the final hidden states (the head's input) at each
+        generator's generation positions, ``[N_cond, hidden]`` in sample order.
         """
+        if name in self.generators:
+            layers = prefixed(self.generators[name].layers(), f"generators.{name}")
+            project, cond = layers[0], self.generators[name].cond_tokens
+
+            def check_and_project(x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+                if x.shape[0] != ctx["items"] * cond:
+                    raise ValueError(
+                        f"generator {name!r} got {x.shape[0]} LLM states at its generation positions but the batch "
+                        f"has {ctx['items']} items x {cond} cond_tokens for it: each item to generate needs "
+                        f"exactly {cond} generation tokens in its sample's text")
+                return project(x, ctx)
+
+            layers[0] = Layer(project.name, project.module, check_and_project, kind=project.kind)
+            return layers
         if name != "llm":
             if name not in self.encoders:
                 raise ValueError(f"unknown module {name!r}; modules are {self.module_names}")
@@ -200,6 +235,14 @@ class MultimodalModel(nn.Module):
             return self.merge(embed(None, ctx), x or {}, ctx)
 
         layers[0] = Layer(embed.name, embed.module, embed_and_merge, kind="embedding")
+        if self.generators:
+            head = layers[-1]
+
+            def head_and_select(x: torch.Tensor, ctx: dict[str, Any]) -> dict[str, Any]:
+                masks = ctx["generation_masks"]
+                return {"logits": head(x, ctx), "generate": {g: x[masks[g]] for g in self.generators}}
+
+            layers[-1] = Layer(head.name, head.module, head_and_select, kind="head")
         return layers
 
     def layer_counts(self) -> dict[str, int]:
@@ -209,6 +252,8 @@ class MultimodalModel(nn.Module):
     def _root(self, name: str) -> nn.Module:
         if name == "llm":
             return self.llm
+        if name in self.generators:
+            return self.generators[name]
         if name not in self.encoders:
             raise ValueError(f"unknown module {name!r}; modules are {self.module_names}")
         return self.encoders[name]
@@ -228,6 +273,8 @@ class MultimodalModel(nn.Module):
             raise IndexError(f"module {name!r} has {count} layers; no layer {index}")
         if name == "llm":
             owner: Any = adapter_for(self.llm)
+        elif name in self.generators:  # the projector, then the generator's layers
+            owner = adapter_for(self.generators[name].generator) if index > 0 else None
         else:  # the encoder's layers, then the projector
             owner = adapter_for(self.encoders[name].encoder) if index < count - 1 else None
         return self._init_of(owner, name, index)
@@ -254,7 +301,8 @@ class MultimodalModel(nn.Module):
                 materialise(layer, device, self.layer_init(name, index))
             else:
                 layer.module.to(device)
-        owner = adapter_for(self.llm) if name == "llm" else adapter_for(self.encoders[name].encoder)
+        owner = adapter_for(self.llm) if name == "llm" else adapter_for(
+            self.generators[name].generator if name in self.generators else self.encoders[name].encoder)
         for path, module in self.context_modules(name).items():
             if is_meta(module):  # no layer index: seeded by its path (derived buffers, in practice)
                 materialise_module(module, device, self._init_of(owner, f"{name}/{path}", 0))
@@ -268,6 +316,12 @@ class MultimodalModel(nn.Module):
         rank's positions of the row, and ``attend``) cuts the LLM's inputs to the rank's tokens,
         placeholder masks included: the merge then takes the encoder tokens of those
         placeholders only (the runtime selects them, `loom.runtime.context_parallel`)."""
+        if name in self.generators:
+            inputs = getattr(batch, "generation_inputs", {}).get(name)
+            if inputs is None:
+                raise ValueError(f"batch.generation_inputs has no entry for generator {name!r}: collate with every "
+                                 f"generator of the model ({list(self.generators)})")
+            return self.generators[name].context({**inputs, "device": batch.input_ids.device})
         if name != "llm":
             enc = self.encoders[name]
             inputs = batch.modality_inputs.get(name)
@@ -280,6 +334,7 @@ class MultimodalModel(nn.Module):
             return enc.context({**inputs, "device": batch.input_ids.device})
         ids = batch.input_ids
         masks = {n: ids == pid for n, pid in self.placeholder_ids.items() if n in self.encoders}
+        generation = {n: ids == gid for n, gid in self.generation_ids.items()}
         masked = ids.clone()
         for m in masks.values():
             masked[m] = 0  # placeholder ids need not exist in the LLM's vocabulary
@@ -294,8 +349,10 @@ class MultimodalModel(nn.Module):
             inputs["context_parallel"] = context_parallel
             tokens = context_parallel.tokens.to(ids.device)
             masks = {n: m[:, tokens] for n, m in masks.items()}
+            generation = {n: m[:, tokens] for n, m in generation.items()}
         ctx = adapter_for(self.llm).context(inputs)
         ctx["placeholder_masks"] = masks
+        ctx["generation_masks"] = generation
         return ctx
 
     def merge(self, embeds: torch.Tensor, features: dict[str, torch.Tensor], ctx: dict[str, Any]) -> torch.Tensor:
@@ -325,16 +382,36 @@ class MultimodalModel(nn.Module):
             n: run_layers(self.module_layers(n), None, self.module_context(n, batch)) for n in self.encoders
         }
 
-    def forward(self, batch: "Batch") -> torch.Tensor:
-        """Logits ``[B, L, vocab]`` of the whole batch in one process."""
+    def llm_outputs(self, batch: "Batch") -> Any:
+        """The LLM's last layer's output on the whole batch (`module_layers`)."""
         features = self.encode(batch)
         return run_layers(self.module_layers("llm"), features, self.module_context("llm", batch))
 
-    def loss(self, batch: "Batch", num_targets: int | None = None) -> torch.Tensor:
+    def forward(self, batch: "Batch") -> torch.Tensor:
+        """Logits ``[B, L, vocab]`` of the whole batch in one process."""
+        out = self.llm_outputs(batch)
+        return out["logits"] if self.generators else out
+
+    def generator_loss_sum(self, name: str, batch: "Batch", states: torch.Tensor) -> torch.Tensor:
+        """Generator ``name``'s summed loss over the batch's items, conditioned on the LLM's
+        ``states`` at its generation positions."""
+        return run_layers(self.module_layers(name), states, self.module_context(name, batch))
+
+    def loss(self, batch: "Batch", num_targets: int | None = None,
+             num_generations: dict[str, int] | None = None) -> torch.Tensor:
         """Mean next-token loss, normalised by ``num_targets`` (the *global* batch's target
-        count in parallel runs, so moving samples between ranks never changes the math)."""
+        count in parallel runs, so moving samples between ranks never changes the math), plus
+        each generator's ``loss_weight`` times its mean loss per item, normalised by
+        ``num_generations[name]`` (the global batch's items of that generator) likewise."""
         n = batch.num_targets if num_targets is None else num_targets
-        return loss_sum(self(batch), batch.labels) / n
+        out = self.llm_outputs(batch)
+        if not self.generators:
+            return loss_sum(out, batch.labels) / n
+        total = loss_sum(out["logits"], batch.labels) / n
+        for name, gen in self.generators.items():
+            items = batch.num_generations(name) if num_generations is None else num_generations[name]
+            total = total + gen.loss_weight * self.generator_loss_sum(name, batch, out["generate"][name]) / max(1, items)
+        return total
 
 
 def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
