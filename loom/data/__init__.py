@@ -8,7 +8,8 @@ from loom.data.collate import (
     count_tokens,
     split_microbatches,
 )
-from loom.data.demo import DEFAULT_MIX, SAMPLE_KINDS, DemoConfig, DemoDataset, demo_vocabulary
+from loom.data.demo import DEFAULT_MIX, SAMPLE_KINDS, DemoConfig, DemoDataset
+from loom.data.demo_words import demo_vocabulary
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
 from loom.data.tokenizer import Tokenizer
 

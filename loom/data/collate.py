@@ -12,13 +12,14 @@ same functions drive ``count_tokens``, which the planner and balancer use on met
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
-from loom.data.tokenizer import AUDIO_MARKER, IMAGE_MARKER, Tokenizer
+from loom.data.tokenizer import AUDIO_MARKER, GEN_IMAGE_MARKER, IMAGE_MARKER, Tokenizer
 
 IGNORE_INDEX = -100
 
@@ -34,6 +35,44 @@ MODALITIES: dict[str, tuple[str, str]] = {
 SAMPLE_FIELDS: dict[str, str] = {"vision": "images", "audio": "audios"}
 
 TokenCounts = Mapping[str, Callable[[ImageMeta | AudioMeta], int]]
+
+# Generator name -> its generation marker in the text. Each marker becomes ``cond_tokens``
+# copies of itself: positions the LLM embeds as tokens, whose final hidden states condition the
+# generator (loom.model.generator); like placeholders they are never next-token targets.
+GENERATORS: dict[str, str] = {"image": GEN_IMAGE_MARKER}
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """What collation needs of a model's generator: LLM states per item, and the
+    ``[C, H, W]`` shape of the images it makes (targets must match it)."""
+
+    cond_tokens: int
+    target_shape: tuple[int, int, int]
+
+
+Generations = Mapping[str, GenerationSpec]
+
+
+def generation_seed(sample_id: int, item: int, step: int) -> int:
+    """The noise seed of a sample's ``item``-th generation at training ``step``: a hash of the
+    three, so every rank and the single process draw the same noise for it."""
+    return int(np.random.SeedSequence([sample_id, item, step]).generate_state(1)[0])
+
+
+def _check_generations(meta: SampleMeta, generations: Generations) -> None:
+    for i, g in enumerate(meta.generations):
+        spec = generations.get(g.generator)
+        if spec is None:
+            raise ValueError(
+                f"sample {meta.sample_id}: meta.generations[{i}] asks generator {g.generator!r} for an image but the "
+                f"model has no generator {g.generator!r} (it has {sorted(generations)}); add one to the model or "
+                "filter such samples out")
+        if (3, g.height, g.width) != tuple(spec.target_shape):
+            raise ValueError(
+                f"sample {meta.sample_id}: meta.generations[{i}] is a [3, {g.height}, {g.width}] image but generator "
+                f"{g.generator!r} makes {list(spec.target_shape)}: resize the sample's target or the generator's "
+                "image_size")
 
 
 def _items_meta(meta: SampleMeta, encoder: str) -> tuple[ImageMeta | AudioMeta, ...]:
@@ -71,13 +110,15 @@ def _check_modalities_covered(meta: SampleMeta, token_counts: TokenCounts) -> No
             )
 
 
-def count_tokens(meta: SampleMeta, token_counts: TokenCounts) -> dict[str, int]:
+def count_tokens(meta: SampleMeta, token_counts: TokenCounts,
+                 generations: Generations | None = None) -> dict[str, int]:
     """Tokens each module processes for one sample, from metadata alone.
 
     Returns ``{encoder: total tokens of its items, ..., "llm": expanded sequence length}`` for
     every encoder in ``token_counts``, where the LLM length is the text's ids (with BOS/EOS,
-    one per marker) minus the markers plus the encoder tokens that replace them. It equals the
-    unpadded length of the sample's row in ``collate``.
+    one per marker) minus the markers plus the encoder tokens that replace them (and, for each
+    generation, its ``cond_tokens`` generation positions). It equals the unpadded length of the
+    sample's row in ``collate``.
     """
     _check_encoders(token_counts)
     _check_modalities_covered(meta, token_counts)
@@ -88,6 +129,10 @@ def count_tokens(meta: SampleMeta, token_counts: TokenCounts) -> dict[str, int]:
         total = sum(item_token_count(encoder, count_fn, item, meta.sample_id) for item in items)
         counts[encoder] = total
         llm += total - len(items)  # each marker id is replaced by the item's tokens
+    if meta.generations:
+        _check_generations(meta, generations or {})
+        for g in meta.generations:
+            llm += generations[g.generator].cond_tokens - 1
     counts["llm"] = llm
     return counts
 
@@ -95,8 +140,9 @@ def count_tokens(meta: SampleMeta, token_counts: TokenCounts) -> dict[str, int]:
 def target_count(meta: SampleMeta) -> int:
     """Target tokens of a sample from metadata alone: every text token after BOS predicts
     the next text token except where that is a modality marker (expanded to placeholders,
-    never targets) and at the last position: `collate`'s label rule."""
-    return meta.text_tokens - len(meta.images) - len(meta.audios) - 1
+    never targets) or a generation marker (likewise) and at the last position: `collate`'s
+    label rule."""
+    return meta.text_tokens - len(meta.images) - len(meta.audios) - len(meta.generations) - 1
 
 
 def collate(
@@ -105,6 +151,8 @@ def collate(
     token_counts: TokenCounts,
     placeholder_ids: Mapping[str, int] | None = None,
     pack: bool = False,
+    generations: Generations | None = None,
+    step: int = 0,
 ) -> Batch:
     """Tokenize, expand markers to placeholders, right-pad and build next-token labels.
 
@@ -117,11 +165,16 @@ def collate(
     - ``placeholder_ids[encoder]`` overrides the placeholder id (default: the tokenizer's id
       of the encoder's marker).
     - ``labels[b, t]`` is ``input_ids[b, t + 1]``, or -100 where that next position is a
-      placeholder or padding, and at the row's last position.
+      placeholder, a generation position or padding, and at the row's last position.
+    - ``generations[name]`` (a model's generators, `GenerationSpec`): each generation marker
+      expands to ``cond_tokens`` copies of itself; ``generation_inputs[name]`` holds the
+      targets, in sample order, and their noise seeds for training ``step``
+      (`generation_seed`).
 
     Raises ``ValueError`` when a sample's payload disagrees with its metadata, when its text
-    has a different number of markers than items, or when it has items of an encoder that
-    ``token_counts`` does not cover.
+    has a different number of markers than items, when it has items of an encoder that
+    ``token_counts`` does not cover, or asks a generator the model lacks, or for a target of
+    another size than the generator makes.
     """
     if not samples:
         raise ValueError("collate: got no samples; pass at least one")
@@ -129,14 +182,20 @@ def collate(
     modality_inputs: dict[str, dict[str, list[torch.Tensor]]] = {
         enc: {MODALITIES[enc][1]: []} for enc in MODALITIES if enc in token_counts
     }
+    generations = dict(generations or {})
+    generation_inputs: dict[str, dict[str, list]] = {g: {"targets": [], "seeds": []} for g in generations}
     all_ids: list[list[int]] = []
     for sample in samples:
         sample.check_payload()
         all_ids.append(tokenizer.encode(sample.text))
         for encoder, inputs in modality_inputs.items():
             inputs[MODALITIES[encoder][1]].extend(getattr(sample, SAMPLE_FIELDS[encoder]))
+        _check_generations(sample.meta, generations)
+        for i, (g, target) in enumerate(zip(sample.meta.generations, sample.targets)):
+            generation_inputs[g.generator]["targets"].append(target)
+            generation_inputs[g.generator]["seeds"].append(generation_seed(sample.meta.sample_id, i, step))
     input_ids, labels, segments = collate_ids(
-        [s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids, pack
+        [s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids, pack, generations
     )
     return Batch(
         input_ids=input_ids,
@@ -144,6 +203,7 @@ def collate(
         modality_inputs=modality_inputs,
         sample_ids=[s.meta.sample_id for s in samples],
         segments=segments,
+        generation_inputs=generation_inputs,
     )
 
 
@@ -154,6 +214,7 @@ def collate_ids(
     token_counts: TokenCounts,
     placeholder_ids: Mapping[str, int] | None = None,
     pack: bool = False,
+    generations: Generations | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int] | None]:
     """``(input_ids, labels, segments)`` of `collate` from metadata and each sample's text ids
     alone, without any modality payload: what an LLM rank needs (the encoders' outputs arrive as
@@ -178,7 +239,20 @@ def collate_ids(
     is_marker = {enc: flat == marker[enc] for enc in MODALITIES}
     num_markers = {enc: _row_sums(m, starts, lengths).tolist() for enc, m in is_marker.items()}
     item_tokens: dict[str, list[int]] = {enc: [] for enc in MODALITIES}
+    generations = dict(generations or {})
+    gen_marker = {g: tokenizer.token_id(m) for g, m in GENERATORS.items() if tokenizer.has(m)}
+    is_gen = {g: flat == mid for g, mid in gen_marker.items()}
+    num_gen = {g: _row_sums(m, starts, lengths).tolist() for g, m in is_gen.items()}
     for b, (meta, n) in enumerate(zip(metas, lengths.tolist())):
+        _check_generations(meta, generations)
+        for g in GENERATORS:
+            asked = sum(1 for x in meta.generations if x.generator == g)
+            found = num_gen[g][b] if g in num_gen else 0
+            if found != asked:
+                raise ValueError(
+                    f"sample {meta.sample_id}: the text has {found} {GENERATORS[g]} markers but meta.generations "
+                    f"asks generator {g!r} for {asked} images; the text needs one marker per generation"
+                    + ("" if found == 0 or g in generations else f", and the model has no generator {g!r}"))
         for encoder, (marker_text, _) in MODALITIES.items():
             num_items = len(_items_meta(meta, encoder))
             found = num_markers[encoder][b]
@@ -203,6 +277,10 @@ def collate_ids(
         if item_tokens[encoder]:  # each marker id becomes as many placeholder ids as its item's tokens
             repeats[mask] = item_tokens[encoder]
             ids[mask] = placeholder[encoder]
+            is_placeholder |= mask
+    for g, mask in is_gen.items():  # each generation marker becomes cond_tokens copies of itself
+        if g in generations and mask.any():
+            repeats[mask] = generations[g].cond_tokens
             is_placeholder |= mask
     expanded = np.repeat(ids, repeats)
     placeholder_at = np.repeat(is_placeholder, repeats)

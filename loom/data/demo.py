@@ -10,7 +10,11 @@ The data is built to be *learnable* by a tiny MLLM and *heterogeneous* like real
 - audio clips of varying, short-skewed length hold 1 to 3 successive tones (low / mid / high);
   the caption names them in order;
 - samples mix modalities unevenly: text only, one image, several images, audio only, image(s)
-  plus audio (``DemoConfig.mix``).
+  plus audio (``DemoConfig.mix``);
+- a "generate" sample (weight 0 in the default mix; for models with an image generator) asks
+  for an image of ``gen_image_size`` pixels: its text describes the shapes, then a
+  ``<gen_image>`` marker, and its target is that image (``Sample.targets``), so the generator
+  learns to draw what the LLM read.
 
 The captions are templates: the words that carry content (counts, colours, shapes, pitches)
 can only be inferred from the image or the clip, everything else is predictable from the
@@ -29,11 +33,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from loom.data.sample import AudioMeta, ImageMeta, Sample, SampleMeta
-from loom.data.demo_words import COLOURS, NUMBER_WORDS, SHAPE_CORNERS, SHAPES, TEMPLATE_WORDS, TONES, demo_vocabulary
-from loom.data.tokenizer import AUDIO_MARKER, IMAGE_MARKER, Tokenizer
+from loom.data.sample import AudioMeta, GenerationMeta, ImageMeta, Sample, SampleMeta
+from loom.data.demo_words import COLOURS, NUMBER_WORDS, SHAPE_CORNERS, SHAPES, TONES
+from loom.data.tokenizer import AUDIO_MARKER, GEN_IMAGE_MARKER, IMAGE_MARKER, Tokenizer
 
-SAMPLE_KINDS: tuple[str, ...] = ("text", "image", "multi_image", "audio", "image_audio")
+SAMPLE_KINDS: tuple[str, ...] = ("text", "image", "multi_image", "audio", "image_audio", "generate")
+GENERATOR = "image"  # the generator a "generate" sample asks (loom.data.collate.GENERATORS)
 
 DEFAULT_MIX: dict[str, float] = {
     "text": 0.15,
@@ -65,6 +70,8 @@ class DemoConfig:
     min_audio_seconds: float = 0.25
     max_audio_seconds: float = 2.0
     max_tones: int = 3
+    # the side of a "generate" sample's target image (the generator's image_size)
+    gen_image_size: int = 16
     # Sample kind -> probability (normalised, so weights work too).
     mix: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_MIX))
 
@@ -124,6 +131,11 @@ class DemoConfig:
             )
         if self.max_tones < 1:
             raise ValueError(f"DemoConfig.max_tones={self.max_tones}: use at least 1")
+        if self.gen_image_size < 8:
+            raise ValueError(
+                f"DemoConfig.gen_image_size={self.gen_image_size}: shapes need at least 4 px per cell of the "
+                "2x2 layout grid; use 8 or more (the generator's image_size)"
+            )
         # Each tone needs a few periods of the low tone to be recognisable.
         shortest_tone = self.min_audio_seconds / self.max_tones
         if shortest_tone < 0.02:
@@ -182,6 +194,7 @@ class _SampleRecipe:
     text: str
     images: tuple[_ImageRecipe, ...]
     audios: tuple[_AudioRecipe, ...]
+    targets: tuple[_ImageRecipe, ...] = ()
 
 
 def _join_list(phrases: list[str]) -> str:
@@ -210,6 +223,8 @@ def _segments(text: str) -> tuple[str, ...]:
             segments.append("image")
         elif word == AUDIO_MARKER:
             segments.append("audio")
+        elif word == GEN_IMAGE_MARKER:
+            segments.append("generate")
         elif not segments or segments[-1] != "text":
             segments.append("text")
     return tuple(segments)
@@ -223,6 +238,12 @@ class DemoDataset:
         self.config.validate()  # again: a TOML / CLI override may have changed fields since
         self.tokenizer = tokenizer if tokenizer is not None else Tokenizer()
         kinds = [k for k in SAMPLE_KINDS if self.config.mix.get(k, 0.0) > 0]
+        if "generate" in kinds and not self.tokenizer.has(GEN_IMAGE_MARKER):
+            raise ValueError(
+                f"DemoConfig.mix['generate'] > 0 asks for images, but the tokenizer has no {GEN_IMAGE_MARKER} "
+                f"token: build it with Tokenizer(extra_tokens=[{GEN_IMAGE_MARKER!r}]) (a model with an image "
+                "generator), or set mix['generate'] to 0"
+            )
         weights = np.array([self.config.mix[k] for k in kinds], dtype=np.float64)
         self._kinds = kinds
         self._kind_cdf = np.cumsum(weights / weights.sum())
@@ -245,9 +266,9 @@ class DemoDataset:
         i = int(np.searchsorted(self._kind_cdf, u, side="right"))
         return self._kinds[min(i, len(self._kinds) - 1)]
 
-    def _draw_image(self, rng: np.random.Generator) -> _ImageRecipe:
-        height = int(rng.choice(self._image_sides))
-        width = int(rng.choice(self._image_sides))
+    def _draw_image(self, rng: np.random.Generator, size: int | None = None) -> _ImageRecipe:
+        height = int(rng.choice(self._image_sides)) if size is None else size
+        width = int(rng.choice(self._image_sides)) if size is None else size
         n = int(rng.integers(1, self.config.max_shapes + 1))
         cells = np.sort(rng.choice(_MAX_SHAPES, size=n, replace=False))
         cell_h, cell_w = height / _GRID, width / _GRID
@@ -302,6 +323,10 @@ class DemoDataset:
         audios: list[_AudioRecipe] = []
         if kind == "text":
             return _SampleRecipe(kind, self._draw_text_only(rng), (), ())
+        if kind == "generate":  # the description, then the request: the generator draws what it reads
+            target = self._draw_image(rng, size=self.config.gen_image_size)
+            text = _describe_image(target).replace(f"{IMAGE_MARKER} ", "", 1) + f" {GEN_IMAGE_MARKER}"
+            return _SampleRecipe(kind, text, (), (), (target,))
         if kind == "image":
             images = [self._draw_image(rng)]
         elif kind == "multi_image":
@@ -333,6 +358,7 @@ class DemoDataset:
                 for a in recipe.audios
             ),
             segments=_segments(recipe.text),
+            generations=tuple(GenerationMeta(GENERATOR, t.height, t.width) for t in recipe.targets),
         )
 
     # -- public API ----------------------------------------------------------------------------
@@ -357,8 +383,9 @@ class DemoDataset:
         audios = [
             torch.from_numpy(_render_audio(a, self.config.sample_rate, rng)) for a in recipe.audios
         ]
+        targets = [torch.from_numpy(_render_image(t, rng)) for t in recipe.targets]
         meta = self._meta_of(index, recipe)
-        return Sample(meta=meta, text=recipe.text, images=images, audios=audios)
+        return Sample(meta=meta, text=recipe.text, images=images, audios=audios, targets=targets)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -34,12 +34,22 @@ class AudioMeta:
 
 
 @dataclass(frozen=True)
+class GenerationMeta:
+    """An image of ``height`` x ``width`` pixels that generator ``generator`` learns to make."""
+
+    generator: str
+    height: int
+    width: int
+
+
+@dataclass(frozen=True)
 class SampleMeta:
     """Everything the planner and balancer need about a sample, without its payload.
 
     ``segments`` is the order of the sample's segments, e.g. ``("image", "text", "audio",
     "text")``; ``text_tokens`` counts the tokenizer's ids for the text alone (with BOS/EOS,
-    one id per modality placeholder *before* expansion).
+    one id per modality placeholder *before* expansion). ``generations`` are the images the
+    sample asks generators to make (one generation marker each in the text, in order).
     """
 
     sample_id: int
@@ -47,6 +57,7 @@ class SampleMeta:
     images: tuple[ImageMeta, ...] = ()
     audios: tuple[AudioMeta, ...] = ()
     segments: tuple[str, ...] = ()
+    generations: tuple[GenerationMeta, ...] = ()
 
 
 @dataclass
@@ -54,7 +65,8 @@ class Sample:
     """A sample's metadata and payload.
 
     ``text`` carries one ``<image>`` / ``<audio>`` marker per item, in the order of
-    ``images`` / ``audios``. Images are float32 ``[3, H, W]`` in [0, 1]; audio clips are
+    ``images`` / ``audios``, and one generation marker (``<gen_image>``) per entry of
+    ``targets``. Images and targets are float32 ``[3, H, W]`` in [0, 1]; audio clips are
     float32 ``[num_samples]`` in [-1, 1].
     """
 
@@ -62,6 +74,7 @@ class Sample:
     text: str
     images: list[torch.Tensor] = field(default_factory=list)
     audios: list[torch.Tensor] = field(default_factory=list)
+    targets: list[torch.Tensor] = field(default_factory=list)
 
     def check_payload(self) -> None:
         """Raise ``ValueError`` naming the field when the payload disagrees with the metadata."""
@@ -86,6 +99,17 @@ class Sample:
                 raise ValueError(
                     f"sample {self.meta.sample_id}: audios[{i}] has shape {tuple(clip.shape)}, "
                     f"meta.audios[{i}] says [{m.num_samples}]"
+                )
+        if len(self.targets) != len(self.meta.generations):
+            raise ValueError(
+                f"sample {self.meta.sample_id}: {len(self.targets)} targets in the payload but "
+                f"{len(self.meta.generations)} in meta.generations; regenerate the sample's metadata"
+            )
+        for i, (img, m) in enumerate(zip(self.targets, self.meta.generations)):
+            if img.dim() != 3 or img.shape[0] != 3 or tuple(img.shape[1:]) != (m.height, m.width):
+                raise ValueError(
+                    f"sample {self.meta.sample_id}: targets[{i}] has shape {tuple(img.shape)}, "
+                    f"meta.generations[{i}] says [3, {m.height}, {m.width}]"
                 )
 
 

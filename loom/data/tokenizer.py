@@ -21,6 +21,7 @@ EOS = "<eos>"
 UNK = "<unk>"
 IMAGE_MARKER = "<image>"
 AUDIO_MARKER = "<audio>"
+GEN_IMAGE_MARKER = "<gen_image>"  # a generation request for the "image" generator (loom.data.collate)
 
 # Order fixes the ids: <pad>=0, <bos>=1, <eos>=2, <unk>=3, <image>=4, <audio>=5.
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, UNK, IMAGE_MARKER, AUDIO_MARKER)
@@ -31,14 +32,16 @@ class Tokenizer:
 
     ``words`` is the vocabulary after the specials; by default every word the demo generator
     can produce (``loom.data.demo_words.demo_vocabulary()``), in the generator's deterministic order.
+    ``extra_tokens`` (e.g. ``GEN_IMAGE_MARKER`` for a model with an image generator) come after
+    the words, so the ids of everything else stay as they are.
     """
 
-    def __init__(self, words: Iterable[str] | None = None) -> None:
+    def __init__(self, words: Iterable[str] | None = None, extra_tokens: Iterable[str] = ()) -> None:
         if words is None:
             words = demo_vocabulary()
         self._tokens: list[str] = list(SPECIAL_TOKENS)
         self._ids: dict[str, int] = {tok: i for i, tok in enumerate(self._tokens)}
-        for word in words:
+        for word in [*words, *extra_tokens]:
             word = word.lower()
             if not word or any(ch.isspace() for ch in word):
                 raise ValueError(
@@ -77,6 +80,9 @@ class Tokenizer:
     def token_id(self, token: str) -> int:
         """The id of one token (a word or a special such as ``"<image>"``); ``<unk>`` if absent."""
         return self._ids.get(token.lower(), self.unk_id)
+
+    def has(self, token: str) -> bool:
+        return token.lower() in self._ids
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """Ids of the whitespace-separated, lowercased words of ``text``.
