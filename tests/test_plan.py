@@ -50,7 +50,7 @@ def test_json_and_toml_round_trip(tmp_path):
     (lambda p: setattr(p, "schedule", "zb"), 4, ["plan.schedule", "'zb'"]),
     (lambda p: setattr(p, "num_microbatches", 0), 4, ["plan.num_microbatches"]),
     (lambda p: setattr(p.modules[0], "data_parallel", 0), None, ["data_parallel = 0"]),
-    (lambda p: p.modules.reverse(), 4, ["must end with the 'llm'"]),
+    (lambda p: p.modules.reverse(), 4, ["are generators", "the model's generators are []"]),
     (lambda p: p.modules.pop(1), 3, ["lacks ['audio']"]),
 ])
 def test_bad_plans_name_the_problem(mutate, world, words):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import tomllib
 from dataclasses import asdict, dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -188,7 +189,7 @@ def _check_guests(plan: "Plan", how: str, only: str | None = None, **want: int) 
     stage (colocated: one pipeline position, its stages chunks on it), no CP, and the degrees
     ``want`` gives."""
     for m in plan.modules:
-        if m.name == LLM or (only is not None and m.name != only):
+        if m.name not in plan.encoder_names or (only is not None and m.name != only):
             continue
         stages = m.virtual_stages if plan.placement == "colocated" else 1
         for name, value in {"num_stages": stages, "context_parallel": 1, **want}.items():
@@ -212,11 +213,13 @@ def check_colocated(plan: "Plan") -> None:
                         f"supported yet: use zero_stage = 0 with it")
     tp = llm.tensor_parallel
     for m in plan.modules:
-        if m.name != LLM and plan.lanes(m.name) > 1:  # lanes: a replica on every TP rank
+        if m.name not in plan.encoder_names:
+            continue
+        if plan.lanes(m.name) > 1:  # lanes: a replica on every TP rank
             _check_guests(plan, f"runs an encoder at TP 1 beside the LLM's TP {tp} as one replica per rank "
                                 f"({llm.num_units} units x {tp} lanes), each a share of its unit's items",
                           data_parallel=llm.num_units * tp, virtual_stages=1, zero_stage=0, only=m.name)
-        elif m.name != LLM:
+        else:
             _check_guests(plan, f"runs one replica of each encoder, whole, on every one of the LLM's {llm.num_units} "
                                 f"pipeline units (TP groups of {tp}), or at TP 1 one on every rank",
                           data_parallel=llm.num_units, tensor_parallel=tp, zero_stage=0, only=m.name)
@@ -247,7 +250,15 @@ class Plan:
 
     @property
     def encoder_names(self) -> list[str]:
-        return [m.name for m in self.modules if m.name != LLM]
+        """The modules before the LLM (encoders, in graph order)."""
+        names = self.module_names
+        return names[:names.index(LLM)] if LLM in names else names
+
+    @property
+    def generator_names(self) -> list[str]:
+        """The modules after the LLM (generators, fed by its last stage: disttrain.md §1)."""
+        names = self.module_names
+        return names[names.index(LLM) + 1:] if LLM in names else []
 
     def spec(self, name: str) -> ModuleSpec:
         for m in self.modules:
@@ -258,7 +269,7 @@ class Plan:
     def hosted_by_llm(self, name: str) -> bool:
         """Whether module ``name`` runs on the LLM's ranks rather than its own (``first_stage``,
         ``colocated``)."""
-        return self.placement in ("first_stage", "colocated") and name != LLM
+        return self.placement in ("first_stage", "colocated") and name in self.encoder_names
 
     def _owners(self) -> list[ModuleSpec]:
         """The modules with ranks of their own, in plan order."""
@@ -394,16 +405,19 @@ class Plan:
         return b[stage], b[stage + 1]
 
     # ---- checks --------------------------------------------------------------------------
-    def resolve(self, layer_counts: dict[str, int], world_size: int | None = None) -> "Plan":
-        """Check the plan against the model (``layer_counts``: module name -> number of layers)
-        and, if given, the world size; fill in default stage boundaries. Returns ``self``."""
+    def resolve(self, layer_counts: dict[str, int], world_size: int | None = None,
+                generators: Sequence[str] = ()) -> "Plan":
+        """Check the plan against the model (``layer_counts``: module name -> number of layers;
+        ``generators``: which of its modules are generators, after the LLM) and, if given, the
+        world size; fill in default stage boundaries. Returns ``self``."""
         if not self.modules:
             raise PlanError("plan.modules is empty: list at least the 'llm' module")
         names = self.module_names
         if len(set(names)) != len(names):
             raise PlanError(f"plan.modules names a module twice: {names}; give each module one entry")
-        if names[-1] != LLM:
-            raise PlanError(f"plan.modules must end with the {LLM!r} module (encoders first, in graph order); got {names}")
+        if LLM not in names:
+            raise PlanError(f"plan.modules has no {LLM!r} module: list the encoders, then {LLM!r}, then any generators, "
+                            f"in graph order; got {names}")
         for n in names:
             if n not in layer_counts:
                 raise PlanError(
@@ -413,6 +427,10 @@ class Plan:
         if missing:
             raise PlanError(f"plan.modules lacks {missing}: every module of the model needs a spec; add a "
                             f"[plan.modules.<name>] table for each")
+        if set(self.generator_names) != set(generators):
+            raise PlanError(f"plan.modules lists {names}: the modules after {LLM!r} are generators, but the model's "
+                            f"generators are {sorted(generators)}; list the encoders, then {LLM!r}, then the generators, "
+                            f"in graph order")
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan.schedule = {self.schedule!r}: choose one of {list(SCHEDULES)}")
         if self.placement not in PLACEMENTS:
@@ -425,6 +443,9 @@ class Plan:
                             f"bubble_fill = 'none'")
         if self.num_microbatches < 1:
             raise PlanError(f"plan.num_microbatches = {self.num_microbatches}: must be at least 1")
+        if self.generator_names and self.placement != "disaggregated":
+            raise PlanError(f"plan.placement = {self.placement!r} with generators {self.generator_names}: generators run "
+                            f"on ranks of their own after the LLM; use placement = 'disaggregated'")
         for m in self.modules:
             where = f"plan.modules[{m.name!r}]"
             if m.data_parallel < 1:

@@ -1,11 +1,13 @@
 """Schedule generators: GPipe, (multimodal) 1F1B and ZB-H1 over a plan's stage graph.
 
 The pipeline graph comes from a resolved `Plan`. Its nodes are stages ``(module, stage)``;
-its edges run inside each module from stage ``s`` to ``s + 1``, and from every encoder's last
+its edges run inside each module from stage ``s`` to ``s + 1``, from every encoder's last
 stage to the LLM's first stage (Cornstarch modality parallelism, ``cornstarch.md`` §3.1: the
 encoders are independent pipelines running in parallel on their own ranks, and the LLM's first
-stage is the only node with several incoming edges). With no encoders this is a plain chain,
-so one generator handles both.
+stage is the only node with several incoming edges), and from the LLM's last stage to every
+generator's first stage (DistTrain's encoder -> LLM -> generator, disttrain.md §1: the LLM's
+last stage sends each generator its states and gets their gradients back). With no encoders
+and no generators this is a plain chain, so one generator handles all.
 
 Microbatch ``j`` runs on replica ``plan.replica_of_microbatch(m, j)`` of every stage of module
 ``m``, so the peer of an edge is chosen per microbatch; modules may have different
@@ -36,9 +38,10 @@ KINDS = ("gpipe", "1f1b", "zb-h1")
 # ---- the stage graph ---------------------------------------------------------------------
 def _check_graph(plan: Plan) -> None:
     names = plan.module_names
-    if not names or names[-1] != LLM:
+    if LLM not in names:
         raise PlanError(
-            f"plan.modules must end with the {LLM!r} module (encoders first, in graph order); got {names}"
+            f"plan.modules has no {LLM!r} module: list the encoders, then {LLM!r}, then any generators, in graph "
+            f"order; got {names}"
         )
     for spec in plan.modules:
         if spec.num_stages < 1:
@@ -46,7 +49,8 @@ def _check_graph(plan: Plan) -> None:
 
 
 def pipeline_stages(plan: Plan) -> list[Stage]:
-    """All stages in plan order (encoders, then the LLM), stages increasing inside a module.
+    """All stages in plan order (encoders, the LLM, generators), stages increasing inside a
+    module.
 
     This is a topological order of the stage graph: every edge goes from an earlier entry to a
     later one."""
@@ -57,14 +61,18 @@ def pipeline_stages(plan: Plan) -> list[Stage]:
 def pipeline_edges(plan: Plan) -> list[Edge]:
     """The forward edges ``(src, dst)`` of the stage graph: inside each module ``(m, s) ->
     (m, s + 1)``; each encoder's last stage -> ``("llm", 0)``, encoders in plan order (the order
-    in which the LLM's first stage receives them, cornstarch.md §3.1)."""
+    in which the LLM's first stage receives them, cornstarch.md §3.1); the LLM's last stage ->
+    each generator's first stage, generators in plan order."""
     edges: list[Edge] = []
+    encoders, generators = set(plan.encoder_names), plan.generator_names
     for m, s in pipeline_stages(plan):
         spec = plan.spec(m)
         if s + 1 < spec.num_stages:
             edges.append(((m, s), (m, s + 1)))
-        elif m != LLM:
+        elif m in encoders:
             edges.append(((m, s), (LLM, 0)))
+        elif m == LLM:
+            edges.extend(((m, s), (g, 0)) for g in generators)
     return edges
 
 
@@ -147,12 +155,17 @@ def warmup_count(plan: Plan, stage: Stage) -> int:
     """Forwards a 1F1B rank runs before its first backward, minus one (cornstarch.md §3.1):
     ``P_llm - s - 1`` for LLM stage ``s``, ``P_m + P_llm - s - 1`` for stage ``s`` of encoder
     ``m`` (``P`` counts stages). An encoder's warmup is longer because its microbatches must
-    also travel the whole LLM pipeline before their gradients come back."""
+    also travel the whole LLM pipeline before their gradients come back. Generators extend the
+    path the same way: the LLM's stages add the deepest generator's ``P_g``, a generator's stage
+    ``s`` waits ``P_g - s - 1``."""
     m, s = stage
     p_llm = plan.spec(LLM).num_stages
+    p_gen = max((plan.spec(g).num_stages for g in plan.generator_names), default=0)
+    if m in plan.generator_names:
+        return plan.spec(m).num_stages - s - 1
     if m == LLM:
-        return p_llm - s - 1
-    return plan.spec(m).num_stages + p_llm - s - 1
+        return p_gen + p_llm - s - 1
+    return plan.spec(m).num_stages + p_gen + p_llm - s - 1
 
 
 def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0,
@@ -199,7 +212,7 @@ def warmup_lookahead(plan: Plan, kind: str, route_slack: int = 0, eager: int = 0
         if given and st in given:
             lookahead[st] = given[st]
             continue
-        d = (warmup_count(plan, st) + (eager if st[0] != LLM else 0)) * plan.spec(st[0]).data_parallel
+        d = (warmup_count(plan, st) + (eager if st[0] in plan.encoder_names else 0)) * plan.spec(st[0]).data_parallel
         lookahead[st] = max([d] + [lookahead[dst] + (route_slack if st[0] != dst[0] else 0) + _lockstep_slack(plan, st, dst)
                                    for dst in succs[st]])
     return lookahead
@@ -339,9 +352,11 @@ def build_schedule(
 
     - forward of ``j``: ``RECV_ACT`` from each predecessor's replica for ``j`` (at the LLM's first
       stage one per encoder, in plan order; encoder first stages load ``j`` from data instead),
-      ``FORWARD``, ``SEND_ACT`` to the successor's replica for ``j``;
-    - backward of ``j`` (only where `backward_flow` says so): ``RECV_GRAD`` from the successor
-      (none at the LLM's last stage, which computes the loss), ``BACKWARD``, ``SEND_GRAD`` to each
+      ``FORWARD``, ``SEND_ACT`` to each successor's replica for ``j`` (from the LLM's last stage,
+      one per generator);
+    - backward of ``j`` (only where `backward_flow` says so): ``RECV_GRAD`` from each successor
+      whose edge carries a gradient (none at a stage that computes a loss: the LLM's last
+      without generators, a generator's last), ``BACKWARD``, ``SEND_GRAD`` to each
       predecessor whose edge carries a gradient;
     - at the end, for stages holding trainable parameters: ``GRAD_SYNC`` then ``OPTIMIZER_STEP``.
 
@@ -401,7 +416,8 @@ def build_schedule(
     # input gradient to send back; elsewhere the backward is one kind of work and stays whole
     split_stages = {st for st in needs_backward if kind == "zb-h1" and train[st]
                     and any((p, st) in gradient_edges for p in preds[st])}
-    depth = plan.spec(LLM).num_stages + max((spec.num_stages for spec in plan.modules if spec.name != LLM), default=0)
+    depth = (plan.spec(LLM).num_stages + max((plan.spec(e).num_stages for e in plan.encoder_names), default=0)
+             + max((plan.spec(g).num_stages for g in plan.generator_names), default=0))
 
     def peer_rank(stage: Stage, microbatch: int) -> int:
         m, s = stage
