@@ -78,17 +78,7 @@ class Sample:
 
     def check_payload(self) -> None:
         """Raise ``ValueError`` naming the field when the payload disagrees with the metadata."""
-        if len(self.images) != len(self.meta.images):
-            raise ValueError(
-                f"sample {self.meta.sample_id}: {len(self.images)} images in the payload but "
-                f"{len(self.meta.images)} in meta.images; regenerate the sample's metadata"
-            )
-        for i, (img, m) in enumerate(zip(self.images, self.meta.images)):
-            if img.dim() != 3 or img.shape[0] != 3 or tuple(img.shape[1:]) != (m.height, m.width):
-                raise ValueError(
-                    f"sample {self.meta.sample_id}: images[{i}] has shape {tuple(img.shape)}, "
-                    f"meta.images[{i}] says [3, {m.height}, {m.width}]"
-                )
+        self._check_images(self.images, self.meta.images, "images", "meta.images")
         if len(self.audios) != len(self.meta.audios):
             raise ValueError(
                 f"sample {self.meta.sample_id}: {len(self.audios)} audio clips in the payload but "
@@ -100,16 +90,20 @@ class Sample:
                     f"sample {self.meta.sample_id}: audios[{i}] has shape {tuple(clip.shape)}, "
                     f"meta.audios[{i}] says [{m.num_samples}]"
                 )
-        if len(self.targets) != len(self.meta.generations):
+        self._check_images(self.targets, self.meta.generations, "targets", "meta.generations")
+
+    def _check_images(self, images: list[torch.Tensor], metas: tuple, field: str, meta_field: str) -> None:
+        """``images`` (``[3, H, W]`` each) against their metadata ``metas``, one for one."""
+        if len(images) != len(metas):
             raise ValueError(
-                f"sample {self.meta.sample_id}: {len(self.targets)} targets in the payload but "
-                f"{len(self.meta.generations)} in meta.generations; regenerate the sample's metadata"
+                f"sample {self.meta.sample_id}: {len(images)} {field} in the payload but "
+                f"{len(metas)} in {meta_field}; regenerate the sample's metadata"
             )
-        for i, (img, m) in enumerate(zip(self.targets, self.meta.generations)):
+        for i, (img, m) in enumerate(zip(images, metas)):
             if img.dim() != 3 or img.shape[0] != 3 or tuple(img.shape[1:]) != (m.height, m.width):
                 raise ValueError(
-                    f"sample {self.meta.sample_id}: targets[{i}] has shape {tuple(img.shape)}, "
-                    f"meta.generations[{i}] says [3, {m.height}, {m.width}]"
+                    f"sample {self.meta.sample_id}: {field}[{i}] has shape {tuple(img.shape)}, "
+                    f"{meta_field}[{i}] says [3, {m.height}, {m.width}]"
                 )
 
 

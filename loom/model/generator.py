@@ -23,7 +23,7 @@ from torch import nn
 
 from loom.model.adapter import adapter_for
 from loom.model.layers import Layer, prefixed, run_layers
-from loom.model.projector import make_projector
+from loom.model.projector import make_projector, projector_kind, width_of
 
 
 class ModalityGenerator(nn.Module):
@@ -42,21 +42,15 @@ class ModalityGenerator(nn.Module):
             raise ValueError(f"loss_weight = {loss_weight}: give a non-negative weight for the generator's loss")
         self.generator = generator
         self.loss_weight = float(loss_weight)
-        self._projector_kind = projector if isinstance(projector, str) else None
-        if isinstance(projector, nn.Module):
+        self._projector_kind = projector_kind(projector)
+        if self._projector_kind is None:
             self.projector = projector
-        elif projector not in ("linear", "mlp"):
-            raise ValueError(f"projector = {projector!r}: choose 'linear', 'mlp' or pass an nn.Module")
 
     def build_projector(self, in_features: int) -> None:
         """Create the projector lazily, once the LLM's width is known."""
-        if self._projector_kind is None:
-            return
-        out_features = getattr(self.generator, "hidden_size", None)
-        if out_features is None:
-            raise ValueError(f"{type(self.generator).__name__} has no hidden_size: pass a projector module instead")
-        self.projector = make_projector(self._projector_kind, in_features, out_features)
-        self._projector_kind = None
+        if self._projector_kind is not None:
+            self.projector = make_projector(self._projector_kind, in_features, width_of(self.generator))
+            self._projector_kind = None
 
     @property
     def cond_tokens(self) -> int:

@@ -39,7 +39,7 @@ from torch import nn
 from loom.model.adapter import adapter_for
 from loom.model.generator import ModalityGenerator
 from loom.model.layers import Layer, prefixed, run_layers
-from loom.model.projector import make_projector
+from loom.model.projector import make_projector, projector_kind, width_of
 from loom.model.materialise import (SeededInit, check_untied, is_meta, materialise, materialise_module,
                                     reset_buffers, reset_parameters)
 
@@ -71,24 +71,18 @@ class ModalityEncoder(nn.Module):
     ):
         super().__init__()
         self.encoder = encoder
-        self._projector_kind = projector if isinstance(projector, str) else None
-        if isinstance(projector, nn.Module):
+        self._projector_kind = projector_kind(projector)
+        if self._projector_kind is None:
             self.projector = projector
-        elif projector not in ("linear", "mlp"):
-            raise ValueError(f"projector = {projector!r}: choose 'linear', 'mlp' or pass an nn.Module")
         self.before_encoder = before_encoder
         self.after_encoder = after_encoder
         self.after_projector = after_projector
 
     def build_projector(self, out_features: int) -> None:
         """Create the projector lazily, as Cornstarch does, once the LLM's width is known."""
-        if self._projector_kind is None:
-            return
-        in_features = getattr(self.encoder, "hidden_size", None)
-        if in_features is None:
-            raise ValueError(f"{type(self.encoder).__name__} has no hidden_size: pass a projector module instead")
-        self.projector = make_projector(self._projector_kind, in_features, out_features)
-        self._projector_kind = None
+        if self._projector_kind is not None:
+            self.projector = make_projector(self._projector_kind, width_of(self.encoder), out_features)
+            self._projector_kind = None
 
     def num_tokens(self, item: "ImageMeta | AudioMeta") -> int:
         return self.encoder.num_tokens(item)

@@ -20,3 +20,21 @@ def make_projector(kind: str, in_features: int, out_features: int) -> nn.Module:
     if kind == "mlp":
         return MLPProjector(in_features, out_features)
     raise ValueError(f"projector = {kind!r}: choose 'linear', 'mlp' or pass an nn.Module")
+
+
+def projector_kind(projector: str | nn.Module) -> str | None:
+    """The kind of a projector still to build (``"linear"`` / ``"mlp"``), or None for a ready
+    module; any other value is refused."""
+    if isinstance(projector, nn.Module):
+        return None
+    if projector not in ("linear", "mlp"):
+        raise ValueError(f"projector = {projector!r}: choose 'linear', 'mlp' or pass an nn.Module")
+    return projector
+
+
+def width_of(module: nn.Module) -> int:
+    """The ``hidden_size`` a lazily built projector needs from the module on its other side."""
+    width = getattr(module, "hidden_size", None)
+    if width is None:
+        raise ValueError(f"{type(module).__name__} has no hidden_size: pass a projector module instead")
+    return width
