@@ -20,9 +20,10 @@ is cut into its kernels: the compute kernels are busy, the TP collectives betwee
 TP bubbles of optimus.md §1.2 (the compute stream idles) and go to ``link``, the intervals the
 stage's TP link is busy, which encoder communication kernels must avoid (§2.4).
 
-The adapter reads any schedule loom plays (GPipe, 1F1B, ZB-H1). Megatron's interleaved 1F1B
-and the warm-up adjustment of §2.5 (Fig. 12) are not built, so ``F_i`` and ``B_i`` are those of
-the played schedule, unadjusted (optimus.md §7 points 9 and 19: without interleaving, stage 0
+The adapter reads the schedules loom plays without virtual stages (GPipe, 1F1B, ZB-H1); it
+takes each LLM stage as a device of its own, so it does not read an interleaved 1F1B timeline,
+and the warm-up adjustment of §2.5 (Fig. 12) is not built: ``F_i`` and ``B_i`` are those of the
+played schedule, unadjusted (optimus.md §7 points 9 and 19: without interleaving, stage 0
 holds the whole first model chunk, so the paper's definitions carry over).
 """
 
