@@ -118,3 +118,12 @@ def test_bad_generation_requests_name_the_sample_and_the_field():
         DemoDataset(DemoConfig(num_samples=2, mix={"generate": 1}))  # the default tokenizer has no marker
     with pytest.raises(ValueError, match="gen_image_size"):
         DemoConfig(gen_image_size=4)
+
+
+def test_generate_segments_travel_in_the_metadata_codec():
+    from loom.cost.workload import MetadataArrays
+
+    metas = [dataset(mix={"generate": 1, "image": 1}).meta(i) for i in range(6)]
+    back = MetadataArrays.from_flat(MetadataArrays.from_metas(metas).to_flat()).metas()
+    assert [m.segments for m in back] == [m.segments for m in metas]
+    assert any("generate" in m.segments for m in back)

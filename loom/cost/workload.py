@@ -63,7 +63,7 @@ def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "p
 
 # ---- the same rule over arrays (the balancing hot path), and the metadata's wire form ----------
 # Segment names a sample's ``segments`` may hold, coded on the wire by their index here.
-SEGMENT_NAMES: tuple[str, ...] = ("text", "image", "audio")
+SEGMENT_NAMES: tuple[str, ...] = ("text", "image", "audio", "generate")  # generate: a generation request
 _SEGMENT_CODE = {name: code for code, name in enumerate(SEGMENT_NAMES)}
 
 # A rank's row (`MetadataArrays.to_flat`): a header ``[samples, images, audios, segments, error
