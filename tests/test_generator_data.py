@@ -120,10 +120,29 @@ def test_bad_generation_requests_name_the_sample_and_the_field():
         DemoConfig(gen_image_size=4)
 
 
-def test_generate_segments_travel_in_the_metadata_codec():
-    from loom.cost.workload import MetadataArrays
+def test_generation_requests_travel_in_the_metadata_codec():
+    """The dispatcher's all-gathered metadata carries each request's size and generator, so
+    every rank knows the whole batch's generator work from metadata alone."""
+    import numpy as np
 
-    metas = [dataset(mix={"generate": 1, "image": 1}).meta(i) for i in range(6)]
-    back = MetadataArrays.from_flat(MetadataArrays.from_metas(metas).to_flat()).metas()
-    assert [m.segments for m in back] == [m.segments for m in metas]
-    assert any("generate" in m.segments for m in back)
+    from loom.cost.workload import GENERATOR_NAMES, MetadataArrays, WorkloadError
+
+    metas = [dataset(mix={"generate": 1, "image": 1}).meta(i) for i in range(7)]
+    assert any(m.generations for m in metas) and any(not m.generations for m in metas)
+    arrays = MetadataArrays.from_metas(metas)
+    assert MetadataArrays.from_flat(arrays.to_flat()).metas() == metas
+    # uneven shards, gathered as rows of a padded table
+    rows = [MetadataArrays.from_metas(part).to_flat() for part in (metas[:3], metas[3:4], metas[4:])]
+    table = np.zeros((3, max(r.size for r in rows) + 5), dtype=np.int64)
+    for k, r in enumerate(rows):
+        table[k, :r.size] = r
+    gathered = MetadataArrays.from_gathered(table)
+    assert gathered.metas() == metas and [gathered.meta(s) for s in range(7)] == metas
+    assert MetadataArrays.concat([MetadataArrays.from_metas(metas[:2]), MetadataArrays.from_metas(metas[2:])]).metas() \
+        == metas
+    bad = arrays.to_flat()
+    bad[-1] = len(GENERATOR_NAMES)  # the last request's generator code
+    with pytest.raises(WorkloadError, match="generator code"):
+        MetadataArrays.from_flat(bad)
+    with pytest.raises(WorkloadError, match="generator 'video'"):
+        MetadataArrays.from_metas([SampleMeta(1, 4, generations=(GenerationMeta("video", 16, 16),))])

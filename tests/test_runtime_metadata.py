@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from loom.cost.workload import (SEGMENT_NAMES, MetadataArrays, WorkloadError, gather_capacity, gathered_bytes,
+from loom.cost.workload import (HEADER, SEGMENT_NAMES, MetadataArrays, WorkloadError, gather_capacity, gathered_bytes,
                                 padded_row, row_lengths)
 from loom.data.sample import AudioMeta, ImageMeta, SampleMeta
 from loom.runtime.local import run_local
@@ -103,7 +103,7 @@ def test_codec_refuses_what_it_cannot_read() -> None:
     with pytest.raises(WorkloadError, match="shorter than their headers"):
         MetadataArrays.from_gathered([flat, flat[:-1]])
     bad = flat.copy()
-    bad[5 + 2 * 3] += 1  # sample 0 claims one image more than its row's header
+    bad[HEADER + 2 * 3] += 1  # sample 0 claims one image more than its row's header
     with pytest.raises(WorkloadError, match="disagree with their headers"):
         MetadataArrays.from_gathered(np.stack([flat, bad]))
     bad = flat.copy()
@@ -113,9 +113,9 @@ def test_codec_refuses_what_it_cannot_read() -> None:
 
 
 def test_gathered_bytes_price_the_padded_table() -> None:
-    assert gather_capacity(10, 4) == 5 + 16 * 3
-    assert gathered_bytes(10, [20, 20, 30, 10]) == 8 * 4 * 53  # every row fits: one round
-    assert gathered_bytes(10, [20, 200, 30, 10]) == 8 * 4 * (53 + 200)  # one overflows: a second round
+    assert gather_capacity(10, 4) == HEADER + 16 * 3
+    assert gathered_bytes(10, [20, 20, 30, 10]) == 8 * 4 * (HEADER + 48)  # every row fits: one round
+    assert gathered_bytes(10, [20, 200, 30, 10]) == 8 * 4 * (HEADER + 48 + 200)  # one overflows: a second round
     with pytest.raises(WorkloadError, match="world size"):
         gather_capacity(10, 0)
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from loom.cost.arch import ModelArch, ModuleArch
 from loom.cost.model import MicrobatchWork, Workload
-from loom.data.sample import AudioMeta, ImageMeta, SampleMeta
+from loom.data.collate import GENERATORS
+from loom.data.sample import AudioMeta, GenerationMeta, ImageMeta, SampleMeta
 from loom.plan.plan import LLM
 
 # which metadata field holds an encoder's items, by the encoder architecture's kind
@@ -65,17 +66,21 @@ def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "p
 # Segment names a sample's ``segments`` may hold, coded on the wire by their index here.
 SEGMENT_NAMES: tuple[str, ...] = ("text", "image", "audio", "generate")  # generate: a generation request
 _SEGMENT_CODE = {name: code for code, name in enumerate(SEGMENT_NAMES)}
+# generator names a generation request may name, coded on the wire by their index here
+GENERATOR_NAMES: tuple[str, ...] = tuple(GENERATORS)
+_GENERATOR_CODE = {name: code for code, name in enumerate(GENERATOR_NAMES)}
 
 # A rank's row (`MetadataArrays.to_flat`): a header ``[samples, images, audios, segments, error
-# bytes]``; per sample, field after field: ``sample_id``, ``text_tokens``, ``image_count``,
-# ``audio_count``, ``segment_count``; then ``(height, width)`` per image, ``(num_samples,
-# sample_rate)`` per audio clip, one code per segment and the payload error's UTF-8 bytes. Each
-# per-sample field is a run of the row, so `from_gathered` copies it out of the gathered table
-# for every rank at once (a strided slice when the ranks' sample counts agree).
-HEADER = 5
-PER_SAMPLE = 5
+# bytes, generations]``; per sample, field after field: ``sample_id``, ``text_tokens``,
+# ``image_count``, ``audio_count``, ``segment_count``, ``generation_count``; then ``(height,
+# width)`` per image, ``(num_samples, sample_rate)`` per audio clip, one code per segment, the
+# payload error's UTF-8 bytes and ``(height, width, generator code)`` per generation request.
+# Each per-sample field is a run of the row, so `from_gathered` copies it out of the gathered
+# table for every rank at once (a strided slice when the ranks' sample counts agree).
+HEADER = 6
+PER_SAMPLE = 6
 # ints per sample of the dispatcher's first all-gather round: the per-sample fields and room for
-# a few items and segments (a LLaVA-like sample with one image takes 9); a larger share (many
+# a few items and segments (a LLaVA-like sample with one image takes 10); a larger share (many
 # items, a long error message) takes a second round
 GATHER_INTS_PER_SAMPLE = 16
 
@@ -103,7 +108,7 @@ def padded_row(row: np.ndarray, width: int) -> np.ndarray:
 def row_lengths(table: np.ndarray) -> np.ndarray:
     """Every row's full length, from the headers of a gathered ``(ranks, width)`` table."""
     h = np.asarray(table, dtype=np.int64)[:, :HEADER]
-    return HEADER + PER_SAMPLE * h[:, 0] + 2 * h[:, 1] + 2 * h[:, 2] + h[:, 3] + h[:, 4]
+    return HEADER + PER_SAMPLE * h[:, 0] + 2 * h[:, 1] + 2 * h[:, 2] + h[:, 3] + h[:, 4] + 3 * h[:, 5]
 
 
 def gathered_bytes(batch_size: int, lengths: Sequence[int] | np.ndarray) -> int:
@@ -147,12 +152,14 @@ class MetadataArrays:
     them back where a consumer needs objects).
 
     Per sample ``s``: ``sample_id[s]``, ``text_tokens[s]`` (text tokens with one marker per item,
-    as `SampleMeta`), and how many images, audio clips and segments it has (``image_count``,
-    ``audio_count``, ``segment_count``). The items follow in sample order: ``image_hw`` holds
-    ``(height, width)`` per image, ``audio_samples`` / ``audio_rate`` each clip's length and
-    sample rate, ``segment_code`` each segment as an index of `SEGMENT_NAMES`. ``error_bytes``
-    holds the UTF-8 bytes of payload errors, ``error_owner`` the part (rank) each byte came from.
-    ``image_owner`` / ``audio_owner`` / ``segment_owner`` (each item's sample) are derived."""
+    as `SampleMeta`), and how many images, audio clips, segments and generation requests it has
+    (``image_count``, ``audio_count``, ``segment_count``, ``generation_count``). The items follow
+    in sample order: ``image_hw`` holds ``(height, width)`` per image, ``audio_samples`` /
+    ``audio_rate`` each clip's length and sample rate, ``segment_code`` each segment as an index
+    of `SEGMENT_NAMES`, ``generation_hw`` / ``generation_code`` each requested image's size and
+    generator (an index of `GENERATOR_NAMES`). ``error_bytes`` holds the UTF-8 bytes of payload
+    errors, ``error_owner`` the part (rank) each byte came from. ``image_owner`` /
+    ``audio_owner`` / ``segment_owner`` (each item's sample) are derived."""
 
     sample_id: np.ndarray
     text_tokens: np.ndarray
@@ -165,6 +172,9 @@ class MetadataArrays:
     segment_code: np.ndarray
     error_owner: np.ndarray
     error_bytes: np.ndarray
+    generation_count: np.ndarray
+    generation_hw: np.ndarray  # (generations, 2)
+    generation_code: np.ndarray
 
     @property
     def num_samples(self) -> int:
@@ -174,7 +184,7 @@ class MetadataArrays:
     def row_length(self) -> int:
         """Values of `to_flat`."""
         return (HEADER + PER_SAMPLE * self.num_samples + 2 * self.image_hw.shape[0] + 2 * self.audio_samples.size
-                + self.segment_code.size + self.error_bytes.size)
+                + self.segment_code.size + self.error_bytes.size + 3 * self.generation_code.size)
 
     # each item's sample (ascending), computed on first use: costing and parsing use the counts
     @cached_property
@@ -194,6 +204,11 @@ class MetadataArrays:
         """``(images, audios, segments)``: sample ``s``'s items of each are ``[b[s], b[s + 1])``."""
         return _bounds(self.image_count), _bounds(self.audio_count), _bounds(self.segment_count)
 
+    @cached_property
+    def generation_bounds(self) -> np.ndarray:
+        """Sample ``s``'s generation requests are ``[b[s], b[s + 1])``."""
+        return _bounds(self.generation_count)
+
     @staticmethod
     def from_metas(metas: Sequence[SampleMeta], error: str | None = None) -> "MetadataArrays":
         """The arrays of ``metas`` (and a payload ``error`` message, if any)."""
@@ -210,6 +225,15 @@ class MetadataArrays:
                 f"loom.cost.workload.SEGMENT_NAMES") from None
         clip_a = np.asarray(clips, dtype=np.int64).reshape(-1, 2)
         err = np.frombuffer((error or "").encode(), dtype=np.uint8).astype(np.int64)
+        try:
+            gens = [(g.height, g.width, _GENERATOR_CODE[g.generator]) for meta in metas for g in meta.generations]
+        except KeyError:
+            sid, bad = next((m.sample_id, g.generator) for m in metas for g in m.generations
+                            if g.generator not in _GENERATOR_CODE)
+            raise WorkloadError(
+                f"sample {sid}: generator {bad!r} is not one of the metadata codec's generator names "
+                f"{GENERATOR_NAMES}; add its marker to loom.data.collate.GENERATORS") from None
+        gen_a = np.asarray(gens, dtype=np.int64).reshape(-1, 3)
 
         def per_sample(values) -> np.ndarray:
             return np.fromiter(values, dtype=np.int64, count=n)
@@ -219,18 +243,20 @@ class MetadataArrays:
             per_sample(len(m.images) for m in metas), np.asarray(hw, dtype=np.int64).reshape(-1, 2),
             per_sample(len(m.audios) for m in metas), clip_a[:, 0].copy(), clip_a[:, 1].copy(),
             per_sample(len(m.segments) for m in metas), np.asarray(codes, dtype=np.int64),
-            np.zeros(err.size, dtype=np.int64), err)
+            np.zeros(err.size, dtype=np.int64), err,
+            per_sample(len(m.generations) for m in metas), gen_a[:, :2].copy(), gen_a[:, 2].copy())
 
     def to_flat(self) -> np.ndarray:
         """One int64 row (see `HEADER`): what a rank contributes to the metadata all-gather
         (`from_flat` / `from_gathered` read it back)."""
         head = [self.num_samples, self.image_hw.shape[0], self.audio_samples.size, self.segment_code.size,
-                self.error_bytes.size]
+                self.error_bytes.size, self.generation_code.size]
         clips = np.stack([self.audio_samples, self.audio_rate], axis=1)
+        gens = np.concatenate([self.generation_hw, self.generation_code[:, None]], axis=1)
         return np.concatenate([
             np.array(head, dtype=np.int64), self.sample_id, self.text_tokens, self.image_count, self.audio_count,
-            self.segment_count, self.image_hw.reshape(-1), clips.reshape(-1), self.segment_code,
-            self.error_bytes]).astype(np.int64, copy=False)
+            self.segment_count, self.generation_count, self.image_hw.reshape(-1), clips.reshape(-1),
+            self.segment_code, self.error_bytes, gens.reshape(-1)]).astype(np.int64, copy=False)
 
     @staticmethod
     def from_flat(flat: np.ndarray) -> "MetadataArrays":
@@ -262,27 +288,27 @@ class MetadataArrays:
         # the headers, copied once as contiguous columns: the checks and the field offsets read them
         head = table[:, :HEADER].T.copy() if width >= HEADER else None
         if head is None or (head < 0).any() or (
-                HEADER + PER_SAMPLE * head[0] + 2 * head[1] + 2 * head[2] + head[3] + head[4] > width).any():
+                HEADER + PER_SAMPLE * head[0] + 2 * head[1] + 2 * head[2] + head[3] + head[4] + 3 * head[5]
+                > width).any():
             raise WorkloadError("gathered metadata rows are shorter than their headers say (or the headers are "
                                 "negative); build each with MetadataArrays.to_flat")
-        n, i, a, s, e = head
+        n, i, a, s, e, g = head
         if (n == n[0]).all() and n[0] > 0:  # every rank sent as many samples: each field is a strided slice
             fields = table[:, HEADER:HEADER + PER_SAMPLE * int(n[0])].reshape(ranks, PER_SAMPLE, int(n[0]))
-            sample_id, text, image_count, audio_count, segment_count = (
+            sample_id, text, image_count, audio_count, segment_count, generation_count = (
                 fields[:, k, :].reshape(-1) for k in range(PER_SAMPLE))
-            counts = (image_count, audio_count, segment_count)
+            counts = (image_count, audio_count, segment_count, generation_count)
             row_starts = np.arange(0, ranks * int(n[0]), int(n[0]))
             per_row = np.stack([np.add.reduceat(c, row_starts) for c in counts], axis=1)
-            negative = min(c.min(initial=0) for c in counts) < 0
         else:
-            sample_id, text, image_count, audio_count, segment_count = (
+            sample_id, text, image_count, audio_count, segment_count, generation_count = (
                 _block(table, HEADER + k * n, HEADER + (k + 1) * n) for k in range(PER_SAMPLE))
+            counts = (image_count, audio_count, segment_count, generation_count)
             last = np.cumsum(n)
-            per_row = np.stack([(c := _bounds(count))[last] - c[last - n]
-                                for count in (image_count, audio_count, segment_count)], axis=1)
-            negative = min(c.min(initial=0) for c in (image_count, audio_count, segment_count)) < 0
+            per_row = np.stack([(c := _bounds(count))[last] - c[last - n] for count in counts], axis=1)
+        negative = min(c.min(initial=0) for c in counts) < 0
         # every row's per-sample counts must add up to its header's
-        if negative or not np.array_equal(per_row, head[1:4].T):
+        if negative or not np.array_equal(per_row, np.stack([i, a, s, g], axis=1)):
             raise WorkloadError("gathered metadata rows have item or segment counts that disagree with their "
                                 "headers; build each with MetadataArrays.to_flat")
         start = HEADER + PER_SAMPLE * n
@@ -291,11 +317,16 @@ class MetadataArrays:
         start = start + 2 * i + 2 * a
         codes = _block(table, start, start + s)
         err = _block(table, start + s, start + s + e)
+        gens = _block(table, start + s + e, start + s + e + 3 * g).reshape(-1, 3)
         if codes.size and (codes.min() < 0 or codes.max() >= len(SEGMENT_NAMES)):
             raise WorkloadError(f"gathered metadata holds a segment code outside 0..{len(SEGMENT_NAMES) - 1} "
                                 f"({SEGMENT_NAMES}); build each row with MetadataArrays.to_flat")
+        if gens.size and (gens[:, 2].min() < 0 or gens[:, 2].max() >= len(GENERATOR_NAMES)):
+            raise WorkloadError(f"gathered metadata holds a generator code outside 0..{len(GENERATOR_NAMES) - 1} "
+                                f"({GENERATOR_NAMES}); build each row with MetadataArrays.to_flat")
         return MetadataArrays(sample_id, text, image_count, hw, audio_count, clips[:, 0].copy(), clips[:, 1].copy(),
-                              segment_count, codes, np.repeat(np.arange(ranks, dtype=np.int64), e), err)
+                              segment_count, codes, np.repeat(np.arange(ranks, dtype=np.int64), e), err,
+                              generation_count, gens[:, :2].copy(), gens[:, 2].copy())
 
     @staticmethod
     def concat(parts: Sequence["MetadataArrays"]) -> "MetadataArrays":
@@ -311,7 +342,9 @@ class MetadataArrays:
             cat([p.audio_rate for p in parts]), cat([p.segment_count for p in parts]),
             cat([p.segment_code for p in parts]),
             cat([np.full(p.error_bytes.size, k, dtype=np.int64) for k, p in enumerate(parts)]),
-            cat([p.error_bytes for p in parts]))
+            cat([p.error_bytes for p in parts]), cat([p.generation_count for p in parts]),
+            cat([p.generation_hw.reshape(-1) for p in parts]).reshape(-1, 2),
+            cat([p.generation_code for p in parts]))
 
     def errors(self) -> dict[int, str]:
         """The payload error messages, by the part (rank) that sent them."""
@@ -326,10 +359,16 @@ class MetadataArrays:
         images = [ImageMeta(h, w) for h, w in self.image_hw.tolist()]
         audios = [AudioMeta(k, r) for k, r in zip(self.audio_samples.tolist(), self.audio_rate.tolist())]
         names = [SEGMENT_NAMES[c] for c in self.segment_code.tolist()]
+        gens = self._generations(slice(None))
         ib, ab, sb = (b.tolist() for b in self.bounds)
+        gb = self.generation_bounds.tolist()
         return [SampleMeta(sid, text, tuple(images[ib[k]:ib[k + 1]]), tuple(audios[ab[k]:ab[k + 1]]),
-                           tuple(names[sb[k]:sb[k + 1]]))
+                           tuple(names[sb[k]:sb[k + 1]]), tuple(gens[gb[k]:gb[k + 1]]))
                 for k, (sid, text) in enumerate(zip(self.sample_id.tolist(), self.text_tokens.tolist()))]
+
+    def _generations(self, rows: slice) -> list[GenerationMeta]:
+        return [GenerationMeta(GENERATOR_NAMES[c], h, w)
+                for (h, w), c in zip(self.generation_hw[rows].tolist(), self.generation_code[rows].tolist())]
 
     def meta(self, s: int) -> SampleMeta:
         """Sample ``s``'s `SampleMeta`."""
@@ -337,11 +376,13 @@ class MetadataArrays:
             raise IndexError(f"sample {s} of a batch of {self.num_samples}: use 0 <= s < {self.num_samples}")
 
         i, a, g = (slice(int(b[s]), int(b[s + 1])) for b in self.bounds)
+        gb = self.generation_bounds
         return SampleMeta(int(self.sample_id[s]), int(self.text_tokens[s]),
                           tuple(ImageMeta(h, w) for h, w in self.image_hw[i].tolist()),
                           tuple(AudioMeta(k, r) for k, r in zip(self.audio_samples[a].tolist(),
                                                                 self.audio_rate[a].tolist())),
-                          tuple(SEGMENT_NAMES[c] for c in self.segment_code[g].tolist()))
+                          tuple(SEGMENT_NAMES[c] for c in self.segment_code[g].tolist()),
+                          tuple(self._generations(slice(int(gb[s]), int(gb[s + 1])))))
 
 
 @dataclass(frozen=True)

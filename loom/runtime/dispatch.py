@@ -152,8 +152,9 @@ class Dispatcher:
         rows = RowMap(layout, tokens, items)
         received = self._exchange(layout, meta, costs, mine, samples, text_ids)
         batches = self._microbatches(layout, meta, received)
-        # `loom.data.collate.target_count` summed: every text token after BOS but the markers
-        num_targets = int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size - meta.num_samples
+        # `loom.data.collate.target_count` summed: every text token after BOS but the markers (and requests)
+        num_targets = (int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size
+                       - meta.generation_code.size - meta.num_samples)
         return Dispatched(layout, rows, batches, num_targets, meta, costs)
 
     def _check_shared_slots(self, layout: BatchLayout) -> None:

@@ -160,7 +160,7 @@ def metadata_bytes(metas: Sequence[SampleMeta], world_size: int = 1) -> int:
         return cum[ends] - cum[ends - shard]
 
     lengths = (HEADER + PER_SAMPLE * shard + 2 * per_shard(arrays.image_count) + 2 * per_shard(arrays.audio_count)
-               + per_shard(arrays.segment_count))
+               + per_shard(arrays.segment_count) + 3 * per_shard(arrays.generation_count))
     return gathered_bytes(arrays.num_samples, lengths)
 
 
