@@ -386,16 +386,17 @@ def test_all_to_all_prices_intra_and_inter_node_links():
 def test_price_dispatch_parts_and_refusals():
     from loom.cost.comm import all_gather_time
     from loom.data.sample import AudioMeta, ImageMeta, SampleMeta
+    from loom.cost.workload import HEADER, PER_SAMPLE
     from loom.sim.dispatch import (DispatchModelError, decision_seconds_model, metadata_bytes, price_dispatch)
 
     metas = [SampleMeta(0, 10), SampleMeta(1, 12, images=(ImageMeta(32, 32),) * 2),
              SampleMeta(2, 8, audios=(AudioMeta(16000, 16000),))]
-    # the padded table the dispatcher gathers: ranks x (5-value header + 16 per sample of a shard)
-    assert metadata_bytes(metas) == 8 * 1 * (5 + 16 * 3)
-    assert metadata_bytes(metas, world_size=4) == 8 * 4 * (5 + 16 * 1)
-    # a shard whose row (header, 5 per sample, 2 per image) outgrows that takes a second round
+    # the padded table the dispatcher gathers: ranks x (the header + 16 per sample of a shard)
+    assert metadata_bytes(metas) == 8 * 1 * (HEADER + 16 * 3)
+    assert metadata_bytes(metas, world_size=4) == 8 * 4 * (HEADER + 16 * 1)
+    # a shard whose row (header, the per-sample fields, 2 per image) outgrows that takes a second round
     many = [SampleMeta(3, 40, images=(ImageMeta(32, 32),) * 10)] + metas
-    assert metadata_bytes(many, world_size=4) == 8 * 4 * ((5 + 16 * 1) + (5 + 5 + 2 * 10))
+    assert metadata_bytes(many, world_size=4) == 8 * 4 * ((HEADER + 16 * 1) + (HEADER + PER_SAMPLE + 2 * 10))
     links = _links(ranks_per_node=2)
     payload = {"vision": np.array([[0, 0, 4e6, 0], [0] * 4, [0] * 4, [0] * 4], dtype=float),
                "llm": np.full((4, 4), 100.0)}
