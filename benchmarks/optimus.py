@@ -168,11 +168,12 @@ def tp_bubbles(run: PaperRun) -> dict[str, float]:
     best, total, filled = run.result.best, 0.0, 0.0
     for stage in run.timeline.stages:
         total += sum(hi - lo for lo, hi in stage.link)
+    ends = [[hi for _, hi in stage.link] for stage in run.timeline.stages]
     for b in best.blocks:
         if b.comm:
             continue
         link = run.timeline.stages[b.llm_stage].link
-        i = bisect.bisect_right([hi for _, hi in link], b.start - best.shift)
+        i = bisect.bisect_right(ends[b.llm_stage], b.start - best.shift)
         while i < len(link) and link[i][0] + best.shift < b.end:
             filled += max(0.0, min(b.end, link[i][1] + best.shift) - max(b.start, link[i][0] + best.shift))
             i += 1

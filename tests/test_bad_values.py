@@ -41,6 +41,7 @@ TRAIN = [
     (["plan.modules.audio.recompute=true"], "plan.modules['audio'].recompute = true"),
     (["optim.warmup_steps=-5"], "optim.warmup_steps = -5"),
     (["optim.min_lr_ratio=5"], "optim.min_lr_ratio = 5"),
+    (["data.demo.mix.generate=1"], "data.demo.mix.generate = 1: generation requests need a model with an image generator"),
     (["optim.lr=0"], "optim.lr = 0"),
     (["optim.weight_decay=-0.1"], "optim.weight_decay"),
     (['run.name=""'], "run.name = ''"),

@@ -190,13 +190,13 @@ def collate(
         all_ids.append(tokenizer.encode(sample.text))
         for encoder, inputs in modality_inputs.items():
             inputs[MODALITIES[encoder][1]].extend(getattr(sample, SAMPLE_FIELDS[encoder]))
-        _check_generations(sample.meta, generations)
+    input_ids, labels, segments = collate_ids(
+        [s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids, pack, generations
+    )  # checks every generation request against the model's generators
+    for sample in samples:
         for i, (g, target) in enumerate(zip(sample.meta.generations, sample.targets)):
             generation_inputs[g.generator]["targets"].append(target)
             generation_inputs[g.generator]["seeds"].append(generation_seed(sample.meta.sample_id, i, step))
-    input_ids, labels, segments = collate_ids(
-        [s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids, pack, generations
-    )
     return Batch(
         input_ids=input_ids,
         labels=labels,

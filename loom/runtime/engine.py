@@ -62,10 +62,10 @@ class ParallelEngine:
         dtype: str = "fp32",  # run.dtype: "fp32" or "bf16" (loom.runtime.precision)
     ) -> "ParallelEngine":
         precision = Precision(dtype, device.type)  # refuses an unknown dtype before any group is built
-        if getattr(model, "generators", None):  # the IR and the simulator have them; the executor not yet
+        if getattr(model, "generators", None):  # the plan and the IR have them; the executor not yet
             raise ValueError(f"the model has generators {list(model.generators)}: the runtime does not train models with "
-                             f"a generator yet (the simulator prices them: loom simulate); remove the generator to "
-                             f"train")
+                             f"a generator yet (only the plan, the schedule IR and its play take them); remove the "
+                             f"generator to train")
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size)
         for m in plan.modules:

@@ -46,9 +46,9 @@ from loom.data.sample import Batch
 from loom.model.layers import run_layers
 from loom.model.multimodal import MultimodalModel, loss_sum
 from loom.plan.plan import LLM, Plan
-from loom.runtime.lanes import gather_lanes, lane_share
 from loom.runtime.comm import P2PCommunicator
 from loom.runtime.context_parallel import RankContext, microbatch_context, select_features
+from loom.runtime.lanes import gather_lanes, lane_share
 from loom.runtime.precision import Precision
 from loom.runtime.rows import RowMap
 from loom.runtime.split_backward import WeightPass, backward_input, backward_weight, fsdp_defer, fsdp_reduce

@@ -113,6 +113,9 @@ class TrainConfig:
                  "unknown projector", "choose 'linear' or 'mlp'")
         _require(all(isinstance(f, str) and f for f in self.model.freeze), "model.freeze", self.model.freeze,
                  "every entry must be a part name", 'e.g. model.freeze=["vision.encoder"]')
+        _require(self.data.demo.mix.get("generate", 0) == 0, "data.demo.mix.generate",
+                 self.data.demo.mix.get("generate"), "generation requests need a model with an image generator, "
+                 "which loom train does not build yet", "set it to 0")
         _require(self.data.global_batch_size >= 1, "data.global_batch_size", self.data.global_batch_size,
                  "must be at least 1", "use a positive number of samples per step")
         _require(math.isfinite(optim.lr) and optim.lr > 0, "optim.lr", optim.lr, "must be positive",

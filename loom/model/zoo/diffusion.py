@@ -35,7 +35,7 @@ from torch import nn
 
 from loom.model.layers import Layer, run_layers
 from loom.model.zoo.attention import AttentionCore
-from loom.model.zoo.vision import sinusoidal_embedding
+from loom.model.zoo.vision import patchify, sinusoidal_embedding
 
 
 @dataclass
@@ -90,12 +90,6 @@ def draw_noise(seed: int, config: DiffusionConfig) -> tuple[int, torch.Tensor]:
     t = int(torch.randint(0, config.num_train_timesteps, (1,), generator=g))
     eps = torch.randn(config.in_channels, config.image_size, config.image_size, generator=g)
     return t, eps
-
-
-def patchify(image: torch.Tensor, p: int) -> torch.Tensor:
-    """``[C, H, W] -> [(H/p)*(W/p), C*p*p]``, patches in row-major order."""
-    c, h, w = image.shape
-    return image.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape((h // p) * (w // p), c * p * p)
 
 
 class NoiseEmbed(nn.Module):

@@ -69,6 +69,12 @@ def sinusoidal_embedding(positions: torch.Tensor, dim: int, base: float = 10000.
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
+def patchify(image: torch.Tensor, p: int) -> torch.Tensor:
+    """``[C, H, W] -> [(H/p)*(W/p), C*p*p]``, patches in row-major order."""
+    c, h, w = image.shape
+    return image.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4).reshape((h // p) * (w // p), c * p * p)
+
+
 class EncoderBlock(nn.Module):
     """Pre-norm transformer block: x + attn(LN(x)), then x + MLP(LN(x)), over a packed sequence.
 
@@ -127,11 +133,7 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Linear(in_channels * patch_size * patch_size, hidden_size)
 
     def patchify(self, image: torch.Tensor) -> torch.Tensor:
-        """``[C, H, W] -> [(H/p)*(W/p), C*p*p]``, patches in row-major order."""
-        p = self.patch_size
-        c, h, w = image.shape
-        patches = image.reshape(c, h // p, p, w // p, p).permute(1, 3, 0, 2, 4)
-        return patches.reshape((h // p) * (w // p), c * p * p)
+        return patchify(image, self.patch_size)
 
     def forward(self, images: list[torch.Tensor], positions: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight

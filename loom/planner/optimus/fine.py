@@ -351,8 +351,11 @@ def latency_bound(timeline: LLMTimeline, candidate: EncoderCandidate, times: Enc
     from a moved forward (those start at or after their device's first LLM compute, which is
     not before ``F_0``), so it comes from a first forward chain run from time 0:
     ``shift >= chain + to_llm - F_0``."""
-    c = _Coarse(timeline, candidate, times)
-    return timeline.end + max(0.0, c.fend[0][c.S - 1] + min(c.to_llm) - c.F[0])
+    return _bound(_Coarse(timeline, candidate, times))
+
+
+def _bound(c: _Coarse) -> float:
+    return c.timeline.end + max(0.0, c.fend[0][c.S - 1] + min(c.to_llm) - c.F[0])
 
 
 def best_fine_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times: EncoderStageTimes,
@@ -371,7 +374,7 @@ def best_fine_schedule(timeline: LLMTimeline, candidate: EncoderCandidate, times
         raise OptimusPlanError(f"top = {top}: refine at least one partition")
     ranked, count = coarse_ranking(timeline, candidate, times, top, max_partitions=max_partitions)
     engine = _Fine(timeline, candidate, times)
-    bound = latency_bound(timeline, candidate, times)
+    bound = _bound(engine.c)
     if ranked and bound >= beat - _EPS:
         return engine.c.build(ranked[0][1]), count
     best: tuple[float, tuple[int, ...], tuple] | None = None
