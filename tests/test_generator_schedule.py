@@ -85,14 +85,3 @@ def test_generators_are_refused_where_they_cannot_run():
     with pytest.raises(PlanError, match="are generators, but the model's generators are \\['image'\\]"):
         p.resolve(COUNTS, generators=["image"])
 
-
-def test_the_runtime_refuses_a_model_with_a_generator_until_it_runs_them():
-    import torch
-
-    from loom.runtime.engine import ParallelEngine
-    from tests.test_generator import make_model
-
-    model = make_model()
-    p = Plan([ModuleSpec("vision"), ModuleSpec("llm"), ModuleSpec("image")], num_microbatches=2)
-    with pytest.raises(ValueError, match="generators \\['image'\\]: the runtime does not train"):
-        ParallelEngine.create(model, p, torch.device("cpu"))

@@ -19,13 +19,14 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from loom.cost.arch import ModelArch
-from loom.cost.workload import MetadataArrays
+from loom.cost.workload import GENERATOR_NAMES, MetadataArrays
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout
 
 # Bytes per payload element, as the runtime sends them: float32 pixels and waveforms, int64 ids
 # (`loom.runtime.dispatch.Dispatcher._exchange`).
 ELEMENT_BYTES = {"vision": 4, "audio": 4, LLM: 8}
+TARGET_BYTES = 4  # a generator's target images: float32 pixels
 
 
 class PayloadError(ValueError):
@@ -50,6 +51,17 @@ def sample_payload_bytes(arch: ModelArch, meta: MetadataArrays) -> dict[str, np.
         else:
             raise PayloadError(f"encoder {name!r} has kind {kind!r}: no payload rule; known: vision, audio")
     return out
+
+
+def generation_payload_bytes(meta: MetadataArrays, generator: str) -> np.ndarray:
+    """Each sample's payload bytes to ``generator``: its target images' pixels (3 x height x
+    width, `TARGET_BYTES` each) of the requests naming that generator."""
+    if generator not in GENERATOR_NAMES:
+        raise PayloadError(f"generator {generator!r}: no payload rule; known generators: {list(GENERATOR_NAMES)}")
+    mine = meta.generation_code == GENERATOR_NAMES.index(generator)
+    owner = np.repeat(np.arange(meta.num_samples), meta.generation_count)[mine]
+    hw = meta.generation_hw[mine].astype(np.float64)
+    return np.bincount(owner, weights=3.0 * hw[:, 0] * hw[:, 1], minlength=meta.num_samples) * TARGET_BYTES
 
 
 def loader_rank_of(batch_size: int, world_size: int) -> np.ndarray:

@@ -43,7 +43,7 @@ from loom.balance.disttrain_policy import disttrain_layout
 from loom.balance.entrain_policy import entrain_layout
 from loom.balance.orchmllm import orchmllm_layout
 from loom.balance.predict import predict_steps
-from loom.plan.plan import Plan
+from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean, round_size
 
 __all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",
@@ -61,6 +61,8 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     Raises `BalanceError` when the batch cannot be split under the constraints (fewer samples
     than microbatches, a policy that needs equal data-parallel degrees, rounds that do not
     divide the microbatch count)."""
+    if plan.generator_names:
+        return _with_generators(make_layout(config, plan.without_generators(), costs, llm_batching), plan)
     phases = plan.module_names
     if llm_batching not in ("padded", "packed"):
         raise BalanceError(f"llm_batching = {llm_batching!r}: choose 'padded' or 'packed'")
@@ -104,6 +106,23 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     return layout
 
 
+def _with_generators(layout: BatchLayout, plan: Plan) -> BatchLayout:
+    """``layout`` (of the encoders and the LLM) with each generator's slots the LLM's: a
+    generator runs the generation requests of the LLM microbatch whose states condition it
+    (its own balancing needs generator costs, which the cost model does not have yet)."""
+    arrays = dict(layout.arrays)
+    for g in plan.generator_names:
+        arrays[g] = arrays[LLM]
+    out = BatchLayout(None, {**layout.policy, **{g: layout.policy[LLM] for g in plan.generator_names}},
+                      arrays=arrays, kept_given=layout.kept_given, predicted_gain=layout.predicted_gain)
+    out.kept_why, out.contiguous, out.nodewise = layout.kept_why, layout.contiguous, layout.nodewise
+    out.unpermuted_slot = dict(layout.unpermuted_slot)
+    if LLM in out.unpermuted_slot:
+        out.unpermuted_slot.update({g: out.unpermuted_slot[LLM] for g in plan.generator_names})
+    out.known_slot_costs = layout.known_slot_costs
+    return out
+
+
 # ---- what a layout achieved ------------------------------------------------------------------
 def load_stats(layout: BatchLayout, plan: Plan, costs: SampleCosts) -> dict[str, dict[str, float]]:
     """Per phase, max/mean of the load (summed per-sample cost) across data-parallel replicas
@@ -111,7 +130,7 @@ def load_stats(layout: BatchLayout, plan: Plan, costs: SampleCosts) -> dict[str,
     the quality benchmark prints."""
     stats: dict[str, dict[str, float]] = {}
     m = layout.num_microbatches
-    for phase in layout.arrays:
+    for phase in (p for p in layout.arrays if p in costs.work):  # generators are not costed yet
         dp = plan.spec(phase).data_parallel
         per_slot = np.bincount(layout.slot_index(phase), weights=costs.work[phase], minlength=m)
         per_replica = [float(per_slot[r::dp].sum()) for r in range(dp)]

@@ -75,9 +75,13 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
 
     Every layer's parameter count is checked against the real module, so a model this
     function does not understand fails here rather than mis-costing silently.
+
+    Generators after the LLM (`loom.model.generator`) are not described: the cost model has no
+    generator layer kinds yet, so the balancing policies cost the encoders and the LLM only and
+    a generator's microbatches follow the LLM's (`loom.balance.policy.make_layout`).
     """
     modules: dict[str, ModuleArch] = {}
-    for name in model.module_names:
+    for name in [*model.encoders, LLM]:
         layers: list[LayerArch] = []
         if name == LLM:
             llm = model.llm

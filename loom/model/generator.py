@@ -33,7 +33,7 @@ class ModalityGenerator(nn.Module):
     width is known) or a ready module. The generator must have a layer adapter whose first
     layer takes the projected conditioning tokens ``[N_cond, hidden]`` and whose last returns
     the summed loss of its items, a ``hidden_size``, a ``cond_tokens`` count (LLM states per
-    item) and ``check_target(shape, where)``.
+    item), a ``target_shape`` and ``check_target(shape, where)``.
     """
 
     def __init__(self, generator: nn.Module, projector: str | nn.Module = "linear", loss_weight: float = 1.0):
@@ -56,6 +56,11 @@ class ModalityGenerator(nn.Module):
     def cond_tokens(self) -> int:
         """LLM states (generation tokens) per item to generate."""
         return int(self.generator.cond_tokens)
+
+    @property
+    def target_shape(self) -> tuple[int, ...]:
+        """The shape of one item the generator makes (``[C, H, W]`` for an image)."""
+        return tuple(self.generator.target_shape)
 
     def check_target(self, shape: tuple[int, ...], where: str) -> None:
         self.generator.check_target(shape, where)

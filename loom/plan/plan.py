@@ -22,6 +22,8 @@ tensor_parallel)`` form its device mesh, and `Plan.coordinate_of` is a rank's in
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import tomllib
 from dataclasses import asdict, dataclass
@@ -259,6 +261,12 @@ class Plan:
         """The modules after the LLM (generators, fed by its last stage: disttrain.md §1)."""
         names = self.module_names
         return names[names.index(LLM) + 1:] if LLM in names else []
+
+    def without_generators(self) -> "Plan":
+        """The plan of the encoders and the LLM alone (the same ranks: generators come last)."""
+        if not self.generator_names:
+            return self
+        return dataclasses.replace(self, modules=self.modules[:self.module_names.index(LLM) + 1])
 
     def spec(self, name: str) -> ModuleSpec:
         for m in self.modules:

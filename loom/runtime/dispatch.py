@@ -37,11 +37,12 @@ import torch
 import torch.distributed as dist
 
 from loom.schedule.layout import BatchLayout
-from loom.balance.payload import loader_rank_of, slot_destinations
+from loom.balance.payload import generation_payload_bytes, loader_rank_of, slot_destinations
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
-from loom.cost.workload import MetadataArrays, per_sample_sum
-from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, collate_ids, item_token_count
+from loom.cost.workload import GENERATOR_NAMES, MetadataArrays, per_sample_sum
+from loom.data.collate import (MODALITIES, SAMPLE_FIELDS, Generations, TokenCounts, collate_ids, generation_seed,
+                               item_token_count)
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
 from loom.data.tokenizer import Tokenizer
 from loom.plan.plan import LLM, Plan
@@ -69,6 +70,8 @@ class Dispatched:
     num_targets: int  # target tokens of the whole global batch (loss normalisation)
     metadata: MetadataArrays  # the global batch's metadata, by position
     costs: SampleCosts  # per-sample costs the policy balanced
+    # per generator, its items in the whole global batch (its loss normalisation)
+    num_generations: dict[str, int] = field(default_factory=dict)
     _metas: list[SampleMeta] | None = field(default=None, repr=False)
 
     @property
@@ -116,11 +119,18 @@ class Dispatcher:
         placeholder_ids: Mapping[str, int] | None = None,
         group: dist.ProcessGroup | None = None,
         pack: bool = False,
+        generations: Generations | None = None,
     ):
         self.plan, self.dataset, self.tokenizer = plan, dataset, tokenizer
         self.token_counts, self.arch, self.balance = token_counts, arch, balance.check(plan.module_names)
         self.device, self.placeholder_ids, self.group = device, placeholder_ids, group
         self.pack = pack  # LLM microbatches as one packed row (then balancing costs the LLM as packed)
+        # per generator of the model, what collation needs of it (`loom.train.build.generation_specs`)
+        self.generations = dict(generations or {})
+        missing = [g for g in plan.generator_names if g not in self.generations]
+        if missing:
+            raise ValueError(f"the plan has generators {missing} but the Dispatcher got no GenerationSpec for them: "
+                             f"pass generations=generation_specs(model)")
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.module, self.stage, self.replica = plan.role_of(self.rank)
         # every rank's phases (modules), in plan order: several where encoders run on the LLM's
@@ -136,8 +146,9 @@ class Dispatcher:
         return [m for m in self.plan.module_names if m in hosted]
 
     # ---- the iteration ------------------------------------------------------------------------
-    def dispatch(self, indices: Sequence[int]) -> Dispatched:
-        """This rank's microbatches of the global batch ``indices`` (dataset indices)."""
+    def dispatch(self, indices: Sequence[int], step: int = 0) -> Dispatched:
+        """This rank's microbatches of the global batch ``indices`` (dataset indices) at training
+        ``step`` (a generator's noise seeds depend on it: `loom.data.collate.generation_seed`)."""
         shards = loader_shards(len(indices), self.world_size)
         mine = shards[self.rank]
         samples, text_ids, error = self._load(indices, mine)
@@ -150,12 +161,15 @@ class Dispatcher:
         self._check_shared_slots(layout)
         tokens, items = self._encoder_rows(meta)
         rows = RowMap(layout, tokens, items)
-        received = self._exchange(layout, meta, costs, mine, samples, text_ids)
-        batches = self._microbatches(layout, meta, received)
+        payload_bytes = {phase: (generation_payload_bytes(meta, phase) if phase in self.generations
+                                 else costs.payload_bytes[phase]) for phase in self.plan.module_names}
+        received = self._exchange(layout, meta, payload_bytes, mine, samples, text_ids)
+        batches = self._microbatches(layout, meta, received, step)
         # `loom.data.collate.target_count` summed: every text token after BOS but the markers (and requests)
         num_targets = (int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size
                        - meta.generation_code.size - meta.num_samples)
-        return Dispatched(layout, rows, batches, num_targets, meta, costs)
+        num_generations = {g: int((meta.generation_code == GENERATOR_NAMES.index(g)).sum()) for g in self.generations}
+        return Dispatched(layout, rows, batches, num_targets, meta, costs, num_generations=num_generations)
 
     def _check_shared_slots(self, layout: BatchLayout) -> None:
         """An encoder inside the LLM's first stage (``first_stage``) runs slot ``j`` with the
@@ -230,7 +244,7 @@ class Dispatcher:
         index = layout.slot_index(phase)
         return slot_destinations(self.plan, phase, len(layout.arrays[phase][1]) - 1)[index]
 
-    def _exchange(self, layout: BatchLayout, meta: MetadataArrays, costs: SampleCosts, mine: list[int],
+    def _exchange(self, layout: BatchLayout, meta: MetadataArrays, payload_bytes: dict[str, np.ndarray], mine: list[int],
                   samples: list[Sample], text_ids: list[list[int]]) -> dict[str, dict[int, list | np.ndarray]]:
         """One ``all_to_all_single`` for every phase at once: rank ``d`` gets the payloads of
         each phase it hosts (as bytes: pixels and waveforms in float32, ids in int64) of the
@@ -262,7 +276,7 @@ class Dispatcher:
         wanted = [np.flatnonzero((dests[phase] == me).any(axis=1)) for phase in self.phases]
         positions = np.concatenate(wanted) if wanted else np.zeros(0, dtype=np.int64)
         phase_index = np.repeat(np.arange(len(wanted)), [w.size for w in wanted])
-        nbytes = (np.concatenate([np.asarray(costs.payload_bytes[phase], dtype=np.int64)[w]
+        nbytes = (np.concatenate([np.asarray(payload_bytes[phase], dtype=np.int64)[w]
                                   for phase, w in zip(self.phases, wanted)])
                   if wanted else np.zeros(0, dtype=np.int64))
         order = np.lexsort((positions, phase_index, owner[positions]))
@@ -284,13 +298,19 @@ class Dispatcher:
         on the rank that loaded it)."""
         if phase == LLM:
             return np.asarray(ids, dtype=np.int64)
-        return [t.to(torch.float32) for t in getattr(sample, SAMPLE_FIELDS[phase])]
+        return [t.to(torch.float32) for t in self._items(phase, sample)]
+
+    def _items(self, phase: str, sample: Sample) -> list[torch.Tensor]:
+        """A sample's tensors for ``phase``: an encoder's items, or a generator's targets."""
+        if phase in self.generations:
+            return [t for t, g in zip(sample.targets, sample.meta.generations) if g.generator == phase]
+        return getattr(sample, SAMPLE_FIELDS[phase])
 
     def _flat(self, phase: str, sample: Sample, ids: list[int]) -> torch.Tensor:
         """A sample's ``phase`` payload as bytes (`_unflat` reads them back)."""
         if phase == LLM:
             return torch.tensor(ids, dtype=torch.long).view(torch.uint8)
-        items = getattr(sample, SAMPLE_FIELDS[phase])
+        items = self._items(phase, sample)
         if not items:
             return torch.empty(0, dtype=torch.uint8)
         return torch.cat([t.reshape(-1).to(torch.float32) for t in items]).view(torch.uint8)
@@ -300,7 +320,11 @@ class Dispatcher:
         if phase == LLM:
             return flat.clone().view(torch.long).numpy()
         values = flat.clone().view(torch.float32)
-        if phase == "vision":
+        if phase in self.generations:
+            b = meta.generation_bounds
+            mine = meta.generation_code[b[p]:b[p + 1]] == GENERATOR_NAMES.index(phase)
+            shapes = [(3, h, w) for h, w in meta.generation_hw[b[p]:b[p + 1]][mine].tolist()]
+        elif phase == "vision":
             b = meta.bounds[0]
             shapes = [(3, h, w) for h, w in meta.image_hw[b[p]:b[p + 1]].tolist()]
         else:
@@ -320,8 +344,24 @@ class Dispatcher:
         """The ``modality_inputs`` of ``phases`` for the samples at positions ``slot``."""
         return {phase: {MODALITIES[phase][1]: [t for p in slot for t in received[phase][p]]} for phase in phases}
 
+    def _generation_inputs(self, slot: Sequence[int], meta: MetadataArrays, step: int,
+                           received: dict[str, dict[int, list | np.ndarray]]) -> dict[str, dict[str, list]]:
+        """The ``generation_inputs`` of the generators this rank hosts for the samples at
+        positions ``slot``: their targets and noise seeds, as `loom.data.collate.collate` gives
+        the single process (a request's seed from its index among its sample's requests)."""
+        out: dict[str, dict[str, list]] = {}
+        bounds = meta.generation_bounds
+        for g in (p for p in self.phases if p in self.generations):
+            code, seeds = GENERATOR_NAMES.index(g), []
+            for p in slot:
+                sid = int(meta.sample_id[p])
+                codes = meta.generation_code[bounds[p]:bounds[p + 1]].tolist()
+                seeds.extend(generation_seed(sid, i, step) for i, c in enumerate(codes) if c == code)
+            out[g] = {"targets": [t for p in slot for t in received[g][p]], "seeds": seeds}
+        return out
+
     def _microbatches(self, layout: BatchLayout, meta: MetadataArrays,
-                      received: dict[str, dict[int, list | np.ndarray]]) -> dict[Any, Batch]:
+                      received: dict[str, dict[int, list | np.ndarray]], step: int = 0) -> dict[Any, Batch]:
         """This rank's microbatches, by slot. A rank hosting several phases (encoders on the LLM's
         ranks) gets one `Batch` per slot with every hosted phase's fields, as `collate` gives the
         single process: the LLM's ids, labels and segments and the encoders'
@@ -346,13 +386,16 @@ class Dispatcher:
                                             meta.sample_id[list(own)].tolist())
             slot = main
             ids = meta.sample_id[list(slot)].tolist()
-            modality_inputs = self._modality_inputs([p for p in slots if p != LLM], slot, received)
+            modality_inputs = self._modality_inputs([p for p in slots if p != LLM and p not in self.generations],
+                                                    slot, received)
+            generation_inputs = self._generation_inputs(slot, meta, step, received)
             if LLM in slots:
                 input_ids, labels, segments = collate_ids([meta.meta(p) for p in slot],
                                                           [received[LLM][p] for p in slot], self.tokenizer,
-                                                          self._counts, self.placeholder_ids, self.pack)
-                batches[j] = Batch(input_ids, labels, modality_inputs, ids, segments)
+                                                          self._counts, self.placeholder_ids, self.pack,
+                                                          self.generations)
+                batches[j] = Batch(input_ids, labels, modality_inputs, ids, segments, generation_inputs)
             else:
                 empty = torch.zeros((len(slot), 0), dtype=torch.long)
-                batches[j] = Batch(empty, empty.clone(), modality_inputs, ids)
+                batches[j] = Batch(empty, empty.clone(), modality_inputs, ids, generation_inputs=generation_inputs)
         return batches

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from loom.schedule.layout import BatchLayout, contiguous_layout
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
-from loom.plan.plan import Plan, PlanError
+from loom.plan.plan import LLM, Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
 from loom.runtime.precision import Precision
 from loom.runtime.recompute import apply_recompute
@@ -62,12 +62,11 @@ class ParallelEngine:
         dtype: str = "fp32",  # run.dtype: "fp32" or "bf16" (loom.runtime.precision)
     ) -> "ParallelEngine":
         precision = Precision(dtype, device.type)  # refuses an unknown dtype before any group is built
-        if getattr(model, "generators", None):  # the plan and the IR have them; the executor not yet
-            raise ValueError(f"the model has generators {list(model.generators)}: the runtime does not train models with "
-                             f"a generator yet (only the plan, the schedule IR and its play take them); remove the "
-                             f"generator to train")
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        plan.resolve(model.layer_counts(), world_size)
+        generators = list(getattr(model, "generators", {}))
+        plan.resolve(model.layer_counts(), world_size, generators=generators)
+        if generators:
+            check_generator_plan(plan)
         for m in plan.modules:
             check_context_parallel(m, model)  # loom.runtime.context_parallel: the LLM's, alone on its module
             check_zero(m)  # loom.runtime.zero: ZeRO needs replicas
@@ -153,12 +152,15 @@ class ParallelEngine:
         *,
         layout: BatchLayout,
         rows: RowMap | None = None,
+        num_generations: dict[str, int] | None = None,
     ) -> StepResult:
         """One iteration under ``layout`` (from the `Dispatcher`, or `identity_layout`):
         ``microbatches`` are this rank's slots of it, ``rows`` its `RowMap` (needed when the
-        layout routes encoder rows by sample)."""
+        layout routes encoder rows by sample); ``num_generations``, per generator, the global
+        batch's items (a generator's loss normalisation)."""
         microbatches = self.executor.unit.share_microbatches(microbatches)  # the unit leader's, on every rank
-        return self.executor.run(self.schedule_for(layout), microbatches, num_targets, rows, step, exact_timing)
+        return self.executor.run(self.schedule_for(layout), microbatches, num_targets, rows, step, exact_timing,
+                                 num_generations)
 
     def close(self) -> None:
         """End the runtime's communication before ``destroy_process_group``: wait for every send
@@ -166,3 +168,23 @@ class ParallelEngine:
         to it (or its own) is pending. Call it on every rank; the training loop does."""
         self.executor.close()
         dist.barrier()
+
+
+def check_generator_plan(plan: Plan) -> None:
+    """What the runtime executes of a plan with generators (DistTrain's disaggregated layout,
+    disttrain.md §2): every generator on ranks of its own, pipelined and data-parallel, with
+    ZeRO; the LLM without tensor or context parallelism (its last stage hands each generator
+    whole rows of final states). Refused before any group is built, naming the field."""
+    llm = plan.spec(LLM)
+    for field_, value in (("tensor_parallel", llm.tensor_parallel), ("context_parallel", llm.context_parallel)):
+        if value > 1:
+            raise PlanError(f"plan.modules['llm'].{field_} = {value} with generators {plan.generator_names}: the LLM's "
+                            f"last stage hands each generator whole rows of its final states, which the runtime does "
+                            f"not gather under {field_} yet; set it to 1")
+    for g in plan.generator_names:
+        spec = plan.spec(g)
+        for field_, value in (("tensor_parallel", spec.tensor_parallel), ("context_parallel", spec.context_parallel),
+                              ("virtual_stages", spec.virtual_stages)):
+            if value > 1:
+                raise PlanError(f"plan.modules[{g!r}].{field_} = {value}: a generator runs pipelined and "
+                                f"data-parallel (with ZeRO); the runtime has no {field_} for it yet; set it to 1")

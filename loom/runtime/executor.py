@@ -19,7 +19,13 @@ and per-microbatch state is kept per (stage, microbatch).
 
 Semantics that make a parallel run equal the single-process reference:
 - the LLM's last stage scales each microbatch's summed token loss by the *global* number of
-  target tokens, so the sum over microbatches and replicas is the reference mean loss;
+  target tokens, so the sum over microbatches and replicas is the reference mean loss; a
+  generator's last stage scales its summed item loss by its ``loss_weight`` over the *global*
+  number of its items likewise;
+- with generators (DistTrain's encoder -> LLM -> generator, disttrain.md §1) the LLM's last
+  stage also sends each generator its final states at that generator's generation positions and
+  gets their gradients back; its backward then runs on one scalar, the loss plus each state
+  tensor's dot product with its received gradient, whose gradient is exactly the sum of both;
 - data-parallel gradient synchronisation is therefore a SUM all-reduce (no averaging);
 - frozen parameters never get a ``.grad`` (backward runs only where the schedule says a stage
   needs one, and only through tensors that require grad);
@@ -73,11 +79,14 @@ class StepResult:
     ``timeline``: one `TimelineEvent` per action that ran, built on first access (the training
     loop keeps only the last step's)."""
 
-    __slots__ = ("loss", "grad_norm", "_rank", "_step", "_plan", "_times", "_timeline")
+    __slots__ = ("loss", "module_losses", "grad_norm", "_rank", "_step", "_plan", "_times", "_timeline")
 
     def __init__(self, loss: float, rank: int, step: int, plan: "ActionPlan", times: list[float],
-                 grad_norm: float | None = None):
+                 grad_norm: float | None = None, module_losses: dict[str, float] | None = None):
         self.loss = loss
+        # this rank's share of each loss term by the module that computes it ("llm", each
+        # generator); ``loss`` is their sum
+        self.module_losses = module_losses or {}
         self.grad_norm = grad_norm  # the global gradient norm before clipping (None: clipping off)
         self._rank, self._step, self._plan, self._times = rank, step, plan, times
         self._timeline: list[TimelineEvent] | None = None
@@ -106,6 +115,9 @@ class MicrobatchState:
     out_grad: torch.Tensor | None = None  # gradient w.r.t. ``output`` from the next stage
     backward_left: int = 0  # backward actions (parts) still to run
     weight_pass: WeightPass | None = None  # ZB-H1: what the input pass left for the weight pass
+    # the LLM's last stage with generators: its states per generator, and their gradients back
+    sends: dict[str, torch.Tensor] | None = None
+    send_grads: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,14 +139,17 @@ class ActionPlan:
 class _Iteration:
     """The state of the iteration being run (handlers read and update it)."""
 
-    __slots__ = ("plan", "microbatches", "num_targets", "rows", "states", "loss_total", "grad_norm", "cp",
-                 "cp_blocks", "local")
+    __slots__ = ("plan", "microbatches", "num_targets", "num_generations", "rows", "states", "loss_total",
+                 "grad_norm", "cp", "cp_blocks", "local")
 
     def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
-                 loss_total: torch.Tensor, cp_blocks: dict[int, int] | None = None):
+                 device: torch.device, cp_blocks: dict[int, int] | None = None,
+                 num_generations: dict[str, int] | None = None):
         self.plan, self.microbatches, self.num_targets, self.rows = plan, microbatches, num_targets, rows
+        self.num_generations = num_generations or {}
         self.states: dict[_Key, MicrobatchState] = {}
-        self.loss_total = loss_total
+        # per loss-computing module, summed on the device: no host sync per microbatch
+        self.loss_total: dict[str, torch.Tensor] = {}
         self.grad_norm: float | None = None
         self.cp: dict[int, RankContext] = {}  # per LLM microbatch, this rank's CP context
         self.cp_blocks = cp_blocks or {}  # per LLM microbatch, its CP block size (UnitPlace.prepare_microbatches)
@@ -180,6 +195,7 @@ class PipelineExecutor:
         self.dp_groups = dp_groups
         self.needs_backward, self.grad_edges = backward_flow(plan, trainable)
         self.edge_ids = _edge_ids(plan)
+        self.generators = set(plan.generator_names)
         self.comm = P2PCommunicator(device)
         self._handlers: dict[ActionKind, Callable[..., None]] = {
             ActionKind.RECV_ACT: self._recv_act,
@@ -210,10 +226,12 @@ class PipelineExecutor:
         rows: RowMap | None = None,
         step: int = 0,
         exact_timing: bool = True,
+        num_generations: dict[str, int] | None = None,
     ) -> StepResult:
         """Run this rank's actions of ``schedule`` (built for the iteration's `BatchLayout`).
         ``microbatches`` holds (at least) the microbatches this rank works on, by slot;
-        ``num_targets`` is the global batch's target-token count; ``rows`` is the layout's
+        ``num_targets`` is the global batch's target-token count (``num_generations``, per
+        generator, its items in the global batch); ``rows`` is the layout's
         `RowMap`, which says which rows of an encoder's output belong to which sample, so
         routed messages carry exactly their samples' rows (needed when the schedule routes).
 
@@ -225,9 +243,7 @@ class PipelineExecutor:
         if plan.routed and rows is None:
             raise ValueError(f"rank {self.rank}: this schedule routes encoder rows by sample; pass the layout's RowMap "
                              f"as rows= (Dispatched.rows)")
-        # the loss is summed on the device: no host sync per microbatch
-        it = _Iteration(plan, microbatches, num_targets, rows,
-                        torch.zeros((), dtype=torch.float64, device=self.device), cp_blocks)
+        it = _Iteration(plan, microbatches, num_targets, rows, self.device, cp_blocks, num_generations)
         sync = exact_timing and self.device.type == "cuda"
         compute = (ActionKind.FORWARD, *BACKWARDS)
         times: list[float] = []
@@ -243,7 +259,8 @@ class PipelineExecutor:
             it.grad_norm = self._clip_gradients()
         self.comm.wait_sends()
         self.cp_contexts = it.cp
-        return StepResult(float(it.loss_total), self.rank, step, plan, times, it.grad_norm)
+        losses = {m: float(t) for m, t in it.loss_total.items()}
+        return StepResult(sum(losses.values()), self.rank, step, plan, times, it.grad_norm, losses)
 
     def close(self) -> None:
         """Wait for every send still in flight, so the process group can be destroyed safely
@@ -343,20 +360,36 @@ class PipelineExecutor:
                 x = {m: select_features(st.batch.input_ids == self.model.placeholder_ids[m], f, rc.tokens)
                      for m, f in x.items()}
             out = run_layers(stage.layers, self.precision.stage_input(x), st.context)
+        if stage.generator and stage.computes_loss:  # the generator's summed item loss, weighted and normalised
+            items = it.num_generations.get(stage.module)
+            if items is None:
+                raise ValueError(f"rank {self.rank}: generator {stage.module!r} computes a loss but the step got no "
+                                 f"num_generations for it: pass the global batch's item count per generator "
+                                 f"(Dispatched.num_generations)")
+            out = out.float() * (self.model.generators[stage.module].loss_weight / max(1, items))
+            self._report(it, stage.module, out)
+            return out
         if stage.computes_loss:  # loss_sum upcasts the logits: the loss is fp32
+            if self.generators:  # the head also gives the states each generator is conditioned on
+                st.sends = {g: self.precision.message(x) for g, x in out["generate"].items()}
+                out = out["logits"]
             rc = self._cp_context(it, j, stage.module)
             labels = st.batch.labels if rc is None else rc.select(st.batch.labels)  # labels follow the tokens
             with self.unit.loss_context():  # vocabulary-parallel under TP: the loss is replicated
                 out = self.unit.loss_value(loss_sum(out, labels)) / it.num_targets
-            if self.unit.reports_loss:
-                it.loss_total += out.detach()
+            self._report(it, LLM, out)
             return out
         return self.precision.message(out)  # sent in the compute dtype, graph included
+
+    def _report(self, it: _Iteration, module: str, loss: torch.Tensor) -> None:
+        if self.unit.reports_loss:
+            total = it.loss_total.get(module)
+            it.loss_total[module] = loss.detach().double() if total is None else total + loss.detach()
 
     def _send_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j, me = a.microbatch, (a.module, a.stage)
         st = it.states[(a.module, a.stage, j)]
-        out = st.output
+        out = st.output if a.peer_module not in self.generators or a.module in self.generators else st.sends[a.peer_module]
         if a.samples is not None:  # a routed edge: only the rows of the named samples
             out = out.detach().index_select(0, it.rows.index(a.module, j, a.samples, out.device))
         header = True
@@ -384,7 +417,10 @@ class PipelineExecutor:
         st = it.states[(a.module, a.stage, j)]
         out = st.output
         local = a.peer == self.unit.unit  # from a stage this unit hosts
-        if a.samples is None:
+        if a.peer_module in self.generators and a.module not in self.generators:  # the LLM's states' gradient
+            x = st.sends[a.peer_module]
+            st.send_grads[a.peer_module] = self.comm.recv_shaped(x.shape, x.dtype, self.unit.source(a.peer), tag)
+        elif a.samples is None:
             st.out_grad = it.local.pop(tag) if local else self.comm.recv_shaped(out.shape, out.dtype,
                                                                                 self.unit.source(a.peer), tag)
         else:  # rows of some samples: scatter into this microbatch's pending gradient
@@ -398,6 +434,8 @@ class PipelineExecutor:
     def _backward(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j, key = a.microbatch, (a.module, a.stage, a.microbatch)
         st = it.states[key]
+        if st.sends is not None:
+            _join_generator_grads(st)
         out = st.output
         # each part consumes the gradient rows received since the previous part
         grad, st.out_grad = (None if self.stages[(a.module, a.stage)].computes_loss else st.out_grad), None
@@ -434,6 +472,8 @@ class PipelineExecutor:
         received activations, which the SEND_GRADs after it ship; the weights wait for
         `_backward_weight`, from the same graph."""
         st = it.states[(a.module, a.stage, a.microbatch)]
+        if st.sends is not None:
+            _join_generator_grads(st)
         grad, st.out_grad = (None if self.stages[(a.module, a.stage)].computes_loss else st.out_grad), None
         st.backward_left -= 1
         if self.zero is not None:
@@ -502,7 +542,11 @@ class PipelineExecutor:
         """The leading dims of the activation on edge ``src -> dst`` that both sides derive from
         metadata, or None where they cannot: between LLM stages the microbatch's ``input_ids``
         shape; from an encoder to the LLM (with the layout's `RowMap`) the message's row count,
-        the tokens of its samples. The trailing dims are learned from the edge's first message."""
+        the tokens of its samples. The trailing dims are learned from the edge's first message.
+        Edges into a generator keep their header (its states' count is the microbatch's generation
+        positions)."""
+        if dst[0] in self.generators:
+            return None
         if src[0] == LLM:
             st = it.states.get((*src, src_mb))  # this rank's own state when it sends
             batch = st.batch if st is not None and st.batch is not None else self._microbatch(it.microbatches, src_mb)
@@ -516,9 +560,9 @@ class PipelineExecutor:
 
     def _stage_input(self, stage: Stage, received: dict[tuple[str, int], torch.Tensor], j: int,
                      rows: RowMap | None) -> Any:
-        if stage.is_first and stage.module != LLM:
+        if stage.is_first and stage.module != LLM and not stage.generator:
             return None  # encoder first stages read the microbatch from their context
-        if stage.is_first:  # the LLM's first stage merges every encoder's tokens
+        if stage.is_first and stage.module == LLM:  # the LLM's first stage merges every encoder's tokens
             parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
             for (module, source), x in received.items():
                 parts.setdefault(module, []).append((source, x))
@@ -637,6 +681,23 @@ def _edge_ids(plan: Plan) -> dict[Edge, int]:
     for m in plan.modules:
         for s in range(m.num_stages - 1):
             edges.append(((m.name, s), (m.name, s + 1)))
-        if m.name != LLM:
+        if m.name in plan.encoder_names:
             edges.append(((m.name, m.num_stages - 1), (LLM, 0)))
+        elif m.name in plan.generator_names:
+            edges.append(((LLM, plan.spec(LLM).num_stages - 1), (m.name, 0)))
     return {e: i for i, e in enumerate(edges)}
+
+
+def _join_generator_grads(st: MicrobatchState) -> None:
+    """The LLM's last stage with generators, before its backward: one scalar, the loss plus each
+    generator's states dotted with their received gradient (detached), so one backward gives the
+    loss's gradient plus exactly each received one (d<x, g>/dx = g) through the shared graph."""
+    total = st.output if st.output.requires_grad else None
+    for g, x in st.sends.items():
+        grad = st.send_grads.pop(g, None)
+        if grad is not None and x.requires_grad:
+            term = (x * grad).sum().float()
+            total = term if total is None else total + term
+    st.sends = None
+    if total is not None:
+        st.output = total

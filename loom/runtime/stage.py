@@ -30,11 +30,12 @@ class Stage:
     replica: int
     layers: list[Layer]
     is_first: bool  # first stage of its module (encoders read the microbatch here)
-    is_last: bool  # last stage of its module (the LLM's computes the loss)
+    is_last: bool  # last stage of its module (the LLM's and a generator's compute a loss)
+    generator: bool = False  # a stage of a generator after the LLM (loom.model.generator)
 
     @property
     def computes_loss(self) -> bool:
-        return self.module == LLM and self.is_last
+        return self.is_last and (self.module == LLM or self.generator)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return {f"{l.name}.{n}": p for l in self.layers for n, p in l.module.named_parameters()}
@@ -77,7 +78,8 @@ def build_stages(
             if shard is not None:
                 shard(layer)
         stages.append(Stage(module, stage, replica, layers, is_first=stage == 0,
-                            is_last=stage == plan.spec(module).num_stages - 1))
+                            is_last=stage == plan.spec(module).num_stages - 1,
+                            generator=module in plan.generator_names))
     if release_others:
         held = {id(l.module) for st in stages for l in st.layers}
         for name in plan.module_names:
@@ -94,4 +96,7 @@ def move_batch(batch, device: torch.device):
     inputs = {
         name: {k: [t.to(device) for t in v] for k, v in d.items()} for name, d in batch.modality_inputs.items()
     }
-    return replace(batch, input_ids=batch.input_ids.to(device), labels=batch.labels.to(device), modality_inputs=inputs)
+    generation = {name: {**d, "targets": [t.to(device) for t in d["targets"]]}
+                  for name, d in batch.generation_inputs.items()}
+    return replace(batch, input_ids=batch.input_ids.to(device), labels=batch.labels.to(device), modality_inputs=inputs,
+                   generation_inputs=generation)

@@ -423,8 +423,10 @@ def build_schedule(
         m, s = stage
         return plan.unit_of(m, s, plan.replica_of_microbatch(m, microbatch))
 
-    def routed(src: Stage, dst: Stage) -> bool:
-        return layout is not None and dst == (LLM, 0) and src[0] != LLM
+    encoder_set = set(plan.encoder_names)
+
+    def routed(src: Stage, dst: Stage) -> bool:  # an encoder's edge into the LLM under a balanced layout
+        return layout is not None and dst == (LLM, 0) and src[0] in encoder_set
 
     def edge_messages(here: Stage, there: Stage, j: int, kind_: ActionKind) -> list[Action]:
         """The messages of one microbatch ``j`` of ``here`` along the edge to/from ``there``."""

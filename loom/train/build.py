@@ -13,15 +13,17 @@ from typing import Callable
 
 import torch
 
-from loom.data.collate import MODALITIES, target_count
+from loom.data.collate import MODALITIES, GenerationSpec, target_count
 from loom.data.demo import DemoDataset
 from loom.data.sample import SampleMeta
-from loom.data.tokenizer import Tokenizer
+from loom.data.tokenizer import GEN_IMAGE_MARKER, Tokenizer
 from loom.cost.model import Workload
 from loom.plan.plan import Plan
 from loom.schedule.ir import Schedule
+from loom.model.generator import ModalityGenerator
 from loom.model.multimodal import ModalityEncoder, MultimodalModel
 from loom.model.zoo import AudioEncoder, LlamaForCausalLM, VisionEncoder
+from loom.model.zoo.diffusion import DiffusionGenerator
 from loom.train.config import ConfigError, ModelConfig, TrainConfig
 
 
@@ -40,10 +42,19 @@ def build_model(
             encoders["vision"] = ModalityEncoder(VisionEncoder(cfg.vision), projector=cfg.projector)
         if cfg.audio is not None:
             encoders["audio"] = ModalityEncoder(AudioEncoder(cfg.audio), projector=cfg.projector)
+        generators: dict[str, ModalityGenerator] = {}
+        if cfg.generator is not None:  # DistTrain's output projector + generator, the module "image"
+            if not tokenizer.has(GEN_IMAGE_MARKER):
+                raise ConfigError(f"model.generator: the tokenizer has no {GEN_IMAGE_MARKER} token; build it with "
+                                  f"build_data(cfg), which adds it for a model with a generator")
+            generators["image"] = ModalityGenerator(DiffusionGenerator(cfg.generator), projector=cfg.projector,
+                                                    loss_weight=cfg.generator_loss_weight)
         model = MultimodalModel(
             encoders,
             LlamaForCausalLM(llm_cfg),
             placeholder_ids={name: tokenizer.token_id(MODALITIES[name][0]) for name in encoders},
+            generators=generators,
+            generation_ids={name: tokenizer.token_id(GEN_IMAGE_MARKER) for name in generators},
         )
     model.init_seed = seed
     if cfg.freeze:
@@ -62,13 +73,22 @@ def token_counters(model: MultimodalModel) -> dict[str, Callable]:
     return {name: enc.num_tokens for name, enc in model.encoders.items()}
 
 
+def generation_specs(model: MultimodalModel) -> dict[str, GenerationSpec]:
+    """Per generator, what collation needs of it: LLM states per item and the target shape."""
+    return {name: GenerationSpec(gen.cond_tokens, gen.target_shape) for name, gen in model.generators.items()}
+
+
 def num_targets(meta: SampleMeta) -> int:
     """Target tokens of a sample from metadata alone (`loom.data.collate.target_count`)."""
     return target_count(meta)
 
 
 def build_data(cfg: TrainConfig) -> tuple[Tokenizer, DemoDataset]:
-    return Tokenizer(), DemoDataset(cfg.data.demo)
+    """The demo tokenizer (with the ``<gen_image>`` marker when the model has a generator) and
+    dataset."""
+    extra = [GEN_IMAGE_MARKER] if cfg.model.generator is not None else []
+    tokenizer = Tokenizer(extra_tokens=extra)
+    return tokenizer, DemoDataset(cfg.data.demo, tokenizer=tokenizer)
 
 
 def mean_workloads(cfg: TrainConfig, model: MultimodalModel, dataset: DemoDataset,

@@ -1,6 +1,7 @@
 """Typed run configuration, loaded from TOML with command-line overrides.
 
-Sections: ``[run]``, ``[model]`` (with ``[model.vision]``, ``[model.audio]``, ``[model.llm]``),
+Sections: ``[run]``, ``[model]`` (with ``[model.vision]``, ``[model.audio]``, ``[model.llm]`` and
+an optional ``[model.generator]``),
 ``[data]`` (with ``[data.demo]``), ``[optim]``, ``[balance]`` (per-phase balancing policy and
 microbatch order, see `loom.balance.policy.BalanceConfig`) and ``[plan]`` (see `loom.plan.plan.Plan`).
 Every unknown key, wrong type or bad value raises `ConfigError` naming the dotted field and
@@ -22,6 +23,7 @@ from typing import Any
 from loom.balance.config import BalanceConfig, BalanceError, check_balance_config
 from loom.data.demo import DemoConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
+from loom.model.zoo.diffusion import DiffusionConfig
 from loom.plan.overrides import ConfigError, build_dataclass, parse_override, set_dotted, typed_value
 from loom.plan.plan import ModuleSpec, Plan, PlanError
 from loom.runtime.tensor_parallel import check_tp_degree
@@ -50,8 +52,12 @@ class ModelConfig:
     vision: VisionConfig | None = field(default_factory=VisionConfig)
     audio: AudioConfig | None = field(default_factory=AudioConfig)
     llm: LlamaConfig = field(default_factory=LlamaConfig)
-    projector: str = "mlp"  # "linear" | "mlp"
-    freeze: list[str] = field(default_factory=list)  # parts: "vision", "vision.encoder", "llm", ...
+    projector: str = "mlp"  # "linear" | "mlp" (the output projector of a generator too)
+    freeze: list[str] = field(default_factory=list)  # parts: "vision", "vision.encoder", "llm", "image.projector", ...
+    # an image generator after the LLM (DistTrain's output projector + generator), the module
+    # "image": a tiny diffusion transformer conditioned on the LLM's states at <gen_image> tokens
+    generator: DiffusionConfig | None = None
+    generator_loss_weight: float = 1.0  # its denoising loss's weight beside the language-model loss
 
 
 @dataclass
@@ -113,9 +119,17 @@ class TrainConfig:
                  "unknown projector", "choose 'linear' or 'mlp'")
         _require(all(isinstance(f, str) and f for f in self.model.freeze), "model.freeze", self.model.freeze,
                  "every entry must be a part name", 'e.g. model.freeze=["vision.encoder"]')
-        _require(self.data.demo.mix.get("generate", 0) == 0, "data.demo.mix.generate",
-                 self.data.demo.mix.get("generate"), "generation requests need a model with an image generator, "
-                 "which loom train does not build yet", "set it to 0")
+        gen = self.model.generator
+        _require(gen is not None or self.data.demo.mix.get("generate", 0) == 0, "data.demo.mix.generate",
+                 self.data.demo.mix.get("generate"), "generation requests need a model with an image generator",
+                 "add a [model.generator] table, or set it to 0")
+        _require(math.isfinite(self.model.generator_loss_weight) and self.model.generator_loss_weight >= 0,
+                 "model.generator_loss_weight", self.model.generator_loss_weight, "must not be negative",
+                 "use a weight such as 1.0")
+        if gen is not None and gen.image_size != self.data.demo.gen_image_size:
+            raise ConfigError(f"model.generator.image_size = {gen.image_size} but data.demo.gen_image_size = "
+                              f"{self.data.demo.gen_image_size}: the generator makes the images the demo asks for; "
+                              f"set both to the same size")
         _require(self.data.global_batch_size >= 1, "data.global_batch_size", self.data.global_batch_size,
                  "must be at least 1", "use a positive number of samples per step")
         _require(math.isfinite(optim.lr) and optim.lr > 0, "optim.lr", optim.lr, "must be positive",
@@ -143,11 +157,13 @@ class TrainConfig:
                 f"set both to the same value"
             )
         encoders = [n for n in ("vision", "audio") if getattr(self.model, n) is not None]
+        names = encoders + ["llm"] + (["image"] if gen is not None else [])
         for m in self.plan.modules:
-            if m.name != "llm" and m.name not in encoders:
+            if m.name not in names:
                 raise ConfigError(
-                    f"plan.modules[{m.name!r}]: unknown module name; the model has {encoders + ['llm']}: name one "
-                    f"of them (an encoder set to none in [model] has no module to place)"
+                    f"plan.modules[{m.name!r}]: unknown module name; the model has {names}: name one "
+                    f"of them (an encoder set to none in [model] has no module to place; the generator is "
+                    f"'image', with a [model.generator] table)"
                 )
         shapes = {"llm": self.model.llm, "vision": self.model.vision, "audio": self.model.audio}
         for m in self.plan.modules:  # TP degrees against heads and widths (loom.runtime.tensor_parallel)

@@ -82,6 +82,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
                 "target_tokens": got.num_targets,
                 "lr": cfg.optim.lr * lr_lambda(cfg)(step),
             }
+            if len(done.losses) > 1:  # generators: each loss term on its own ("loss" is their sum)
+                row.update({f"loss_{m}": round(v, 6) for m, v in done.losses.items()})
             if done.result.grad_norm is not None:  # optim.max_grad_norm > 0: the pre-clip global norm
                 row["grad_norm"] = round(done.result.grad_norm, 6)
             metrics.write(json.dumps(row) + "\n")
@@ -99,7 +101,8 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
                 progress.set_postfix(loss=f"{loss:.3f}", samples_s=f"{row['samples_per_s']:.1f}")
                 progress.update(1)
             elif step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
-                print(f"step {step:5d}/{cfg.run.steps}  loss {loss:.4f}  "
+                terms = "".join(f"  {m} {v:.4f}" for m, v in done.losses.items()) if len(done.losses) > 1 else ""
+                print(f"step {step:5d}/{cfg.run.steps}  loss {loss:.4f}{terms}  "
                       f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step", flush=True)
 
     if rank == 0 and set(got.layout.policy.values()) != {"none"}:

@@ -24,10 +24,11 @@ from loom.balance.config import BalanceConfig
 from loom.cost.arch_from_model import arch_from_model
 from loom.data.sampler import GlobalBatchSampler
 from loom.data.tokenizer import Tokenizer
+from loom.plan.plan import LLM
 from loom.runtime.dispatch import Dispatched, Dispatcher, SampleSource
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.executor import StepResult
-from loom.train.build import bubble_filler, build_data, build_model, token_counters
+from loom.train.build import bubble_filler, build_data, build_model, generation_specs, token_counters
 from loom.train.config import OptimConfig, TrainConfig
 
 ADAM_BETAS = (0.9, 0.95)  # the usual LLM pre-training betas (Llama 3, torchtitan)
@@ -75,6 +76,7 @@ class RankStep:
     dispatched: Dispatched
     result: StepResult
     loss: float
+    losses: dict[str, float]  # summed over the ranks per loss term: "llm" and each generator
     dispatch_s: float
     engine_s: float
     total_s: float
@@ -103,16 +105,19 @@ class RankRun:
         device around each action, for a trace)."""
         t0 = time.perf_counter()
         indices = self.sampler.batch(step)
-        got = self.dispatcher.dispatch(indices)
+        got = self.dispatcher.dispatch(indices, step)
         t1 = time.perf_counter()
         result = self.engine.step(got.batches, got.num_targets, step, exact_timing=exact_timing,
-                                  layout=got.layout, rows=got.rows)
+                                  layout=got.layout, rows=got.rows, num_generations=got.num_generations)
         t2 = time.perf_counter()
         if self.scheduler is not None:
             self.scheduler.step()
-        loss = torch.tensor([result.loss], dtype=torch.float64)
-        dist.all_reduce(loss)  # only the LLM's last stages contribute
-        return RankStep(step, indices, got, result, float(loss), t1 - t0, t2 - t1, time.perf_counter() - t0)
+        terms = [LLM, *self.cfg.plan.generator_names]
+        loss = torch.tensor([result.module_losses.get(m, 0.0) for m in terms], dtype=torch.float64)
+        dist.all_reduce(loss)  # only the LLM's and the generators' last stages contribute
+        losses = dict(zip(terms, loss.tolist()))
+        return RankStep(step, indices, got, result, sum(losses.values()), losses, t1 - t0, t2 - t1,
+                        time.perf_counter() - t0)
 
     def close(self) -> None:
         """End the runtime's communication (`ParallelEngine.close`) before the process group goes."""
@@ -138,7 +143,7 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     scheduler = make_lr_scheduler(cfg, engine.optimizer) if engine.optimizer is not None else None
     sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch, cfg.balance, device,
-                            pack=cfg.data.pack_sequences)
+                            pack=cfg.data.pack_sequences, generations=generation_specs(model))
     return RankRun(cfg, device, tokenizer, dataset, engine, dispatcher, sampler, scheduler, counters)
 
 
@@ -150,4 +155,4 @@ def profiling_dispatcher(cfg: TrainConfig) -> Dispatcher:
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")
     plan = cfg.plan.resolve(model.layer_counts(), dist.get_world_size())
     return Dispatcher(plan, dataset, tokenizer, token_counters(model), arch_from_model(model), BalanceConfig(),
-                      torch.device("cpu"), pack=cfg.data.pack_sequences)
+                      torch.device("cpu"), pack=cfg.data.pack_sequences, generations=generation_specs(model))

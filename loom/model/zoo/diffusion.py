@@ -79,7 +79,8 @@ class DiffusionConfig:
 def noise_schedule(config: DiffusionConfig) -> torch.Tensor:
     """``a_t`` for every timestep: the cumulative product of ``1 - beta_t`` over DDPM's linear
     betas, in float64."""
-    betas = torch.linspace(config.beta_start, config.beta_end, config.num_train_timesteps, dtype=torch.float64)
+    betas = torch.linspace(config.beta_start, config.beta_end, config.num_train_timesteps, dtype=torch.float64,
+                           device="cpu")
     return torch.cumprod(1.0 - betas, dim=0)
 
 
@@ -183,7 +184,9 @@ class DiffusionGenerator(nn.Module):
         self.blocks = nn.ModuleList(GeneratorBlock(config.hidden_size, config.num_heads, config.mlp_ratio,
                                                    config.norm_eps) for _ in range(config.num_layers))
         self.final = DiffusionHead(config)
-        self.register_buffer("alphas_cumprod", noise_schedule(config).float(), persistent=False)
+        # a plain CPU tensor, not a buffer: the schedule is fixed, so no materialisation (a meta
+        # build, `loom.model.materialise`) or move must touch it
+        self.alphas_cumprod = noise_schedule(config).float()
 
     @property
     def num_layers(self) -> int:
@@ -193,11 +196,17 @@ class DiffusionGenerator(nn.Module):
     def cond_tokens(self) -> int:
         return self.config.cond_tokens
 
+    @property
+    def target_shape(self) -> tuple[int, int, int]:
+        """``[C, H, W]`` of the images it makes."""
+        c, side = self.config.in_channels, self.config.image_size
+        return (c, side, side)
+
     def check_target(self, target: torch.Tensor | tuple[int, ...], where: str) -> None:
         """Raise ``ValueError`` naming ``where`` when a target's shape is not the configured one."""
-        c, s = self.config.in_channels, self.config.image_size
+        c, s, _ = self.target_shape
         shape = tuple(target.shape) if isinstance(target, torch.Tensor) else tuple(target)
-        if shape != (c, s, s):
+        if shape != self.target_shape:
             raise ValueError(f"{where} has shape {shape}; this generator makes images of [{c}, {s}, {s}] "
                              f"(its config's in_channels and image_size): resize the target or the generator")
 
@@ -211,8 +220,7 @@ class DiffusionGenerator(nn.Module):
         for i, t in enumerate(targets):
             self.check_target(t, f"targets[{i}]")
         noised, noises, steps = [], [], []
-        alphas = self.alphas_cumprod.to(device) if self.alphas_cumprod.device.type != "meta" \
-            else noise_schedule(cfg).float().to(device)
+        alphas = self.alphas_cumprod.to(device)
         for target, seed in zip(targets, seeds):
             t, eps = draw_noise(seed, cfg)
             eps = eps.to(device)
