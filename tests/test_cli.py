@@ -135,3 +135,23 @@ def test_a_stale_running_status_is_named_and_a_live_run_is_never_cleared(tmp_pat
         live.kill()
         live.wait()
     assert claim_run_dir(cfg, overwrite=True, dry_run=False) == run and not run.exists()
+
+
+@pytest.mark.multiprocess
+def test_train_with_a_generator_logs_each_loss_term(tmp_path):
+    """Issue 11: configs/generator.toml (vision -> 2-stage LLM -> image generator) trains through
+    `loom train`; each loss term is logged and the generator's stage is in the trace."""
+    out = loom("train", "--config", str(ROOT / "configs/generator.toml"), "run.steps=2", "run.name=g",
+               f"run.out_dir={tmp_path}", "run.log_every=1", "model.vision.hidden_size=32",
+               "model.llm.hidden_size=32", "model.llm.intermediate_size=64", "model.generator.hidden_size=32",
+               "data.global_batch_size=8", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["loss_llm"] > 0 and r["loss_image"] > 0
+        assert r["loss"] == pytest.approx(r["loss_llm"] + r["loss_image"], abs=1e-5)
+    assert "image" in out.stdout.splitlines()[1]  # the log line names each term
+    trace = json.loads((tmp_path / "g" / "trace.json").read_text())
+    forwards = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] == "forward"]
+    assert {e["pid"] for e in forwards} == {0, 1, 2, 3} and len(forwards) == 4 * 4

@@ -18,12 +18,12 @@ import torch.distributed as dist
 
 from loom.balance.policy import BalanceConfig
 from loom.cost.arch_from_model import arch_from_model
-from loom.data.collate import collate
+from loom.data.collate import GenerationSpec, collate
 from loom.data.demo import DemoConfig
 from loom.model.zoo import LlamaConfig, VisionConfig
 from loom.model.zoo.diffusion import DiffusionConfig
 from loom.plan.plan import ModuleSpec, Plan, PlanError
-from loom.runtime.dispatch import Dispatcher
+from loom.runtime.dispatch import DispatchError, Dispatcher
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.local import run_local
 from loom.train.build import build_data, build_model, generation_specs, num_targets, token_counters
@@ -98,8 +98,26 @@ def _worker(rank: int, world_size: int, case: str, out: str) -> None:
                   generator_loss=float(losses[1]), items=got.num_generations["image"],
                   policy=got.layout.policy["image"],
                   same_slots=got.layout.slots["image"] == got.layout.slots["llm"])
-    if rank == 0:
-        Path(out, "done").touch()
+    if case == "pp-none":
+        _bad_requests(rank, out)
+
+
+def _bad_requests(rank: int, out: str) -> None:
+    """Generation requests the model cannot serve fail every rank with the same message, naming
+    the sample and the field: a model without a generator, a generator of another image size."""
+    cfg, balance = _config("pp-none")
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED, device="meta")
+    plan = Plan([ModuleSpec("vision"), ModuleSpec("llm", num_stages=3)], num_microbatches=4)
+    plan.resolve({"vision": model.layer_counts()["vision"], "llm": model.layer_counts()["llm"]}, 4)
+    wrong = {"image": GenerationSpec(4, (3, 8, 8))}
+    for name, p, generations in (("none", plan, {}), ("size", cfg.plan, wrong)):
+        d = Dispatcher(p, dataset, tokenizer, token_counters(model), arch_from_model(model), balance,
+                       torch.device("cpu"), generations=generations)
+        try:
+            d.dispatch(list(range(GLOBAL_BATCH)))
+        except DispatchError as e:
+            Path(out, f"bad_{name}{rank}.txt").write_text(str(e))
 
 
 def _reference(case: str):
@@ -133,6 +151,13 @@ def test_generator_step_matches_single_process(case: str, tmp_path: Path) -> Non
         assert all(r["same_slots"] for r in results), f"{c}: the generator's slots are not the LLM's"
         assert results[0]["policy"] == c.rsplit("-", 1)[1]
         assert 0 < results[0]["generator_loss"] < results[0]["loss"], c
+    if case == "pp-none":  # every rank refused the same sample, naming the field and the fix
+        for name, field, fix in (("none", "meta.generations[0] asks generator 'image'", "has no generator 'image'"),
+                                 ("size", "meta.generations[0] is a [3, 16, 16] image", "makes [3, 8, 8]")):
+            texts = {(tmp_path / f"bad_{name}{r}.txt").read_text() for r in range(world)}
+            assert len(texts) == 1, texts
+            (text,) = texts
+            assert field in text and fix in text and "sample " in text, text
 
 
 def test_the_engine_refuses_what_it_cannot_run_with_a_generator() -> None:

@@ -56,6 +56,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
                 text = flag + " " + text[len(name) + 3:]
         raise CliError(text) from None
     cfg = load_config(default_config(args), args.overrides)
+    if cfg.model.generator is not None:
+        raise CliError("model.generator: loom profile does not time generator layers yet; profile the model "
+                       "without it (model.generator=none)")
     try:
         check_settings(device=args.device, dtype=cfg.run.dtype)  # bf16 on a CUDA device without it
     except ValueError as e:

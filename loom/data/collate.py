@@ -60,7 +60,9 @@ def generation_seed(sample_id: int, item: int, step: int) -> int:
     return int(np.random.SeedSequence([sample_id, item, step]).generate_state(1)[0])
 
 
-def _check_generations(meta: SampleMeta, generations: Generations) -> None:
+def check_generations(meta: SampleMeta, generations: Generations) -> None:
+    """Every generation request of ``meta`` names one of the model's ``generations`` and asks for
+    an image of the size it makes; a ``ValueError`` naming the sample and the field otherwise."""
     for i, g in enumerate(meta.generations):
         spec = generations.get(g.generator)
         if spec is None:
@@ -130,7 +132,7 @@ def count_tokens(meta: SampleMeta, token_counts: TokenCounts,
         counts[encoder] = total
         llm += total - len(items)  # each marker id is replaced by the item's tokens
     if meta.generations:
-        _check_generations(meta, generations or {})
+        check_generations(meta, generations or {})
         for g in meta.generations:
             llm += generations[g.generator].cond_tokens - 1
     counts["llm"] = llm
@@ -244,7 +246,7 @@ def collate_ids(
     is_gen = {g: flat == mid for g, mid in gen_marker.items()}
     num_gen = {g: _row_sums(m, starts, lengths).tolist() for g, m in is_gen.items()}
     for b, (meta, n) in enumerate(zip(metas, lengths.tolist())):
-        _check_generations(meta, generations)
+        check_generations(meta, generations)
         for g in GENERATORS:
             asked = sum(1 for x in meta.generations if x.generator == g)
             found = num_gen[g][b] if g in num_gen else 0

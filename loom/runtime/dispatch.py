@@ -41,8 +41,8 @@ from loom.balance.payload import generation_payload_bytes, loader_rank_of, slot_
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
 from loom.cost.workload import GENERATOR_NAMES, MetadataArrays, per_sample_sum
-from loom.data.collate import (MODALITIES, SAMPLE_FIELDS, Generations, TokenCounts, collate_ids, generation_seed,
-                               item_token_count)
+from loom.data.collate import (MODALITIES, SAMPLE_FIELDS, Generations, TokenCounts, check_generations, collate_ids,
+                               generation_seed, item_token_count)
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
 from loom.data.tokenizer import Tokenizer
 from loom.plan.plan import LLM, Plan
@@ -191,6 +191,7 @@ class Dispatcher:
             try:
                 sample = self.dataset[indices[p]]
                 sample.check_payload()
+                check_generations(sample.meta, self.generations)  # a generator the model has, of its size
                 text = self.tokenizer.encode(sample.text)
                 if len(text) != sample.meta.text_tokens:
                     raise ValueError(

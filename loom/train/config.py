@@ -126,6 +126,8 @@ class TrainConfig:
         _require(math.isfinite(self.model.generator_loss_weight) and self.model.generator_loss_weight >= 0,
                  "model.generator_loss_weight", self.model.generator_loss_weight, "must not be negative",
                  "use a weight such as 1.0")
+        _require(gen is None or not run.profile, "run.profile", run.profile, "loom profile does not time generator "
+                 "layers yet, so a profile cannot cut a model with a generator", 'leave run.profile = ""')
         if gen is not None and gen.image_size != self.data.demo.gen_image_size:
             raise ConfigError(f"model.generator.image_size = {gen.image_size} but data.demo.gen_image_size = "
                               f"{self.data.demo.gen_image_size}: the generator makes the images the demo asks for; "
