@@ -1,13 +1,13 @@
 """The ``disttrain`` policy: one layout for every phase (``disttrain.md`` §3.3-3.5), on arrays.
 
 1. Algorithm 2 (§3.3): the global batch's samples over the LLM's data-parallel groups, LPT on
-   each sample's summed cost (every phase's forward FLOPs), through the quantised integer LPT
+   each sample's summed cost (every module's forward FLOPs, a generator's included), through the quantised integer LPT
    core (`quantised_lpt`: Graham's bound up to half a quantum per sample, see its docstring).
 2. Inside each group, LPT of its samples into the group's ``k`` microbatches: all groups in
    lockstep, one step per sample rank, a ``(groups, k)`` load matrix and one argmin per step;
    the same float operations as `balance_dp_groups` on each group, so the same microbatches.
 3. Algorithm 3 (§3.4) on every group at once (`reorder_microbatches_batched`, bit-identical to
-   `reorder_microbatches` per group).
+   `reorder_microbatches` per group), a microbatch's size its encoder plus generator time.
 
 A right-padded LLM (loom's default, ``llm_batching = "padded"``) runs a microbatch as ``count``
 rows of its longest sample, so its LLM cost is ``count * max`` of the samples' padded row costs,
@@ -37,7 +37,8 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
     n, m = costs.num_samples, plan.num_microbatches
     dp = plan.spec(LLM).data_parallel
     k = m // dp
-    total = sum(costs.work[p] for p in plan.module_names)
+    # every costed module: a generator's work counts although it follows the LLM's slots (make_layout)
+    total = sum(costs.work.values())
     group_of = quantised_lpt(total, dp).rank_of_sample if dp > 1 else np.zeros(n, dtype=np.int64)
     sizes = np.bincount(group_of, minlength=dp)
     if sizes.min() < k:
@@ -60,7 +61,8 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
     candidates = [mb_of]
     if llm_padded:
         candidates.append(_sorted_runs(_members_descending(by_group, costs.llm_padded_weight(), sizes), sizes, k))
-    enc_total = sum((costs.work[e] for e in plan.encoder_names), np.zeros(n))
+    # a microbatch's size: its encoder plus generator time (disttrain.md §3.4)
+    enc_total = sum((w for p, w in costs.work.items() if p != LLM), np.zeros(n))
     p_llm = plan.spec(LLM).num_stages
     enc, llm = [], []
     weight = costs.llm_padded_weight() if llm_padded else None

@@ -36,7 +36,8 @@ class PayloadError(ValueError):
 def sample_payload_bytes(arch: ModelArch, meta: MetadataArrays) -> dict[str, np.ndarray]:
     """Per phase, each sample's payload bytes (float64 arrays over positions): its images'
     pixels (3 x height x width) to a vision encoder, its clips' waveform samples to an audio
-    encoder, its text ids (``text_tokens``) to the LLM; `ELEMENT_BYTES` per element.
+    encoder, its text ids (``text_tokens``) to the LLM; `ELEMENT_BYTES` per element; its
+    generation targets to a generator (`generation_payload_bytes`).
     The dispatcher sends exactly these bytes (`loom.runtime.dispatch.Dispatcher._nbytes`)."""
     n = meta.num_samples
     out: dict[str, np.ndarray] = {LLM: meta.text_tokens.astype(np.float64) * ELEMENT_BYTES[LLM]}
@@ -50,6 +51,8 @@ def sample_payload_bytes(arch: ModelArch, meta: MetadataArrays) -> dict[str, np.
                                     minlength=n) * ELEMENT_BYTES[kind]
         else:
             raise PayloadError(f"encoder {name!r} has kind {kind!r}: no payload rule; known: vision, audio")
+    for name in arch.generator_names:  # a generator's ranks get its targets
+        out[name] = generation_payload_bytes(meta, name)
     return out
 
 

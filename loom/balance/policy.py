@@ -23,6 +23,10 @@ the config names a policy:
 ``order`` (``given`` or ``disttrain``) reorders whole rounds for the per-phase policies with
 DistTrain's Algorithm 3; ``disttrain`` and ``entrain`` bring their own order.
 
+A generator after the LLM (disttrain.md §1) runs the requests of the LLM microbatch whose
+states condition it: every layout gives it the LLM's slots (`_with_generators`); ``disttrain``
+counts its work, the others decide on the encoders and the LLM.
+
 Per-sample cost is the module's forward FLOPs (`loom.balance.costs`, arrays from metadata
 arrays). A policy never makes a step slower than ``none`` by its own cost model: where the
 predicted gain in step time (`loom.balance.predict`: the layout's 1F1B pipeline over every
@@ -108,8 +112,10 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
 
 def _with_generators(layout: BatchLayout, plan: Plan) -> BatchLayout:
     """``layout`` (of the encoders and the LLM) with each generator's slots the LLM's: a
-    generator runs the generation requests of the LLM microbatch whose states condition it
-    (its own balancing needs generator costs, which the cost model does not have yet)."""
+    generator runs the generation requests of the LLM microbatch whose states condition it.
+    ``disttrain`` counts the generator's work in its decision (a microbatch's size is its
+    encoder plus generator time); ``orchmllm`` and ``entrain`` do not rearrange it on its own,
+    which would need the LLM's states routed to other generator microbatches by sample."""
     arrays = dict(layout.arrays)
     for g in plan.generator_names:
         arrays[g] = arrays[LLM]

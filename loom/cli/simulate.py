@@ -52,7 +52,10 @@ def plans_of(scenario, compare: bool) -> dict[str, Any]:
 
     plans: dict[str, Any] = {}
     if compare:
-        plans["first-stage"] = first_stage_plan(scenario)
+        if scenario.arch.generator_names:  # generators run on ranks of their own: no first-stage plan
+            print("loom: no first-stage plan: the model has generators, which run disaggregated only")
+        else:
+            plans["first-stage"] = first_stage_plan(scenario)
         plans["megatron-style"] = megatron_plan(scenario)
         try:
             plans["optimus"] = optimus_plan(scenario)

@@ -153,6 +153,8 @@ class AnalyticCostModel(CostModel):
             )
         for spec in plan.modules:
             for layer in arch.module(spec.name).layers:
+                if spec.name in plan.generator_names:
+                    break  # a generator runs replicated over its TP group (`_layer_cost`)
                 if layer.kind == "block" and layer.heads % spec.tensor_parallel:
                     raise PlanError(
                         f"plan.modules[{spec.name!r}].tensor_parallel = {spec.tensor_parallel} does not divide "
@@ -160,6 +162,7 @@ class AnalyticCostModel(CostModel):
                     )
         self.arch = arch
         self.plan = plan
+        self._generators = set(plan.generator_names)
         self.cluster = cluster
         self.spec = cluster.spec
         self.dtype_bytes = dtype_bytes
@@ -275,8 +278,10 @@ class AnalyticCostModel(CostModel):
         forward_comm = backward_input_comm = 0.0
         sequence_parallel = spec.name == LLM  # what loom.runtime.tensor_parallel runs
         sp = tp if sequence_parallel else 1
-        if layer.kind not in ("block", "embedding", "head") and not sequence_parallel:
-            tp = 1  # an encoder's front-end, final norm and projector run replicated
+        if (layer.kind not in ("block", "embedding", "head") and not sequence_parallel) or spec.name in self._generators:
+            # an encoder's front-end, final norm and projector run replicated; a generator wholly
+            # (Megatron-LM's generator at the LLM's TP, disttrain.md §2: replicated over the group)
+            tp = 1
         if tp > 1:
             activation = tokens * layer.hidden * b
             all_reduce = lambda n: comm.all_reduce_time(n, tp, g.tp_link)
@@ -394,17 +399,31 @@ class AnalyticCostModel(CostModel):
         over the link between the two units' first ranks."""
         if src_unit == dst_unit:
             return 0.0
-        # the simulator asks once per message: keep the stage's output layer and the link
+        # the simulator asks once per message: keep the stage's output layer
         out = self._stage_outputs.get((module, stage))
         if out is None:
             last, _ = self.stage_layers(module, stage)[-1]
             out = self._stage_outputs[(module, stage)] = (
                 last, last.out_width * self.dtype_bytes / self.plan.spec(module).context_parallel)
+        return comm.p2p_time(out[0].tokens_out(work.tokens) * out[1], self._link(src_unit, dst_unit))
+
+    def _link(self, src_unit: int, dst_unit: int) -> comm.Link:
+        """The link between two units' first ranks (asked once per message: kept)."""
         link = self._links.get((src_unit, dst_unit))
         if link is None:
             link = self._links[(src_unit, dst_unit)] = comm.link_for(
                 self.cluster, [self._unit_rank(src_unit), self._unit_rank(dst_unit)])
-        return comm.p2p_time(out[0].tokens_out(work.tokens) * out[1], link)
+        return link
+
+    def condition_transfer_time(self, src_unit: int, dst_unit: int, generator: str, work: Workload) -> float:
+        """The LLM's final states at the generator's generation positions, ``cond_tokens`` per
+        item of the LLM's width, point to point over the link between the two units (the gradient
+        back has the same size)."""
+        if src_unit == dst_unit:
+            return 0.0
+        width = self.arch.module(LLM).layers[-1].hidden  # the head's input: the final states
+        nbytes = work.segments * self.arch.module(generator).cond_tokens * width * self.dtype_bytes
+        return comm.p2p_time(nbytes, self._link(src_unit, dst_unit))
 
     def _trainable_params(self, module: str, stage: int) -> float:
         """Trainable parameters of the stage on one rank (its TP shard)."""

@@ -4,6 +4,7 @@ encoders and of Llama-layout LLMs (the zoo's or Hugging Face's), layer for layer
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -12,6 +13,7 @@ from loom.cost.arch import LLM, LayerArch, ModelArch, ModuleArch
 from loom.model.multimodal import MultimodalModel
 from loom.model.projector import MLPProjector
 from loom.model.zoo import AudioEncoder, VisionEncoder
+from loom.model.zoo.diffusion import DiffusionGenerator
 
 
 def _trainable(module: Any) -> bool:
@@ -68,6 +70,38 @@ def _encoder_layer_arch(layer: Any, encoder: Any) -> LayerArch:
     raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost description")
 
 
+def _generator_arch(model: MultimodalModel, name: str) -> ModuleArch:
+    """A `DiffusionGenerator` (DiT) behind its output projector, layer for layer: the projector
+    from the LLM's width (``cond_tokens`` states per item), the patch front-end with the timestep
+    MLP, blocks with cross-attention to the conditioning tokens, the final norm and linear (a
+    1x1 conv onto each patch's pixels)."""
+    wrapper = model.generators[name]
+    gen = wrapper.generator
+    if not isinstance(gen, DiffusionGenerator):
+        raise TypeError(f"generator {name!r} ({type(gen).__name__}) has no cost description; describe the model with "
+                        f"load_model_arch")
+    cfg, cond = gen.config, wrapper.cond_tokens
+    h, p = cfg.hidden_size, cfg.patch_size
+    layers = []
+    for layer in model.module_layers(name):
+        trainable = _trainable(layer.module)
+        if layer.kind == "projector":
+            arch = _projector_arch(layer.name, layer.module, layer.module.in_features, trainable)
+            layers.append(dataclasses.replace(arch, cond=cond))
+        elif layer.kind == "frontend":
+            layers.append(LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.in_channels,
+                                    patch=p, time_in=h, time_embed=h))
+        elif layer.kind == "block":
+            layers.append(LayerArch(layer.name, "block", h, trainable, heads=cfg.num_heads, kv_heads=cfg.num_heads,
+                                    ffn=int(h * cfg.mlp_ratio), qkv_bias=True, linear_bias=True, cross=h, cond=cond))
+        elif layer.kind == "head":
+            layers.append(LayerArch(layer.name, "conv", cfg.in_channels * p * p, trainable, in_channels=h, kernel=1,
+                                    stride=1, norm_before=True))
+        else:
+            raise TypeError(f"{layer.name}: generator layer kind {layer.kind!r} has no cost description")
+    return ModuleArch(name, "generator", tuple(layers), patch=p, cond_tokens=cond)
+
+
 def arch_from_model(model: MultimodalModel) -> ModelArch:
     """The `ModelArch` of a live model: zoo encoders (`VisionEncoder`, `AudioEncoder`) and a
     Llama-layout LLM (the zoo's or a Hugging Face one), layer for layer as
@@ -76,12 +110,10 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
     Every layer's parameter count is checked against the real module, so a model this
     function does not understand fails here rather than mis-costing silently.
 
-    Generators after the LLM (`loom.model.generator`) are not described: the cost model has no
-    generator layer kinds yet, so the balancing policies cost the encoders and the LLM only and
-    a generator's microbatches follow the LLM's (`loom.balance.policy.make_layout`).
+    Generators: the zoo's `DiffusionGenerator` (a DiT) behind its output projector.
     """
     modules: dict[str, ModuleArch] = {}
-    for name in [*model.encoders, LLM]:
+    for name in model.module_names:
         layers: list[LayerArch] = []
         if name == LLM:
             llm = model.llm
@@ -102,6 +134,8 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
                 else:
                     raise TypeError(f"{layer.name}: LLM layer kind {layer.kind!r} has no cost description")
             module = ModuleArch(name, "llm", tuple(layers))
+        elif name in model.generators:
+            module = _generator_arch(model, name)
         else:
             wrapper = model.encoders[name]
             encoder = wrapper.encoder

@@ -14,6 +14,13 @@ squared segment lengths), with ``W_l`` its GEMM weights per input token
   ``4 c S2 q`` with ``c = 1/2`` for causal attention (only the unmasked half is computed, as
   FlashAttention does) and 1 otherwise; backward-input ``8 c S2 q`` (twice forward: dQ, dK from
   dS and dP, dV); no weights, so no backward-weight.
+- Generator layers (`loom.cost.arch`) run on their own grid, ``scale`` times coarser per side
+  than the module's base: ``T / scale^2`` positions and ``S2 / scale^4``; a cross-attention adds
+  ``4 (T / scale^2) cond q`` (each position against its item's ``cond`` conditioning tokens), and
+  per-item GEMMs (the projector and the cross keys and values over the conditioning tokens, the
+  timestep MLP and projections) add ``2 segments W_item``. A U-Net's GroupNorms, SiLUs,
+  up/downsampling copies and skip concatenations are elementwise and left to the efficiency
+  factor, as a transformer's are.
 - Embedding lookups and norms are memory-bound: they cost bytes of HBM traffic
   (`memory_traffic`), no FLOPs.
 - Elementwise work inside a block (norms, activations, residuals, softmax) is left to the GEMM
@@ -54,8 +61,11 @@ class PhaseAmounts:
 
 
 def gemm_flops(layer: LayerArch, work: Workload) -> PhaseAmounts:
-    """FLOPs of the layer's matrix multiplies (linear in tokens)."""
+    """FLOPs of the layer's matrix multiplies (linear in tokens; a generator layer's per-item
+    GEMMs, `LayerArch.gemm_weights_per_item`, linear in items)."""
     f = 2.0 * work.tokens * layer.gemm_weights_per_token
+    if layer.gemm_weights_per_item:
+        f += 2.0 * work.segments * layer.gemm_weights_per_item
     if f == 0:
         return PhaseAmounts()
     if layer.kind == "frontend":
@@ -69,7 +79,9 @@ def attention_flops(layer: LayerArch, work: Workload) -> PhaseAmounts:
     if layer.kind != "block":
         return PhaseAmounts()
     c = 0.5 if layer.causal else 1.0
-    f = 4.0 * c * work.attn_sq * layer.q_dim
+    f = 4.0 * c * work.attn_sq / layer.scale**4 * layer.q_dim  # a generator layer's own grid (module docstring)
+    if layer.cross:  # each position attends to its item's cond tokens
+        f += 4.0 * work.tokens / layer.scale**2 * layer.cond * layer.q_dim
     return PhaseAmounts(f, 2 * f, 0.0)
 
 

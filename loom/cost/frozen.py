@@ -6,13 +6,16 @@ Backward splits into a weight-gradient part ``B_w`` and an input-gradient part `
 where ``p`` propagates forward: ``p(L_l) = p(L_{l-1}) or trainable(L_l)`` (eq. 3.3). Each
 encoder chain (its layers, then its projector) starts with ``p = False``; the LLM starts with
 the OR of every encoder chain's final ``p`` ("if some parameters in the modality encoders are
-trainable, all layers after it ... as well as the LLM need to backpropagate gradients").
+trainable, all layers after it ... as well as the LLM need to backpropagate gradients"). A
+generator after the LLM (disttrain.md §1) starts with the LLM's final ``p``: its output
+projector passes the gradient back into the LLM when anything up to it trains.
 
 One refinement, because it is what autograd does and what a profiler would measure: a layer
 that reads raw data (a front-end reading pixels or mel frames, the LLM's token embedding)
 has no input tensor to differentiate except what arrives from *upstream*, so its ``B_d`` is
 taken only when something strictly before it is trainable (for the LLM's embedding: when an
-encoder chain is, the gradient then flowing back through the merge of encoder tokens).
+encoder chain is, the gradient then flowing back through the merge of encoder tokens; for a
+generator's projector, which reads the LLM's states: when anything up to the LLM is).
 """
 
 from __future__ import annotations
@@ -46,9 +49,13 @@ def needs_from_flags(
     without it, a trainable layer counts its own ``B_d`` exactly as eq. 3.3 states)."""
     needs: dict[str, list[BackwardNeeds]] = {}
     encoders_propagate = False
+    llm_propagates: bool | None = None  # the LLM's final p, once its chain is done (generators follow it)
     for name, flags in trainable.items():
         raw = reads_data.get(name) if reads_data is not None else None
-        seen = encoders_propagate if name == LLM else False  # p(L_{l-1}) entering the chain
+        if name == LLM:
+            seen = encoders_propagate  # p(L_{l-1}) entering the chain
+        else:
+            seen = bool(llm_propagates)  # an encoder starts afresh, a generator after the LLM
         out = []
         for i, t in enumerate(flags):
             p = seen or bool(t)  # eq. 3.3
@@ -56,14 +63,20 @@ def needs_from_flags(
             out.append(BackwardNeeds(weight=bool(t), input=needs_input))  # eq. 3.2
             seen = p
         needs[name] = out
-        if name != LLM:
+        if name == LLM:
+            llm_propagates = seen
+        elif llm_propagates is None:
             encoders_propagate = encoders_propagate or seen
     return needs
 
 
 def backward_needs(arch: ModelArch) -> dict[str, list[BackwardNeeds]]:
     """Per module, per layer (in `ModelArch` order), the parts of backward it runs."""
+    generators = set(arch.generator_names)
     return needs_from_flags(
         {name: [layer.trainable for layer in m.layers] for name, m in arch.modules.items()},
-        {name: [layer.kind in INPUT_KINDS for layer in m.layers] for name, m in arch.modules.items()},
+        # a generator's projector reads the LLM's states: as data, they need a gradient only when
+        # something before them trains
+        {name: [layer.kind in INPUT_KINDS or (name in generators and i == 0) for i, layer in enumerate(m.layers)]
+         for name, m in arch.modules.items()},
     )

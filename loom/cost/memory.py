@@ -207,6 +207,8 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
     what lies between the projections is sharded over the sequence."""
     b, h, t = dtype_bytes, layer.hidden, tensor_parallel
     sp = sequence_parallel and t > 1
+    if layer.scale > 1 or layer.cross or layer.kind in ("resblock", "conv") or (layer.cond and layer.kind == "projector"):
+        return _generator_bytes_per_position(layer, recompute, b) / layer.scale**2
     if layer.kind == "block":
         if recompute == "full":
             return b * h / (t if sp else 1)  # the block's input: a sequence shard under SP
@@ -236,12 +238,40 @@ def activation_bytes_per_token(layer: LayerArch, tensor_parallel: int, recompute
     return 0.0  # embedding: keeps only the token ids
 
 
+def _generator_bytes_per_position(layer: LayerArch, recompute: str, b: int) -> float:
+    """What a generator layer keeps per position of its own grid (module docstring of
+    `loom.cost.arch`), roughly as autograd keeps it: a residual block its GroupNorm and SiLU
+    inputs and both convolutions' inputs (``2 in + 4 hidden`` elements); a convolution its input
+    (and its norm's); a block what a transformer block keeps, plus its cross-attention's norm,
+    query and output input and a spatial transformer's norm and projections. The conditioning
+    tokens' own activations (``cond`` per item, far fewer than positions) are left out."""
+    h = layer.hidden
+    if layer.kind == "resblock":
+        return b * (2 * layer.in_channels + 4 * h) if recompute != "full" else b * layer.in_channels
+    if layer.kind == "conv":
+        return b * layer.in_channels * (2 if layer.norm_before else 1)
+    if layer.kind == "block":
+        if recompute == "full":
+            return b * h
+        mlp = (4 if layer.gated_mlp else 2) * layer.ffn
+        kept = b * (2 * norm_kept_elements(layer.norm, h) + 4 * layer.q_dim + mlp)
+        if layer.cross:
+            kept += b * (norm_kept_elements(layer.norm, h) + 2 * layer.q_dim)
+        if layer.proj_io:
+            kept += b * 3 * h
+        return kept
+    return 0.0  # a generator's projector: conditioning tokens only
+
+
 def stage_output_bytes_per_token(layer: LayerArch, dtype_bytes: int, sequence_shards: int = 1) -> float:
     """What a stage whose last layer is ``layer`` holds per input token of its output until the
     output's gradient comes back (module docstring): the output, in the compute dtype, on the
     rank's ``1 / sequence_shards`` of the sequence (the TP degree under sequence parallelism:
     consecutive LLM stages pass their shards on, `loom.runtime.unit`)."""
-    return dtype_bytes * layer.out_width / (layer.merge if layer.kind == "projector" else 1) / sequence_shards
+    # a generator layer's output is on its own grid (`LayerArch.out_scale`); skip tensors a cut
+    # U-Net would also pass on are not counted
+    return (dtype_bytes * layer.out_width / (layer.merge if layer.kind == "projector" else 1) / sequence_shards
+            / layer.out_scale**2)
 
 
 def weight_copy_bytes(layer: LayerArch, tensor_parallel: int, dtype_bytes: int) -> float:

@@ -94,6 +94,14 @@ class CostModel(ABC):
         backwards, the gradient of the same shape) from pipeline unit ``src_unit`` to
         ``dst_unit``, over the link between them (same node or not)."""
 
+    def condition_transfer_time(self, src_unit: int, dst_unit: int, generator: str, work: Workload) -> float:
+        """Seconds to move generator ``generator``'s conditioning states (the LLM's final states at
+        its generation positions, disttrain.md §1), or their gradient, between the LLM's last
+        stage and the generator's first, for the generator's ``work`` (one segment per item). A
+        model that prices generators overrides it."""
+        raise ValueError(f"{type(self).__name__} does not price generators (module {generator!r}): use the analytic "
+                         f"cost model (loom simulate) for plans with a generator")
+
     @abstractmethod
     def grad_sync_time(self, module: str, stage: int) -> float:
         """Seconds of the stage's gradient synchronisation across its data-parallel replicas

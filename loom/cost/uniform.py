@@ -83,6 +83,9 @@ class UniformCostModel(CostModel):
     def transfer_time(self, src_unit: int, dst_unit: int, module: str, stage: int, work: Workload) -> float:
         return _lookup(self.transfer, module, stage, "transfer")
 
+    def condition_transfer_time(self, src_unit: int, dst_unit: int, generator: str, work: Workload) -> float:
+        return _lookup(self.transfer, generator, -1, "transfer")  # keyed (generator, -1): its input
+
     def grad_sync_time(self, module: str, stage: int) -> float:
         if self.plan.spec(module).data_parallel <= 1:
             return 0.0

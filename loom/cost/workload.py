@@ -1,6 +1,8 @@
 """The metadata-to-workload rule: what each module computes for a set of samples, from their
 metadata alone (docs/architecture.md principle 4). Token counts per encoder item come from the module's
-architecture; the LLM's sequence is the text plus every encoder's merged tokens.
+architecture; the LLM's sequence is the text plus every encoder's merged tokens, each generation
+request's marker expanded to the generator's ``cond_tokens`` positions; a generator's workload is
+its requests' positions at its base resolution (`loom.cost.arch`), one segment per request.
 
 The simulator, the balancing policies and the partitioner all cost samples through this rule,
 so a layout decided on metadata is priced exactly as the simulator plays it.
@@ -45,6 +47,16 @@ def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "p
                 f"[model] encoders, or choose a data.mix without {field_name}"
             )
     llm_lengths = [m.text_tokens - len(m.images) - len(m.audios) for m in metas]
+    for name in arch.generator_names:
+        module = arch.module(name)
+        lengths = []
+        for b, meta in enumerate(metas):
+            for g in meta.generations:
+                if g.generator == name:
+                    lengths.append(module.num_tokens(g))
+                    llm_lengths[b] += module.cond_tokens - 1
+        work[name] = Workload.of_lengths(lengths)
+    _check_generators(arch, (g.generator for m in metas for g in m.generations))
     for name in arch.encoder_names:
         module = arch.module(name)
         field_name = ITEM_FIELDS.get(module.kind)
@@ -60,6 +72,15 @@ def sample_work(arch: ModelArch, metas: list[SampleMeta], llm_batching: str = "p
         raise WorkloadError(f"data.llm_batching = {llm_batching!r}: choose 'packed' or 'padded'")
     work[LLM] = Workload.of_lengths(llm_lengths) if llm_batching == "packed" else Workload.padded(llm_lengths)
     return work
+
+
+def _check_generators(arch: ModelArch, asked) -> None:
+    known = set(arch.generator_names)
+    missing = sorted({g for g in asked if g not in known})
+    if missing:
+        raise WorkloadError(f"the data asks generators {missing} for images but the model has "
+                            f"{arch.generator_names or 'no generator'}: add one to the model, or choose data without "
+                            f"generation requests")
 
 
 # ---- the same rule over arrays (the balancing hot path), and the metadata's wire form ----------
@@ -459,6 +480,18 @@ def sample_tokens(arch: ModelArch, meta: MetadataArrays | Sequence[SampleMeta]) 
         tokens[name] = per_sample_sum(count, t, bounds)
         attn_sq[name] = per_sample_sum(count, t * t, bounds)
         llm += per_sample_sum(count, t // module.merge if module.merge != 1 else t, bounds)
+    if meta.generation_code.size:
+        _check_generators(arch, (GENERATOR_NAMES[c] for c in np.unique(meta.generation_code).tolist()))
+    owner = np.repeat(np.arange(meta.num_samples), meta.generation_count)
+    for name in arch.generator_names:
+        module = arch.module(name)
+        mine = meta.generation_code == _GENERATOR_CODE[name] if name in _GENERATOR_CODE else \
+            np.zeros(meta.generation_code.shape, dtype=bool)
+        hw = meta.generation_hw[mine].astype(np.int64)
+        per = (hw[:, 0] // module.patch) * (hw[:, 1] // module.patch)
+        tokens[name] = np.bincount(owner[mine], weights=per, minlength=meta.num_samples).astype(np.int64)
+        attn_sq[name] = np.bincount(owner[mine], weights=per * per, minlength=meta.num_samples).astype(np.int64)
+        llm += np.bincount(owner[mine], minlength=meta.num_samples) * (module.cond_tokens - 1)
     tokens[LLM] = np.maximum(llm, 0)
     attn_sq[LLM] = tokens[LLM] * tokens[LLM]
     return SampleTokens(tokens, attn_sq, llm)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loom.data.sample import AudioMeta, ImageMeta, SampleMeta
+from loom.data.sample import AudioMeta, GenerationMeta, ImageMeta, SampleMeta
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class SampleKind:
     text_median: int = 64
     text_sigma: float = 0.6
     text_range: tuple[int, int] = (8, 4096)
+    generations: tuple[int, int] = (0, 0)  # images the sample asks a generator for (DistTrain, disttrain.md §1)
 
 
 MIXES: dict[str, dict[str, tuple[float, SampleKind]]] = {
@@ -65,6 +66,15 @@ MIXES: dict[str, dict[str, tuple[float, SampleKind]]] = {
     },
 }
 
+# DistTrain's MLLMs (disttrain.md §4.1): LAION image-text pairs interleaved into sequences of up
+# to 8192 tokens that the model reads, with images to generate (at the scenario's generation
+# resolution) among them, skewed in image count and size; a fifth mostly ask for images.
+MIXES["generation"] = {
+    "interleaved": (0.8, SampleKind(images=(1, 8), image_side=(224, 448), text_median=3000, text_sigma=0.5,
+                                    text_range=(256, 7000), generations=(0, 2))),
+    "generate": (0.2, SampleKind(images=(0, 2), text_median=1500, text_sigma=0.5, generations=(1, 4))),
+}
+
 # The mixes whose samples are skewed enough to need balancing, as the balancing benchmark names them.
 SKEWED_MIXES = ("caption", "multi_image", "audio_heavy", "interleaved")
 
@@ -78,6 +88,8 @@ class SyntheticMetadata:
     patch_size: int = 14
     sample_rate: int = 16000
     num_samples: int = 1_000_000
+    generation_size: int = 512  # side of the images generation requests ask for (pixels)
+    generator: str = "image"  # the generator they name
     _kinds: list[tuple[str, float, SampleKind]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -115,6 +127,9 @@ class SyntheticMetadata:
             for _ in range(int(rng.integers(kind.audios[0], kind.audios[1] + 1)))
         )
         text = int(np.clip(rng.lognormal(np.log(kind.text_median), kind.text_sigma), *kind.text_range))
-        segments = ("image",) * len(images) + ("audio",) * len(audios) + ("text",)
-        # text_tokens counts BOS/EOS and one marker per item, as the collation's tokenizer would
-        return name, SampleMeta(i, text + 2 + len(images) + len(audios), images, audios, segments)
+        side = self.generation_size
+        gens = tuple(GenerationMeta(self.generator, side, side)
+                     for _ in range(int(rng.integers(kind.generations[0], kind.generations[1] + 1))))
+        segments = ("image",) * len(images) + ("audio",) * len(audios) + ("text",) + ("generate",) * len(gens)
+        # text_tokens counts BOS/EOS and one marker per item or request, as the collation's tokenizer would
+        return name, SampleMeta(i, text + 2 + len(images) + len(audios) + len(gens), images, audios, segments, gens)

@@ -1,7 +1,9 @@
 """The plans ``loom simulate --compare`` sets side by side for a `Scenario`.
 
-- **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage with the
-  LLM's TP and DP, and the LLM's layers are split evenly over the remaining stages;
+- **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage and every
+  generator one extra last stage with the LLM's TP and DP (a generator runs replicated over its
+  TP group, as Megatron-LM retrofitted for MLLMs runs it), and the LLM's layers are split evenly
+  over the remaining stages;
 - **first-stage** (Megatron-LM's own layout): every rank in the LLM's pipeline, the encoders
   inside its first position;
 - **optimus** (optimus.md §2.3, §3.4 to §3.6): every rank in the LLM's pipeline, one replica of
@@ -25,10 +27,11 @@ from loom.sim.scenario import Scenario, ScenarioError
 
 
 def megatron_plan(scenario: Scenario) -> Plan:
-    """Encoders as extra first stages at the LLM's TP and DP, the LLM split evenly (disttrain.md §2)."""
+    """Encoders as extra first stages and generators as extra last stages at the LLM's TP and DP,
+    the LLM split evenly (disttrain.md §2)."""
     d, arch, cluster = scenario.degrees, scenario.arch, scenario.cluster
-    # encoders take TP x DP ranks per stage (no CP); the LLM's stages take TP x CP x DP
-    encoder_ranks = len(arch.encoder_names) * d.tensor_parallel * d.data_parallel
+    # encoders and generators take TP x DP ranks per stage (no CP); the LLM's stages take TP x CP x DP
+    encoder_ranks = len(arch.encoder_names + arch.generator_names) * d.tensor_parallel * d.data_parallel
     llm_stages = (cluster.num_gpus - encoder_ranks) // (d.tensor_parallel * d.context_parallel * d.data_parallel)
     if llm_stages < 1:
         raise ScenarioError(f"{cluster.num_gpus} GPUs leave no pipeline stage for the LLM "
@@ -45,7 +48,9 @@ def _even_plan(scenario: Scenario, positions: int, placement: str) -> Plan:
     llm = ModuleSpec(LLM, data_parallel=d.data_parallel, num_stages=positions * d.virtual_stages,
                      tensor_parallel=d.tensor_parallel, context_parallel=d.context_parallel, zero_stage=d.zero_stage,
                      recompute=d.recompute, virtual_stages=d.virtual_stages)
-    plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
+    generators = [ModuleSpec(n, data_parallel=d.data_parallel, num_stages=1, tensor_parallel=d.tensor_parallel,
+                             zero_stage=d.zero_stage, recompute=d.recompute) for n in arch.generator_names]
+    plan = Plan([*encoders, llm, *generators], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
                 schedule=d.schedule, placement=placement)
     return plan.resolve(arch.layer_counts(), scenario.cluster.num_gpus)
 
@@ -70,6 +75,9 @@ def optimus_plan(scenario: Scenario) -> Plan:
     replica per pipeline unit at the LLM's TP, the bubble fill on, no ZeRO. A `ScenarioError`
     names what rules it out."""
     d, arch, cluster = scenario.degrees, scenario.arch, scenario.cluster
+    if arch.generator_names:
+        raise ScenarioError(f"the model has generators {arch.generator_names}, which run on ranks of their own: the "
+                            f"colocated placement has none")
     if d.context_parallel != 1:
         raise ScenarioError(f"parallel.context_parallel = {d.context_parallel}: the colocated placement runs the LLM "
                             f"without context parallelism; set it to 1 for an Optimus plan")
@@ -100,7 +108,10 @@ def frozen_aware_plan(scenario: Scenario) -> tuple[Plan, Any]:
                     recompute=d.recompute) for n in arch.encoder_names]
         + [ModuleSpec(LLM, data_parallel=d.data_parallel, tensor_parallel=d.tensor_parallel,
                       context_parallel=d.context_parallel, zero_stage=d.zero_stage, recompute=d.recompute,
-                      virtual_stages=d.virtual_stages)],
+                      virtual_stages=d.virtual_stages)]
+        # a generator at the encoders' TP, after the LLM; the search gives it stages as it does an encoder
+        + [ModuleSpec(n, data_parallel=d.data_parallel, tensor_parallel=etp, zero_stage=d.zero_stage,
+                      recompute=d.recompute) for n in arch.generator_names],
         num_microbatches=d.microbatches_per_pipeline * d.data_parallel, schedule=d.schedule,
     )
     work = scenario.microbatch_work(scenario.metas(), template.num_microbatches)
@@ -122,7 +133,7 @@ def frozen_aware_plan(scenario: Scenario) -> tuple[Plan, Any]:
         return scenario.run(chunked(stage_counts), work).iteration_time
 
     result = loosely_coupled_search(
-        costs[LLM], {n: costs[n] for n in arch.encoder_names}, cluster.num_gpus, iteration_time,
+        costs[LLM], {n: costs[n] for n in arch.encoder_names + arch.generator_names}, cluster.num_gpus, iteration_time,
         ranks_per_stage=ranks,
     )
     if result.iteration_time is None or math.isinf(result.iteration_time):

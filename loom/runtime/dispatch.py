@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from loom.schedule.layout import BatchLayout
-from loom.balance.payload import generation_payload_bytes, loader_rank_of, slot_destinations
+from loom.balance.payload import loader_rank_of, slot_destinations
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
 from loom.cost.workload import GENERATOR_NAMES, MetadataArrays, per_sample_sum
@@ -161,9 +161,7 @@ class Dispatcher:
         self._check_shared_slots(layout)
         tokens, items = self._encoder_rows(meta)
         rows = RowMap(layout, tokens, items)
-        payload_bytes = {phase: (generation_payload_bytes(meta, phase) if phase in self.generations
-                                 else costs.payload_bytes[phase]) for phase in self.plan.module_names}
-        received = self._exchange(layout, meta, payload_bytes, mine, samples, text_ids)
+        received = self._exchange(layout, meta, costs.payload_bytes, mine, samples, text_ids)
         batches = self._microbatches(layout, meta, received, step)
         # `loom.data.collate.target_count` summed: every text token after BOS but the markers (and requests)
         num_targets = (int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size
@@ -245,7 +243,7 @@ class Dispatcher:
         index = layout.slot_index(phase)
         return slot_destinations(self.plan, phase, len(layout.arrays[phase][1]) - 1)[index]
 
-    def _exchange(self, layout: BatchLayout, meta: MetadataArrays, payload_bytes: dict[str, np.ndarray], mine: list[int],
+    def _exchange(self, layout: BatchLayout, meta: MetadataArrays, payload_bytes: Mapping[str, np.ndarray], mine: list[int],
                   samples: list[Sample], text_ids: list[list[int]]) -> dict[str, dict[int, list | np.ndarray]]:
         """One ``all_to_all_single`` for every phase at once: rank ``d`` gets the payloads of
         each phase it hosts (as bytes: pixels and waveforms in float32, ids in int64) of the

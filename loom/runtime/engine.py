@@ -63,9 +63,8 @@ class ParallelEngine:
     ) -> "ParallelEngine":
         precision = Precision(dtype, device.type)  # refuses an unknown dtype before any group is built
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        generators = list(getattr(model, "generators", {}))
-        plan.resolve(model.layer_counts(), world_size, generators=generators)
-        if generators:
+        plan.resolve(model.layer_counts(), world_size)  # the model's generators: its modules after the LLM
+        if plan.generator_names:
             check_generator_plan(plan)
         for m in plan.modules:
             check_context_parallel(m, model)  # loom.runtime.context_parallel: the LLM's, alone on its module

@@ -18,7 +18,7 @@ as fixed stretch factors per compute action, set between plays by `simulate`'s f
 from __future__ import annotations
 
 from loom.cost.model import CostModel, MicrobatchWork
-from loom.plan.plan import Plan
+from loom.plan.plan import LLM, Plan
 from loom.schedule.ir import Action, ActionKind, Schedule
 from loom.schedule.timeline import TimelineEvent
 from loom.schedule.validate import ScheduleError
@@ -55,6 +55,7 @@ class Play:
         self.cost, self.works, self.part_work = cost, works, part_work
         self.link_contention, self.step = link_contention, step
         self.stage_time, self.transfer_time = cost.stage_time, cost.transfer_time
+        self.generators = set(plan.generator_names)
 
         # A grad sync's group: every unit holding a GRAD_SYNC of the same stage (its DP replicas).
         self.sync_group: dict[tuple[str, int], list[int]] = {}
@@ -149,9 +150,13 @@ class Play:
             om, os_, omb = a.module, a.stage, a.microbatch
         else:
             om, os_, omb = a.peer_module, a.peer_stage, other
-        # a routed edge carries only its part's rows
-        w = self.works[omb].get(om, EMPTY) if a.samples is None else self.part_work(om, a.samples)
-        d = self.transfer_time(u, a.peer, om, os_, w)
+        generator = a.peer_module if a.kind is SEND_ACT else a.module  # the edge's forward destination
+        if om == LLM and generator in self.generators:  # the LLM's states at the generator's positions
+            d = self.cost.condition_transfer_time(u, a.peer, generator, self.works[omb].get(generator, EMPTY))
+        else:
+            # a routed edge carries only its part's rows
+            w = self.works[omb].get(om, EMPTY) if a.samples is None else self.part_work(om, a.samples)
+            d = self.transfer_time(u, a.peer, om, os_, w)
         start = t
         if self.link_contention:
             start = max(t, self.link_free[u])

@@ -86,6 +86,7 @@ class Scenario:
     # state are fp32 either way) and optim.max_grad_norm (> 0: the clipping norm's all-reduce)
     dtype: str = "bf16"
     max_grad_norm: float = 0.0
+    generation_size: int = 512  # data.generation_size: the side of the images generation requests ask for
 
     def cost_model(self, plan: Plan) -> AnalyticCostModel:
         """The analytic cost model of ``plan`` on this cluster at the scenario's ``run.dtype``."""
@@ -97,7 +98,9 @@ class Scenario:
         of the mix's deterministic stream."""
         patch = next((m.patch for m in self.arch.modules.values() if m.kind == "vision"), 14)
         rate = next((m.sample_rate for m in self.arch.modules.values() if m.kind == "audio"), 16000)
-        stream = SyntheticMetadata(self.mix, seed=self.seed, patch_size=patch, sample_rate=rate)
+        gen = next(iter(self.arch.generator_names), "image")
+        stream = SyntheticMetadata(self.mix, seed=self.seed, patch_size=patch, sample_rate=rate,
+                                   generation_size=self.generation_size, generator=gen)
         first = step * self.global_batch_size
         return [stream.meta(i) for i in range(first, first + self.global_batch_size)]
 
@@ -268,8 +271,9 @@ def policy_label(config: "BalanceConfig", phases: list[str]) -> str:
 
 # ---- loading --------------------------------------------------------------------------------
 def load_scenario(path: str | Path, overrides: typing.Sequence[str] = ()) -> Scenario:
-    """A scenario from TOML: ``[model]`` (llm, encoders, projector, freeze), ``[cluster]`` (gpu,
-    num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size, llm_batching),
+    """A scenario from TOML: ``[model]`` (llm, encoders, projector, freeze, generators),
+    ``[cluster]`` (gpu, num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size,
+    llm_batching, generation_size),
     ``[parallel]`` (`ParallelDegrees`), ``[run]`` (dtype, as a run's: "bf16", the default, or
     "fp32"), ``[optim]`` (max_grad_norm, as a run's: > 0 prices the clipping norm's all-reduce)
     and optional ``[plans.<name>]`` tables in the plan format.
@@ -301,9 +305,10 @@ def _schema() -> dict[str, Any]:
     """Each section's fields and types (``plans`` are checked by `Plan.from_dict` and `Plan.resolve`)."""
     return {
         "name": str,
-        "model": {"llm": str, "encoders": dict[str, str], "projector": str, "freeze": list[str]},
+        "model": {"llm": str, "encoders": dict[str, str], "projector": str, "freeze": list[str],
+                  "generators": dict[str, str]},
         "cluster": {"gpu": str, "num_gpus": int, "gpus_per_node": int},
-        "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str},
+        "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str, "generation_size": int},
         "parallel": typing.get_type_hints(ParallelDegrees),
         "run": {"dtype": str},
         "optim": {"max_grad_norm": float},
@@ -377,7 +382,8 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
     model = data.get("model", {})
     if "llm" not in model:
         raise ScenarioError("model.llm is missing: name a config in configs/models/ (e.g. 'llama3-70b')")
-    arch = load_model_arch(model["llm"], model.get("encoders", {}), model.get("projector"), model.get("freeze", []))
+    arch = load_model_arch(model["llm"], model.get("encoders", {}), model.get("projector"), model.get("freeze", []),
+                           model.get("generators", {}))
     cl = data.get("cluster", {})
     if "gpu" not in cl or "num_gpus" not in cl:
         raise ScenarioError("cluster.gpu and cluster.num_gpus are required; set both (e.g. gpu = 'H100', "
@@ -400,4 +406,5 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
         degrees=ParallelDegrees(**data.get("parallel", {})), plans=plans,
         dtype=data.get("run", {}).get("dtype", "bf16"),
         max_grad_norm=float(data.get("optim", {}).get("max_grad_norm", 0.0)),
+        generation_size=int(dd.get("generation_size", 512)),
     )
