@@ -148,8 +148,12 @@ def test_generator_step_matches_single_process(case: str, tmp_path: Path) -> Non
         assert items > 0, f"{c}: the global batch asks the generator for nothing"
         assert_matches_reference(results, model, ref_loss)
         assert all(r["items"] == items for r in results), c
-        assert all(r["same_slots"] for r in results), f"{c}: the generator's slots are not the LLM's"
-        assert results[0]["policy"] == c.rsplit("-", 1)[1]
+        policy = c.rsplit("-", 1)[1]
+        assert results[0]["policy"] == policy
+        if policy in ("none", "disttrain"):  # the generator runs the LLM's microbatches
+            assert all(r["same_slots"] for r in results), f"{c}: the generator's slots are not the LLM's"
+        else:  # a phase of its own: rearranged by its own cost, its states routed by sample
+            assert not results[0]["same_slots"], f"{c}: the generator kept the LLM's slots"
         assert 0 < results[0]["generator_loss"] < results[0]["loss"], c
     if case == "pp-none":  # every rank refused the same sample, naming the field and the fix
         for name, field, fix in (("none", "meta.generations[0] asks generator 'image'", "has no generator 'image'"),

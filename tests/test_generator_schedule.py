@@ -85,3 +85,42 @@ def test_generators_are_refused_where_they_cannot_run():
     with pytest.raises(PlanError, match="are generators, but the model's generators are \\['image'\\]"):
         p.resolve(COUNTS, generators=["image"])
 
+
+
+@pytest.mark.parametrize("llm_dp,gen_dp,kind", [(2, 2, "1f1b"), (2, 1, "1f1b"), (1, 2, "1f1b"), (2, 2, "gpipe"),
+                                                 (2, 2, "zb-h1")])
+def test_a_generator_rearranged_on_its_own_gets_routed_rows_in_its_round(llm_dp, gen_dp, kind):
+    """OrchMLLM's and Entrain's generator phase (`loom.balance.policy.generator_slots`): each
+    round's samples rebalanced over the round's generator slots by their generator cost, the
+    LLM's last stage sending each generator microbatch its samples' rows; the schedule
+    validates and plays, and a generator route out of its round is refused by name."""
+    import numpy as np
+
+    from loom.balance.orchmllm import slot_arrays
+    from loom.balance.policy import generator_slots
+    from loom.schedule.layout import BatchLayout, LayoutError, contiguous_layout, round_size
+
+    p = plan(llm_dp=llm_dp, gen_dp=gen_dp, llm_stages=2, mbs=4, schedule=kind)
+    n = 12
+    base = contiguous_layout(n, 4, p.module_names)
+    work = np.array([5.0, 0, 0, 9, 1, 0, 7, 0, 3, 0, 0, 2])  # the generator's cost per sample
+    index = generator_slots(base, p, work, "image")
+    r = round_size(p)
+    assert (index // r == base.slot_index("llm") // r).all()  # every sample stays in its round
+    arrays = {**base.arrays, "image": slot_arrays(index, 4)}
+    layout = BatchLayout(None, {m: "orchmllm" for m in p.module_names}, arrays=arrays)
+    layout.check(n, p.module_names)
+    layout.check_routes(p)
+    assert not layout.shares_llm_slots("image")
+    s = build_schedule(p, layout=layout, kind=kind)
+    validate_schedule(s, p)
+    routed = [a for acts in s.actions.values() for a in acts if a.module == "llm" and a.peer_module == "image"]
+    assert routed and all(a.samples is not None for a in routed)
+    simulate(s, p, UniformCostModel(p, forward=1.0, backward=2.0, backward_weight=1.0, transfer=0.1))
+    assert r == 2  # rounds of 2 slots: sample 0 (round 0) into slot 3 (round 1)
+    moved = index.copy()
+    moved[0] = 3
+    bad = BatchLayout(None, {m: "orchmllm" for m in p.module_names},
+                      arrays={**base.arrays, "image": slot_arrays(moved, 4)})
+    with pytest.raises(LayoutError, match="a generator's routes must stay in the round"):
+        bad.check_routes(p)

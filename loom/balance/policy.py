@@ -23,9 +23,10 @@ the config names a policy:
 ``order`` (``given`` or ``disttrain``) reorders whole rounds for the per-phase policies with
 DistTrain's Algorithm 3; ``disttrain`` and ``entrain`` bring their own order.
 
-A generator after the LLM (disttrain.md §1) runs the requests of the LLM microbatch whose
-states condition it: every layout gives it the LLM's slots (`_with_generators`); ``disttrain``
-counts its work, the others decide on the encoders and the LLM.
+A generator after the LLM (disttrain.md §1) is a phase too (`_with_generators`): ``disttrain``
+counts its work in its one layout for every phase; ``orchmllm`` and ``entrain`` rebalance it on
+its own inside each round of LLM slots (its states then travel by sample, as encoder outputs
+do); under ``none`` it runs the LLM's slots.
 
 Per-sample cost is the module's forward FLOPs (`loom.balance.costs`, arrays from metadata
 arrays). A policy never makes a step slower than ``none`` by its own cost model: where the
@@ -39,13 +40,16 @@ exactly what ``none`` runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from loom.balance.config import JOINT, ORDERS, POLICIES, BalanceConfig, BalanceError, check_balance_config
 from loom.balance.costs import SampleCosts, sample_costs
 from loom.balance.disttrain_policy import disttrain_layout
 from loom.balance.entrain_policy import entrain_layout
-from loom.balance.orchmllm import orchmllm_layout
+from loom.balance.lpt import quantised_lpt
+from loom.balance.orchmllm import nonempty_bins, orchmllm_layout, place_bins, slot_arrays
 from loom.balance.predict import predict_steps
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean, round_size
@@ -66,7 +70,10 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     than microbatches, a policy that needs equal data-parallel degrees, rounds that do not
     divide the microbatch count)."""
     if plan.generator_names:
-        return _with_generators(make_layout(config, plan.without_generators(), costs, llm_batching), plan)
+        gens = set(plan.generator_names)
+        inner = dataclasses.replace(config, policy={k: v for k, v in config.policy.items() if k not in gens})
+        return _with_generators(make_layout(inner, plan.without_generators(), costs, llm_batching), plan, costs,
+                                config.summary(plan.module_names))
     phases = plan.module_names
     if llm_batching not in ("padded", "packed"):
         raise BalanceError(f"llm_batching = {llm_batching!r}: choose 'padded' or 'packed'")
@@ -110,22 +117,53 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     return layout
 
 
-def _with_generators(layout: BatchLayout, plan: Plan) -> BatchLayout:
-    """``layout`` (of the encoders and the LLM) with each generator's slots the LLM's: a
-    generator runs the generation requests of the LLM microbatch whose states condition it.
-    ``disttrain`` counts the generator's work in its decision (a microbatch's size is its
-    encoder plus generator time); ``orchmllm`` and ``entrain`` do not rearrange it on its own,
-    which would need the LLM's states routed to other generator microbatches by sample."""
+def _with_generators(layout: BatchLayout, plan: Plan, costs: SampleCosts, chosen: dict[str, str]) -> BatchLayout:
+    """``layout`` (of the encoders and the LLM) with a generator phase each. Under ``none`` and
+    ``disttrain`` (one layout for every phase; it counts the generator's work in its decision) a
+    generator runs the LLM's slots; under ``orchmllm`` and ``entrain`` it is a phase of its own:
+    the samples of each round of LLM slots are rebalanced over the round's generator slots by LPT
+    on their generator cost (`generator_slots`), and the LLM's last stage sends each generator
+    microbatch its samples' states (routed rows, like encoder outputs into the LLM). A layout
+    kept as given keeps the LLM's slots for the generator too."""
     arrays = dict(layout.arrays)
+    own = []
     for g in plan.generator_names:
-        arrays[g] = arrays[LLM]
-    out = BatchLayout(None, {**layout.policy, **{g: layout.policy[LLM] for g in plan.generator_names}},
-                      arrays=arrays, kept_given=layout.kept_given, predicted_gain=layout.predicted_gain)
+        if chosen[g] in ("orchmllm", "entrain") and not layout.kept_given:
+            index = generator_slots(layout, plan, costs.work[g], g)
+            arrays[g] = slot_arrays(index, layout.num_microbatches)
+            own.append((g, index))
+        else:
+            arrays[g] = arrays[LLM]
+    rearranged = {g for g, _ in own}
+    policy = {**layout.policy, **{g: chosen[g] if g in rearranged else layout.policy[LLM] for g in plan.generator_names}}
+    out = BatchLayout(None, policy, arrays=arrays, kept_given=layout.kept_given,
+                      predicted_gain=layout.predicted_gain)
+    for g, index in own:
+        out.set_slot_index(g, index)
     out.kept_why, out.contiguous, out.nodewise = layout.kept_why, layout.contiguous, layout.nodewise
     out.unpermuted_slot = dict(layout.unpermuted_slot)
     if LLM in out.unpermuted_slot:
         out.unpermuted_slot.update({g: out.unpermuted_slot[LLM] for g in plan.generator_names})
     out.known_slot_costs = layout.known_slot_costs
+    out.check_routes(plan)
+    return out
+
+
+def generator_slots(layout: BatchLayout, plan: Plan, work: np.ndarray, generator: str) -> np.ndarray:
+    """Each sample's slot of ``generator`` as a phase of its own (orchmllm.md §3.4's
+    post-balancing on the generator's cost): every round's samples (those of its LLM slots, so
+    the states stay in the round, `BatchLayout.check_routes`) go into the round's slots by LPT,
+    no slot empty, the heaviest bin on the least loaded replica so far (`place_bins`)."""
+    r, m = round_size(plan), layout.num_microbatches
+    llm_round = layout.slot_index(LLM) // r
+    out = np.empty(llm_round.size, dtype=np.int64)
+    carried = np.zeros(plan.spec(generator).data_parallel)
+    for t in range(m // r):
+        members = np.flatnonzero(llm_round == t)
+        cost = work[members]
+        bins, _ = nonempty_bins(quantised_lpt(cost, r).rank_of_sample, cost, r)
+        slot_of_bin = place_bins(np.bincount(bins, weights=cost, minlength=r), carried.size, carried)
+        out[members] = t * r + slot_of_bin[bins]
     return out
 
 

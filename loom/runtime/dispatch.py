@@ -205,7 +205,9 @@ class Dispatcher:
     # ---- token rows per sample ----------------------------------------------------------------
     def _encoder_rows(self, meta: MetadataArrays) -> tuple[dict[str, list[int]], dict[str, list[int]]]:
         """Per encoder of the plan, each position's output rows (the sum of ``token_counts`` over
-        its items: `loom.data.collate.count_tokens`) and item count, as lists for `RowMap`."""
+        its items: `loom.data.collate.count_tokens`) and item count, and per generator the LLM's
+        state rows of each position (``cond_tokens`` per request) and its requests, as lists for
+        `RowMap`."""
         for encoder, count in (("vision", meta.image_count), ("audio", meta.audio_count)):
             if encoder not in self.token_counts and count.any():
                 s = int(np.flatnonzero(count)[0])
@@ -217,6 +219,10 @@ class Dispatcher:
             count = meta.image_count if encoder == "vision" else meta.audio_count
             tokens[encoder] = per_sample_sum(count, self._item_tokens(encoder, meta)).tolist()
             items[encoder] = count.tolist()
+        owner = np.repeat(np.arange(meta.num_samples), meta.generation_count)
+        for g, spec in self.generations.items():  # the LLM's states of each sample's requests
+            asks = np.bincount(owner[meta.generation_code == GENERATOR_NAMES.index(g)], minlength=meta.num_samples)
+            tokens[g], items[g] = (asks * spec.cond_tokens).tolist(), asks.tolist()
         return tokens, items
 
     def _item_tokens(self, encoder: str, meta: MetadataArrays) -> np.ndarray:

@@ -389,9 +389,12 @@ class PipelineExecutor:
     def _send_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         j, me = a.microbatch, (a.module, a.stage)
         st = it.states[(a.module, a.stage, j)]
-        out = st.output if a.peer_module not in self.generators or a.module in self.generators else st.sends[a.peer_module]
+        to_generator = a.peer_module in self.generators and a.module not in self.generators
+        out = st.sends[a.peer_module] if to_generator else st.output
         if a.samples is not None:  # a routed edge: only the rows of the named samples
-            out = out.detach().index_select(0, it.rows.index(a.module, j, a.samples, out.device))
+            index = (it.rows.index(a.peer_module, j, a.samples, out.device, slot_phase=LLM) if to_generator
+                     else it.rows.index(a.module, j, a.samples, out.device))
+            out = out.detach().index_select(0, index)
         header = True
         dst = (a.peer_module, a.peer_stage)
         lead = self._lead_dims(it, me, dst, j, a.other_microbatch, a.samples)
@@ -418,8 +421,15 @@ class PipelineExecutor:
         out = st.output
         local = a.peer == self.unit.unit  # from a stage this unit hosts
         if a.peer_module in self.generators and a.module not in self.generators:  # the LLM's states' gradient
-            x = st.sends[a.peer_module]
-            st.send_grads[a.peer_module] = self.comm.recv_shaped(x.shape, x.dtype, self.unit.source(a.peer), tag)
+            x, g = st.sends[a.peer_module], a.peer_module
+            if a.samples is None:
+                st.send_grads[g] = self.comm.recv_shaped(x.shape, x.dtype, self.unit.source(a.peer), tag)
+            else:  # the rows of some samples (a generator phase rearranged on its own)
+                index = it.rows.index(g, j, a.samples, x.device, slot_phase=LLM)
+                rows = self.comm.recv_shaped((index.numel(), *x.shape[1:]), x.dtype, self.unit.source(a.peer), tag)
+                if g not in st.send_grads:
+                    st.send_grads[g] = torch.zeros_like(x)
+                st.send_grads[g].index_copy_(0, index, rows)
         elif a.samples is None:
             st.out_grad = it.local.pop(tag) if local else self.comm.recv_shaped(out.shape, out.dtype,
                                                                                 self.unit.source(a.peer), tag)
@@ -570,6 +580,11 @@ class PipelineExecutor:
                 # each encoder's microbatch j feeds LLM microbatch j whole: its rows are in order
                 return {m: p[0][1] for m, p in parts.items()}
             return {m: rows.assemble(m, j, sorted(p, key=lambda t: t[0])) for m, p in parts.items()}
+        if stage.is_first and stage.generator and rows is not None and (len(received) > 1 or next(iter(received))[1] != j):
+            # the LLM's states of this generator microbatch's samples from every LLM microbatch
+            # holding them (a generator phase rearranged on its own), in its own sample order
+            parts = sorted((source, x) for (_, source), x in received.items())
+            return rows.assemble(stage.module, j, parts, src=LLM, dst=stage.module)
         (x,) = received.values()
         return x
 

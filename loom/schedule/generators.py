@@ -424,19 +424,25 @@ def build_schedule(
         return plan.unit_of(m, s, plan.replica_of_microbatch(m, microbatch))
 
     encoder_set = set(plan.encoder_names)
+    # generators whose slots the layout rearranged on their own (OrchMLLM's and Entrain's
+    # generator phase): the LLM's last stage sends each of them rows by sample
+    routed_generators = {g for g in plan.generator_names if layout is not None and not layout.shares_llm_slots(g)}
+    last_llm = (LLM, plan.spec(LLM).num_stages - 1)
 
-    def routed(src: Stage, dst: Stage) -> bool:  # an encoder's edge into the LLM under a balanced layout
-        return layout is not None and dst == (LLM, 0) and src[0] in encoder_set
+    def routed(src: Stage, dst: Stage) -> bool:  # an edge whose microbatches hold other samples each side
+        if layout is None:
+            return False
+        return (dst == (LLM, 0) and src[0] in encoder_set) or (src == last_llm and dst[0] in routed_generators)
 
     def edge_messages(here: Stage, there: Stage, j: int, kind_: ActionKind) -> list[Action]:
         """The messages of one microbatch ``j`` of ``here`` along the edge to/from ``there``."""
         m, s = here
-        if routed(here, there):  # encoder side: one message per LLM microbatch it feeds
+        if routed(here, there):  # the sending side: one message per microbatch it feeds
             return [Action(kind_, m, s, j, peer_rank(there, k), there[0], there[1], samples=part, peer_microbatch=k)
-                    for k, part in layout.consumers(m, j)]
-        if routed(there, here):  # LLM side: one message per encoder microbatch feeding it
+                    for k, part in layout.routes_out(m, there[0], j)]
+        if routed(there, here):  # the receiving side: one message per microbatch feeding it
             return [Action(kind_, m, s, j, peer_rank(there, i), there[0], there[1], samples=part, peer_microbatch=i)
-                    for i, part in layout.sources(there[0], j)]
+                    for i, part in layout.routes_in(there[0], m, j)]
         return [Action(kind_, m, s, j, peer_rank(there, j), there[0], there[1])]
 
     actions: dict[int, list[Action]] = {}

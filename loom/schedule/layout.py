@@ -196,20 +196,31 @@ class BatchLayout:
     def consumers(self, encoder: str, j: int) -> list[tuple[int, tuple[int, ...]]]:
         """LLM slots fed by encoder slot ``j``, ascending: ``(k, positions)`` with the positions
         in LLM slot ``k``'s order (the order the rows are sent in)."""
-        mine = set(self.slots[encoder][j])
+        return self.routes_out(encoder, LLM, j)
+
+    def sources(self, encoder: str, k: int) -> list[tuple[int, tuple[int, ...]]]:
+        """Encoder slots feeding LLM slot ``k``, ascending: ``(j, positions)``, the positions in
+        LLM slot ``k``'s order (what `consumers` sends)."""
+        return self.routes_in(encoder, LLM, k)
+
+    def routes_out(self, src: str, dst: str, j: int) -> list[tuple[int, tuple[int, ...]]]:
+        """Slots of phase ``dst`` fed by slot ``j`` of phase ``src``, ascending: ``(k, positions)``
+        with the positions in ``dst`` slot ``k``'s order (an encoder into the LLM, the LLM into a
+        generator)."""
+        mine = set(self.slots[src][j])
         out = []
-        for k, slot in enumerate(self.slots[LLM]):
+        for k, slot in enumerate(self.slots[dst]):
             part = tuple(s for s in slot if s in mine)
             if part:
                 out.append((k, part))
         return out
 
-    def sources(self, encoder: str, k: int) -> list[tuple[int, tuple[int, ...]]]:
-        """Encoder slots feeding LLM slot ``k``, ascending: ``(j, positions)``, the positions in
-        LLM slot ``k``'s order (what `consumers` sends)."""
-        slot_of = self.slot_of(encoder)
+    def routes_in(self, src: str, dst: str, k: int) -> list[tuple[int, tuple[int, ...]]]:
+        """Slots of phase ``src`` feeding slot ``k`` of phase ``dst``, ascending: ``(j,
+        positions)``, the positions in ``dst`` slot ``k``'s order (what `routes_out` sends)."""
+        slot_of = self.slot_of(src)
         by_source: dict[int, list[int]] = {}
-        for s in self.slots[LLM][k]:
+        for s in self.slots[dst][k]:
             by_source.setdefault(slot_of[s], []).append(s)
         return [(j, tuple(by_source[j])) for j in sorted(by_source)]
 
@@ -258,7 +269,8 @@ class BatchLayout:
                 and held[0] is order and held[1] is bounds)
 
     def check_routes(self, plan: Plan) -> None:
-        """Every encoder-to-LLM route stays within a round or goes one round forward.
+        """Every encoder-to-LLM route stays within a round or goes one round forward, every
+        LLM-to-generator route within its round.
 
         A *round* is ``R = lcm(data-parallel degrees)`` consecutive slots: the same number of
         microbatches of every replica of every module. Routes inside a round keep each
@@ -280,8 +292,16 @@ class BatchLayout:
         if self.num_microbatches == r:
             return  # one round: every route stays in it
         llm_slot = self.slot_index(LLM)
+        generators = set(plan.generator_names)
         for e in self.encoders:
             enc_slot = self.slot_index(e)
+            if e in generators:  # the LLM feeds a generator inside the round (no deferral)
+                bad = np.flatnonzero(enc_slot // r != llm_slot // r)
+                if bad.size:
+                    s = int(bad[0])
+                    raise LayoutError(f"sample {s}: LLM slot {int(llm_slot[s])} feeds {e} slot {int(enc_slot[s])} in "
+                                      f"another round of {r} slots; a generator's routes must stay in the round")
+                continue
             hop = llm_slot // r - enc_slot // r
             bad = np.flatnonzero((hop != 0) & (hop != 1))
             if bad.size:

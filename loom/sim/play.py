@@ -152,7 +152,8 @@ class Play:
             om, os_, omb = a.peer_module, a.peer_stage, other
         generator = a.peer_module if a.kind is SEND_ACT else a.module  # the edge's forward destination
         if om == LLM and generator in self.generators:  # the LLM's states at the generator's positions
-            d = self.cost.condition_transfer_time(u, a.peer, generator, self.works[omb].get(generator, EMPTY))
+            w = self.works[omb].get(generator, EMPTY) if a.samples is None else self.part_work(generator, a.samples)
+            d = self.cost.condition_transfer_time(u, a.peer, generator, w)
         else:
             # a routed edge carries only its part's rows
             w = self.works[omb].get(om, EMPTY) if a.samples is None else self.part_work(om, a.samples)
