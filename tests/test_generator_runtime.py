@@ -68,6 +68,11 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     elif layout == "zero":  # ZeRO-2 on the generator's replicas, the LLM at 1F1B over 2 stages
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2),
                      ModuleSpec("image", data_parallel=2, zero_stage=2)], num_microbatches=4)
+    elif layout == "gentp":  # the generator at TP 2: a whole replica on each TP rank, the images shared
+        plan = Plan([vision, ModuleSpec("llm"), ModuleSpec("image", tensor_parallel=2)], num_microbatches=4)
+    elif layout == "gentp2stage":  # ... in 2 stages
+        plan = Plan([vision, ModuleSpec("llm"), ModuleSpec("image", num_stages=2, tensor_parallel=2)],
+                    num_microbatches=4)
     else:
         raise KeyError(case)
     cfg = TrainConfig(model=model, plan=plan)
@@ -134,8 +139,8 @@ def _reference(case: str):
 
 CASES = {"pp-none": 4, "llmdp2-none": 6}
 # cases run inside another case's launch (same world size): the suite's time is in the launches
-FOLDED = {"pp-none": ["frozen-none", "frozenllm-none", "genpp-none"],
-          "llmdp2-none": ["dp2-orchmllm", "dp2-disttrain", "dp2-entrain", "zero-none"]}
+FOLDED = {"pp-none": ["frozen-none", "frozenllm-none", "genpp-none", "gentp-none"],
+          "llmdp2-none": ["dp2-orchmllm", "dp2-disttrain", "dp2-entrain", "zero-none", "gentp2stage-none"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -171,7 +176,8 @@ def test_the_engine_refuses_what_it_cannot_run_with_a_generator() -> None:
     for modules, field in (
         ([base[0], ModuleSpec("llm", num_stages=2, tensor_parallel=2), base[2]], "modules['llm'].tensor_parallel"),
         ([base[0], ModuleSpec("llm", context_parallel=2), base[2]], "modules['llm'].context_parallel"),
-        ([*base[:2], ModuleSpec("image", tensor_parallel=2)], "modules['image'].tensor_parallel"),
+        ([*base[:2], ModuleSpec("image", data_parallel=2, tensor_parallel=2, zero_stage=2)],
+         "modules['image'].zero_stage"),
         ([*base[:2], ModuleSpec("image", num_stages=4, virtual_stages=2)], "modules['image'].virtual_stages"),
     ):
         with pytest.raises(PlanError, match=field.replace("[", r"\[").replace("]", r"\]")):

@@ -154,7 +154,7 @@ class AnalyticCostModel(CostModel):
         for spec in plan.modules:
             for layer in arch.module(spec.name).layers:
                 if spec.name in plan.generator_names:
-                    break  # a generator runs replicated over its TP group (`_layer_cost`)
+                    break  # a generator is whole on each TP rank (`Plan.item_shares`)
                 if layer.kind == "block" and layer.heads % spec.tensor_parallel:
                     raise PlanError(
                         f"plan.modules[{spec.name!r}].tensor_parallel = {spec.tensor_parallel} does not divide "
@@ -221,8 +221,8 @@ class AnalyticCostModel(CostModel):
     # ---- per-layer costs -------------------------------------------------------------------
     def layer_costs(self, module: str, stage: int, work: Workload) -> list[LayerCost]:
         """Per layer of the stage, seconds per rank for a microbatch with this workload (an
-        encoder in lanes: a lane's share of it)."""
-        work = work.share(self.plan.lanes(module))
+        encoder in lanes, a generator at TP > 1: a rank's share of its items, `Plan.item_shares`)."""
+        work = work.share(self.plan.item_shares(module))
         key = (module, stage, work)
         cached = self._costs.get(key)
         if cached is None:
@@ -279,8 +279,8 @@ class AnalyticCostModel(CostModel):
         sequence_parallel = spec.name == LLM  # what loom.runtime.tensor_parallel runs
         sp = tp if sequence_parallel else 1
         if (layer.kind not in ("block", "embedding", "head") and not sequence_parallel) or spec.name in self._generators:
-            # an encoder's front-end, final norm and projector run replicated; a generator wholly
-            # (Megatron-LM's generator at the LLM's TP, disttrain.md §2: replicated over the group)
+            # an encoder's front-end, final norm and projector run replicated; a generator is whole
+            # on each TP rank, which runs a share of the images (`layer_costs` shares the work)
             tp = 1
         if tp > 1:
             activation = tokens * layer.hidden * b
@@ -428,7 +428,12 @@ class AnalyticCostModel(CostModel):
     def _trainable_params(self, module: str, stage: int) -> float:
         """Trainable parameters of the stage on one rank (its TP shard)."""
         layers = self.stage_layers(module, stage)
-        return sum(l.stored_params for l, _ in layers if l.trainable) / self.plan.spec(module).tensor_parallel
+        return sum(l.stored_params for l, _ in layers if l.trainable) / self._param_shards(module)
+
+    def _param_shards(self, module: str) -> int:
+        """The TP degree a module's parameters are sharded over: 1 for a generator, whole on each
+        of its TP ranks (`Plan.item_shares`)."""
+        return 1 if module in self._generators else self.plan.spec(module).tensor_parallel
 
     def grad_sync_time(self, module: str, stage: int) -> float:
         """Ring all-reduce of the stage's trainable gradients (fp32, ``MASTER_BYTES`` each, per TP
@@ -450,6 +455,8 @@ class AnalyticCostModel(CostModel):
                 inside += comm.all_gather_time(nbytes, g.shards, g.dp_link)
         if g.replicas > 1:
             inside += comm.all_reduce_time(nbytes / g.shards, g.replicas, g.replicate_link)
+        if module in self._generators and g.tp > 1:  # each TP rank's share of the images: summed over the group first
+            inside += comm.all_reduce_time(nbytes, g.tp, g.tp_link)
         return inside
 
     def clip_time(self) -> float:
@@ -473,7 +480,7 @@ class AnalyticCostModel(CostModel):
         layers = [l for l, _ in self.stage_layers(module, stage)]
         # several microbatches per replica: loom's ZeRO-2/3 reduce-scatter only after the last
         accumulates = max(len(self.plan.microbatches_of(module, r)) for r in range(spec.data_parallel)) > 1
-        return static_memory(layers, spec.tensor_parallel, self.groups(module, stage).shards, spec.zero_stage,
+        return static_memory(layers, self._param_shards(module), self.groups(module, stage).shards, spec.zero_stage,
                              self.optimizer, accumulates, self.dtype_bytes)
 
     def static_memory(self, module: str, stage: int) -> float:
@@ -484,10 +491,10 @@ class AnalyticCostModel(CostModel):
         the weight copies its backward reads (blocks under ``full`` recompute keep none), and
         the stage's output until its gradient returns (every stage but the LLM's last)."""
         spec = self.plan.spec(module)
-        tokens = work.tokens / spec.context_parallel
+        tokens = work.share(self.plan.item_shares(module)).tokens / spec.context_parallel
         if tokens <= 0:
             return 0.0
-        t = spec.tensor_parallel
+        t = self._param_shards(module)
         sp = module == LLM  # sequence parallelism under TP, as loom.runtime.tensor_parallel runs it
         layers = self.stage_layers(module, stage)
         # FSDP2 (ZeRO-2/3) gathers parameters in the compute dtype: autocast casts no copy of them
@@ -512,16 +519,16 @@ class AnalyticCostModel(CostModel):
         spec = self.plan.spec(module)
         if work.tokens <= 0:
             return 0.0
-        tokens = work.tokens / spec.context_parallel
+        tokens = work.share(self.plan.item_shares(module)).tokens / spec.context_parallel
+        t = self._param_shards(module)
         # the recomputed block casts its weights again (not FSDP2's, gathered in the compute dtype)
         copies = spec.recompute == "full" and spec.zero_stage < 2
         layers = self.stage_layers(module, stage)
-        gather = (zero3_gather_bytes([l for l, _ in layers], spec.tensor_parallel, self.groups(module, stage).shards,
-                                     self.dtype_bytes)
+        gather = (zero3_gather_bytes([l for l, _ in layers], t, self.groups(module, stage).shards, self.dtype_bytes)
                   if spec.zero_stage >= 3 else 0.0)  # a layer's parameters gathered for its backward
         return gather + max(
-            (backward_working_bytes(l, spec.tensor_parallel, self.dtype_bytes, tokens, spec.recompute, module == LLM)
-             + (weight_copy_bytes(l, spec.tensor_parallel, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
+            (backward_working_bytes(l, t, self.dtype_bytes, tokens, spec.recompute, module == LLM)
+             + (weight_copy_bytes(l, t, self.dtype_bytes) if copies and l.kind == "block" else 0.0)
              for l, need in layers if need.any),
             default=0.0,
         )

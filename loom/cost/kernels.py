@@ -122,7 +122,7 @@ def stage_kernels(cost: AnalyticCostModel, module: str, stage: int, kind: str, w
     layers = [layer for layer, _ in cost.stage_layers(module, stage)]
     tp = cost.plan.spec(module).tensor_parallel > 1
     sp = tp and module == LLM  # what loom.runtime.tensor_parallel runs (as the analytic model prices it)
-    work = work.share(cost.plan.lanes(module))
+    work = work.share(cost.plan.item_shares(module))
     order = range(len(layers)) if kind == "forward" else range(len(layers) - 1, -1, -1)
     out: list[Kernel] = []
     for i in order:

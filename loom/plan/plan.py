@@ -399,6 +399,16 @@ class Plan:
         llm, spec = self.spec(LLM), self.spec(name)
         return llm.tensor_parallel if llm.tensor_parallel > 1 and spec.tensor_parallel == 1 else 1
 
+    def item_shares(self, name: str) -> int:
+        """How many ways a pipeline unit of module ``name`` splits each microbatch's items: an
+        encoder in lanes (`lanes`); a generator at TP > 1, whose TP ranks each hold a whole
+        replica of it and run a share of the images (DistTrain runs encoder and generator so
+        inside a TP group, and Megatron-LM replicates a generator too small to shard over it,
+        disttrain.md §2, §4.1); else 1."""
+        if name in self.generator_names:
+            return self.spec(name).tensor_parallel
+        return self.lanes(name)
+
     def microbatches_of(self, name: str, replica: int) -> list[int]:
         """The microbatches `replica_of_microbatch` gives ``replica`` of ``name``, in order."""
         lanes = self.lanes(name)

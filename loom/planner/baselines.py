@@ -1,8 +1,8 @@
 """The plans ``loom simulate --compare`` sets side by side for a `Scenario`.
 
 - **Megatron-style** (disttrain.md §2): every encoder is one extra first pipeline stage and every
-  generator one extra last stage with the LLM's TP and DP (a generator runs replicated over its
-  TP group, as Megatron-LM retrofitted for MLLMs runs it), and the LLM's layers are split evenly
+  generator one extra last stage with the LLM's TP and DP (a generator whole on each TP rank,
+  which runs a share of the images, as Megatron-LM retrofitted for MLLMs runs it), and the LLM's layers are split evenly
   over the remaining stages;
 - **first-stage** (Megatron-LM's own layout): every rank in the LLM's pipeline, the encoders
   inside its first position;

@@ -69,7 +69,8 @@ class ParallelEngine:
         for m in plan.modules:
             check_context_parallel(m, model)  # loom.runtime.context_parallel: the LLM's, alone on its module
             check_zero(m)  # loom.runtime.zero: ZeRO needs replicas
-            if m.tensor_parallel > 1:  # before any group is built: a bad degree fails on every rank alike
+            if m.tensor_parallel > 1 and m.name not in plan.generator_names:  # a generator's TP ranks hold it whole
+                # before any group is built: a bad degree fails on every rank alike
                 check_tp_degree(m.name, m.tensor_parallel, module_config(model, m.name))
         trainable = trainable_stages(model, plan)
         schedule = build_schedule(plan, trainable)
@@ -86,7 +87,8 @@ class ParallelEngine:
         # (first_stage and colocated encoders take the LLM's; an encoder in lanes, TP 1, is whole)
         stages = build_stages(model, plan, rank, release_others=release_others, device=device,
                               shard_layer=lambda module: layer_sharder(
-                                  model, module, unit.tp_mesh if plan.spec(module).tensor_parallel > 1 else None))
+                                  model, module, unit.tp_mesh if plan.spec(module).tensor_parallel > 1
+                                  and module not in plan.generator_names else None))
         stage = stages[0]  # ZeRO 2/3 is refused where a rank hosts several; hosted encoders share the LLM's zero_stage
         dp_group = data_parallel_group(meshes, plan, rank, replicas)
         groups = {(st.module, st.stage): stage_data_parallel_group(meshes, plan, rank, st.module, replicas)
@@ -172,8 +174,10 @@ class ParallelEngine:
 def check_generator_plan(plan: Plan) -> None:
     """What the runtime executes of a plan with generators (DistTrain's disaggregated layout,
     disttrain.md §2): every generator on ranks of its own, pipelined and data-parallel, with
-    ZeRO; the LLM without tensor or context parallelism (its last stage hands each generator
-    whole rows of final states). Refused before any group is built, naming the field."""
+    ZeRO, and at TP > 1 as a whole replica on each TP rank running a share of the images
+    (`Plan.item_shares`; ZeRO 1 only then); the LLM without tensor or context parallelism (its
+    last stage hands each generator whole rows of final states). Refused before any group is
+    built, naming the field."""
     llm = plan.spec(LLM)
     for field_, value in (("tensor_parallel", llm.tensor_parallel), ("context_parallel", llm.context_parallel)):
         if value > 1:
@@ -182,8 +186,12 @@ def check_generator_plan(plan: Plan) -> None:
                             f"not gather under {field_} yet; set it to 1")
     for g in plan.generator_names:
         spec = plan.spec(g)
-        for field_, value in (("tensor_parallel", spec.tensor_parallel), ("context_parallel", spec.context_parallel),
-                              ("virtual_stages", spec.virtual_stages)):
+        for field_, value in (("context_parallel", spec.context_parallel), ("virtual_stages", spec.virtual_stages)):
             if value > 1:
-                raise PlanError(f"plan.modules[{g!r}].{field_} = {value}: a generator runs pipelined and "
-                                f"data-parallel (with ZeRO); the runtime has no {field_} for it yet; set it to 1")
+                raise PlanError(f"plan.modules[{g!r}].{field_} = {value}: a generator runs pipelined, data-parallel "
+                                f"(with ZeRO) and over TP ranks that share its images; the runtime has no {field_} "
+                                f"for it yet; set it to 1")
+        if spec.tensor_parallel > 1 and spec.zero_stage >= 2:
+            raise PlanError(f"plan.modules[{g!r}].zero_stage = {spec.zero_stage} with tensor_parallel = "
+                            f"{spec.tensor_parallel}: a generator's TP ranks each hold it whole and share its images, "
+                            f"which FSDP does not shard over; use zero_stage 0 or 1, or tensor_parallel = 1")

@@ -336,7 +336,10 @@ class PipelineExecutor:
         st = it.state((a.module, a.stage, j))
         split = it.plan.split.get((a.module, a.stage, j))
         if st.batch is None:
-            st.batch = move_batch(self._microbatch(it.microbatches, j, a.module), self.device)
+            batch = self._microbatch(it.microbatches, j, a.module)
+            if stage.generator and self.plan.item_shares(stage.module) > 1:  # this TP rank's share of the images
+                batch = self._generator_share(batch, stage.module)
+            st.batch = move_batch(batch, self.device)
             if split is None:  # a split microbatch builds one context per part
                 st.context = self.model.module_context(stage.module, st.batch, self._cp_context(it, j, stage.module))
         with self.precision.autocast():
@@ -355,6 +358,10 @@ class PipelineExecutor:
             out = gather_lanes(self._lane_forward(stage, st.batch), self.unit.tp_group)
         else:
             x = self._stage_input(stage, st.inputs, j, it.rows)
+            if stage.generator and stage.is_first and self.plan.item_shares(stage.module) > 1:
+                share = st.batch.generation_inputs[stage.module]["share"]
+                cond = self.model.generators[stage.module].cond_tokens
+                x = x[share.start * cond:share.stop * cond]  # the states of this rank's images
             rc = self._cp_context(it, j, stage.module)
             if rc is not None and stage.is_first:  # the encoder tokens of this rank's placeholders
                 x = {m: select_features(st.batch.input_ids == self.model.placeholder_ids[m], f, rc.tokens)
@@ -381,8 +388,18 @@ class PipelineExecutor:
             return out
         return self.precision.message(out)  # sent in the compute dtype, graph included
 
+    def _generator_share(self, batch: Batch, module: str) -> Batch:
+        """``batch`` with only this TP rank's share of generator ``module``'s images (targets and
+        seeds; `lane_share`), which ``share`` records; the rank holds a whole generator."""
+        inputs = batch.generation_inputs[module]
+        share = lane_share(len(inputs["targets"]), self.plan.item_shares(module), self.unit.tensor)
+        mine = {"targets": [inputs["targets"][i] for i in share], "seeds": [inputs["seeds"][i] for i in share],
+                "share": share}
+        return dataclasses.replace(batch, generation_inputs={**batch.generation_inputs, module: mine})
+
     def _report(self, it: _Iteration, module: str, loss: torch.Tensor) -> None:
-        if self.unit.reports_loss:
+        # TP ranks share one replicated loss, but a generator's each hold their images' share
+        if self.unit.reports_loss or module in self.generators:
             total = it.loss_total.get(module)
             it.loss_total[module] = loss.detach().double() if total is None else total + loss.detach()
 
@@ -520,6 +537,8 @@ class PipelineExecutor:
             # each CP rank merged the encoder tokens of its own placeholders: the whole
             # gradient is the sum over the CP group (cornstarch.md §3.3.6), sent by the leader
             dist.all_reduce(g, group=self.unit.cp_group)
+        if a.module in self.generators and a.peer_module == LLM and self.unit.tp_group is not None:
+            dist.all_reduce(g, group=self.unit.tp_group)  # each TP rank's images' rows: the leader sends the sum
         if a.peer == self.unit.unit:  # to a stage this unit hosts
             it.local[tag] = g
         for peer in self.unit.destinations(a.peer) if a.peer != self.unit.unit else ():
@@ -533,7 +552,10 @@ class PipelineExecutor:
             # SUM all-reduce over the stage's replicas, one flat bucket (TP shards sync their
             # local parts: `loom.runtime.unit.sync_gradients`)
             me = (a.module, a.stage)
-            sync_gradients(self.stages[me].trainable_parameters(), self.dp_groups.get(me))
+            params = self.stages[me].trainable_parameters()
+            if a.module in self.generators and self.unit.tp_group is not None:
+                sync_gradients(params, self.unit.tp_group)  # each TP rank's images' share, summed first
+            sync_gradients(params, self.dp_groups.get(me))
 
     def _optimizer_step(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         # one optimizer holds every hosted stage's parameters: it steps at the last stage's share
