@@ -234,7 +234,10 @@ class MultimodalModel(nn.Module):
 
             def head_and_select(x: torch.Tensor, ctx: dict[str, Any]) -> dict[str, Any]:
                 masks = ctx["generation_masks"]
-                return {"logits": head(x, ctx), "generate": {g: x[masks[g]] for g in self.generators}}
+                # a runtime that holds a shard of the sequence here (tensor parallelism's sequence
+                # parallelism) gives the context the whole sequence's gather
+                whole = ctx.get("gather_sequence", lambda t: t)(x)
+                return {"logits": head(x, ctx), "generate": {g: whole[masks[g]] for g in self.generators}}
 
             layers[-1] = Layer(head.name, head.module, head_and_select, kind="head")
         return layers

@@ -175,15 +175,15 @@ def check_generator_plan(plan: Plan) -> None:
     """What the runtime executes of a plan with generators (DistTrain's disaggregated layout,
     disttrain.md §2): every generator on ranks of its own, pipelined and data-parallel, with
     ZeRO, and at TP > 1 as a whole replica on each TP rank running a share of the images
-    (`Plan.item_shares`; ZeRO 1 only then); the LLM without tensor or context parallelism (its
-    last stage hands each generator whole rows of final states). Refused before any group is
-    built, naming the field."""
+    (`Plan.item_shares`; ZeRO 1 only then); the LLM at any TP (its last stage gathers the
+    sequence shards of its final states) but without context parallelism (its last stage hands
+    each generator its states in sample order). Refused before any group is built, naming the
+    field."""
     llm = plan.spec(LLM)
-    for field_, value in (("tensor_parallel", llm.tensor_parallel), ("context_parallel", llm.context_parallel)):
-        if value > 1:
-            raise PlanError(f"plan.modules['llm'].{field_} = {value} with generators {plan.generator_names}: the LLM's "
-                            f"last stage hands each generator whole rows of its final states, which the runtime does "
-                            f"not gather under {field_} yet; set it to 1")
+    if llm.context_parallel > 1:
+        raise PlanError(f"plan.modules['llm'].context_parallel = {llm.context_parallel} with generators "
+                        f"{plan.generator_names}: the LLM's last stage hands each generator its states in sample "
+                        f"order, which the runtime does not gather from the CP ranks' token blocks yet; set it to 1")
     for g in plan.generator_names:
         spec = plan.spec(g)
         for field_, value in (("context_parallel", spec.context_parallel), ("virtual_stages", spec.virtual_stages)):

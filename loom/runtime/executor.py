@@ -47,6 +47,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from loom.data.sample import Batch
 from loom.model.layers import run_layers
@@ -342,6 +343,8 @@ class PipelineExecutor:
             st.batch = move_batch(batch, self.device)
             if split is None:  # a split microbatch builds one context per part
                 st.context = self.model.module_context(stage.module, st.batch, self._cp_context(it, j, stage.module))
+                if stage.computes_loss and stage.module == LLM and self.generators and self.unit.tp_mesh is not None:
+                    st.context["gather_sequence"] = self._gather_sequence
         with self.precision.autocast():
             if self.needs_backward[(a.module, a.stage)]:
                 out = self._run_forward(it, stage, j, st, split)
@@ -387,6 +390,13 @@ class PipelineExecutor:
             self._report(it, LLM, out)
             return out
         return self.precision.message(out)  # sent in the compute dtype, graph included
+
+    def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence of the final states whose TP rank's shard ``x`` is (sequence
+        parallelism, `loom.runtime.tensor_parallel`): what the LLM's last stage selects each
+        generator's states from. Differentiable: the gradient of the replicated whole is each
+        rank's slice of it."""
+        return DTensor.from_local(x, self.unit.tp_mesh, [Shard(1)]).full_tensor()
 
     def _generator_share(self, batch: Batch, module: str) -> Batch:
         """``batch`` with only this TP rank's share of generator ``module``'s images (targets and
