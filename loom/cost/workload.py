@@ -482,8 +482,9 @@ def sample_tokens(arch: ModelArch, meta: MetadataArrays | Sequence[SampleMeta]) 
         llm += per_sample_sum(count, t // module.merge if module.merge != 1 else t, bounds)
     if meta.generation_code.size:
         _check_generators(arch, (GENERATOR_NAMES[c] for c in np.unique(meta.generation_code).tolist()))
-    owner = np.repeat(np.arange(meta.num_samples), meta.generation_count)
-    for name in arch.generator_names:
+    generators = arch.generator_names
+    owner = np.repeat(np.arange(meta.num_samples), meta.generation_count) if generators else None
+    for name in generators:
         module = arch.module(name)
         mine = meta.generation_code == _GENERATOR_CODE[name] if name in _GENERATOR_CODE else \
             np.zeros(meta.generation_code.shape, dtype=bool)

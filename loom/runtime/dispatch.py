@@ -219,7 +219,7 @@ class Dispatcher:
             count = meta.image_count if encoder == "vision" else meta.audio_count
             tokens[encoder] = per_sample_sum(count, self._item_tokens(encoder, meta)).tolist()
             items[encoder] = count.tolist()
-        owner = np.repeat(np.arange(meta.num_samples), meta.generation_count)
+        owner = np.repeat(np.arange(meta.num_samples), meta.generation_count) if self.generations else None
         for g, spec in self.generations.items():  # the LLM's states of each sample's requests
             asks = np.bincount(owner[meta.generation_code == GENERATOR_NAMES.index(g)], minlength=meta.num_samples)
             tokens[g], items[g] = (asks * spec.cond_tokens).tolist(), asks.tolist()
