@@ -33,5 +33,5 @@ def load_train_config(args: argparse.Namespace) -> TrainConfig:
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
     if cfg.run.profile:
         profiled_boundaries(cfg, model, dataset)
-    cfg.plan.resolve(model.layer_counts())
+    cfg.plan.resolve(model.layer_counts(), generators=list(model.generators))
     return cfg

@@ -154,7 +154,7 @@ def row_of(scenario, name: str, plan, label, result, balanced, baseline, files: 
 
 
 def simulate_plan(scenario, name: str, plan, policies, args, metas, out_dir: Path) -> list[dict]:
-    plan.resolve(scenario.arch.layer_counts())
+    plan.resolve(scenario.arch.layer_counts(), generators=scenario.arch.generator_names)
     plan.to_json(out_dir / f"{name}.plan.json")
     runs = runs_of(scenario, plan, policies, args.order, metas, args.eager_forward)
     rows = []

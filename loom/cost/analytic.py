@@ -145,7 +145,7 @@ class AnalyticCostModel(CostModel):
         if optimizer not in OPTIMIZER_STEP_BYTES:
             raise ValueError(f"optimizer = {optimizer!r}: choose one of {list(OPTIMIZER_STEP_BYTES)}")
         assert set(OPTIMIZER_STEP_BYTES) == set(OPTIMIZER_STATE_BYTES)
-        plan.resolve(arch.layer_counts())
+        plan.resolve(arch.layer_counts(), generators=arch.generator_names)
         if plan.world_size > cluster.num_gpus:
             raise PlanError(
                 f"plan needs {plan.world_size} ranks but the cluster has {cluster.num_gpus} GPUs "

@@ -424,15 +424,11 @@ class Plan:
 
     # ---- checks --------------------------------------------------------------------------
     def resolve(self, layer_counts: dict[str, int], world_size: int | None = None,
-                generators: Sequence[str] | None = None) -> "Plan":
+                generators: Sequence[str] = ()) -> "Plan":
         """Check the plan against the model (``layer_counts``: module name -> number of layers;
         ``generators``: which of its modules are generators, which the plan must list after the
-        LLM; by default the modules after ``"llm"`` in ``layer_counts``' order, which a
-        `MultimodalModel`'s and a `ModelArch`'s keep) and, if given, the world size; fill in
-        default stage boundaries. Returns ``self``."""
-        if generators is None:
-            keys = list(layer_counts)
-            generators = keys[keys.index(LLM) + 1:] if LLM in keys else []
+        LLM: a `MultimodalModel`'s ``generators``, a `ModelArch`'s ``generator_names``) and, if
+        given, the world size; fill in default stage boundaries. Returns ``self``."""
         if not self.modules:
             raise PlanError("plan.modules is empty: list at least the 'llm' module")
         names = self.module_names

@@ -52,7 +52,7 @@ def _even_plan(scenario: Scenario, positions: int, placement: str) -> Plan:
                              zero_stage=d.zero_stage, recompute=d.recompute) for n in arch.generator_names]
     plan = Plan([*encoders, llm, *generators], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
                 schedule=d.schedule, placement=placement)
-    return plan.resolve(arch.layer_counts(), scenario.cluster.num_gpus)
+    return plan.resolve(arch.layer_counts(), scenario.cluster.num_gpus, generators=arch.generator_names)
 
 
 def first_stage_plan(scenario: Scenario) -> Plan:
@@ -94,7 +94,7 @@ def optimus_plan(scenario: Scenario) -> Plan:
     plan = Plan([*encoders, llm], num_microbatches=d.microbatches_per_pipeline * d.data_parallel,
                 schedule=d.schedule, placement="colocated", bubble_fill="optimus")
     try:
-        return plan.resolve(arch.layer_counts(), cluster.num_gpus)
+        return plan.resolve(arch.layer_counts(), cluster.num_gpus, generators=arch.generator_names)
     except PlanError as e:
         raise ScenarioError(f"the Optimus plan does not fit this scenario: {e}") from e
 
@@ -126,7 +126,7 @@ def frozen_aware_plan(scenario: Scenario) -> tuple[Plan, Any]:
     def iteration_time(stage_counts: dict[str, int]) -> float:
         if d.virtual_stages > 1:
             try:
-                plan = chunked(stage_counts).resolve(arch.layer_counts())
+                plan = chunked(stage_counts).resolve(arch.layer_counts(), generators=arch.generator_names)
             except PlanError:  # this depth cannot interleave (too few positions or layers): not a candidate
                 return math.inf
             return scenario.run(plan, work).iteration_time

@@ -63,7 +63,7 @@ class ParallelEngine:
     ) -> "ParallelEngine":
         precision = Precision(dtype, device.type)  # refuses an unknown dtype before any group is built
         rank, world_size = dist.get_rank(), dist.get_world_size()
-        plan.resolve(model.layer_counts(), world_size)  # the model's generators: its modules after the LLM
+        plan.resolve(model.layer_counts(), world_size, generators=list(model.generators))
         if plan.generator_names:
             check_generator_plan(plan)
         for m in plan.modules:

@@ -138,7 +138,7 @@ class Scenario:
         one_stage = copy.deepcopy(plan)
         for m in one_stage.modules:
             m.num_stages, m.stage_boundaries, m.virtual_stages = 1, None, 1
-        one_stage.resolve(self.arch.layer_counts())
+        one_stage.resolve(self.arch.layer_counts(), generators=self.arch.generator_names)
         model = self.cost_model(one_stage)
         n = len(work)
         mean = {
@@ -184,7 +184,7 @@ class Scenario:
     def _run(self, plan: Plan, work: list[MicrobatchWork] | None, layout: "BatchLayout | None",
              sample_work: list[MicrobatchWork] | None, eager: int = 0,
              dispatch: DispatchCost | None = None) -> tuple[SimResult, AnalyticCostModel]:
-        plan.resolve(self.arch.layer_counts())
+        plan.resolve(self.arch.layer_counts(), generators=self.arch.generator_names)
         if plan.world_size > self.cluster.num_gpus:
             raise ScenarioError(
                 f"plan needs {plan.world_size} GPUs but cluster.num_gpus = {self.cluster.num_gpus}; raise "
@@ -217,7 +217,7 @@ class Scenario:
         from loom.balance.policy import BalanceConfig, make_layout, sample_costs
 
         config = BalanceConfig(default=balance) if isinstance(balance, str) else balance
-        plan.resolve(self.arch.layer_counts())
+        plan.resolve(self.arch.layer_counts(), generators=self.arch.generator_names)
         metas = self.metas(step) if metas is None else metas
         layout = make_layout(config, plan, sample_costs(self.arch, metas), self.llm_batching)
         work = self.layout_work(metas, layout)

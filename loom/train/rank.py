@@ -153,6 +153,6 @@ def profiling_dispatcher(cfg: TrainConfig) -> Dispatcher:
     work (`loom.profile.dispatch`; the decision is priced on its own)."""
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")
-    plan = cfg.plan.resolve(model.layer_counts(), dist.get_world_size())
+    plan = cfg.plan.resolve(model.layer_counts(), dist.get_world_size(), generators=list(model.generators))
     return Dispatcher(plan, dataset, tokenizer, token_counters(model), arch_from_model(model), BalanceConfig(),
                       torch.device("cpu"), pack=cfg.data.pack_sequences, generations=generation_specs(model))
