@@ -77,6 +77,10 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
         plan = Plan([vision, ModuleSpec("llm", tensor_parallel=2), gen], num_microbatches=4)
     elif layout == "llmtppp":  # the LLM at TP 2 x PP 2, the generator at TP 1 x DP 1
         plan = Plan([vision, ModuleSpec("llm", num_stages=2, tensor_parallel=2), gen], num_microbatches=4)
+    elif layout == "llmcp":  # the LLM at CP 2: its last stage gathers every CP rank's tokens of the states
+        plan = Plan([vision, ModuleSpec("llm", context_parallel=2), gen], num_microbatches=4)
+    elif layout == "llmtpcp":  # the LLM at TP 2 x CP 2: the sequence shards, then the CP ranks' tokens
+        plan = Plan([vision, ModuleSpec("llm", tensor_parallel=2, context_parallel=2), gen], num_microbatches=4)
     else:
         raise KeyError(case)
     cfg = TrainConfig(model=model, plan=plan)
@@ -143,9 +147,9 @@ def _reference(case: str):
 
 CASES = {"pp-none": 4, "llmdp2-none": 6}
 # cases run inside another case's launch (same world size): the suite's time is in the launches
-FOLDED = {"pp-none": ["frozen-none", "frozenllm-none", "genpp-none", "gentp-none", "llmtp-none"],
+FOLDED = {"pp-none": ["frozen-none", "frozenllm-none", "genpp-none", "gentp-none", "llmtp-none", "llmcp-none"],
           "llmdp2-none": ["dp2-orchmllm", "dp2-disttrain", "dp2-entrain", "zero-none", "gentp2stage-none",
-                          "llmtppp-none"]}
+                          "llmtppp-none", "llmtpcp-none"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -179,7 +183,7 @@ def test_the_engine_refuses_what_it_cannot_run_with_a_generator() -> None:
 
     base = [ModuleSpec("vision"), ModuleSpec("llm", num_stages=2), ModuleSpec("image")]
     for modules, field in (
-        ([base[0], ModuleSpec("llm", context_parallel=2), base[2]], "modules['llm'].context_parallel"),
+        ([*base[:2], ModuleSpec("image", context_parallel=2)], "modules['image'].context_parallel"),
         ([*base[:2], ModuleSpec("image", data_parallel=2, tensor_parallel=2, zero_stage=2)],
          "modules['image'].zero_stage"),
         ([*base[:2], ModuleSpec("image", num_stages=4, virtual_stages=2)], "modules['image'].virtual_stages"),

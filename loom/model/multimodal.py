@@ -234,8 +234,8 @@ class MultimodalModel(nn.Module):
 
             def head_and_select(x: torch.Tensor, ctx: dict[str, Any]) -> dict[str, Any]:
                 masks = ctx["generation_masks"]
-                # a runtime that holds a shard of the sequence here (tensor parallelism's sequence
-                # parallelism) gives the context the whole sequence's gather
+                # a runtime that holds a share of the sequence here (tensor parallelism's sequence
+                # shard, context parallelism's tokens) gives the context the whole sequence's gather
                 whole = ctx.get("gather_sequence", lambda t: t)(x)
                 return {"logits": head(x, ctx), "generate": {g: whole[masks[g]] for g in self.generators}}
 
@@ -346,7 +346,8 @@ class MultimodalModel(nn.Module):
             inputs["context_parallel"] = context_parallel
             tokens = context_parallel.tokens.to(ids.device)
             masks = {n: m[:, tokens] for n, m in masks.items()}
-            generation = {n: m[:, tokens] for n, m in generation.items()}
+            # generation masks stay whole: the runtime gathers the whole sequence of final states
+            # before selecting a generator's (its context's ``gather_sequence``)
         ctx = adapter_for(self.llm).context(inputs)
         ctx["placeholder_masks"] = masks
         ctx["generation_masks"] = generation

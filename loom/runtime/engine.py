@@ -175,15 +175,9 @@ def check_generator_plan(plan: Plan) -> None:
     """What the runtime executes of a plan with generators (DistTrain's disaggregated layout,
     disttrain.md §2): every generator on ranks of its own, pipelined and data-parallel, with
     ZeRO, and at TP > 1 as a whole replica on each TP rank running a share of the images
-    (`Plan.item_shares`; ZeRO 1 only then); the LLM at any TP (its last stage gathers the
-    sequence shards of its final states) but without context parallelism (its last stage hands
-    each generator its states in sample order). Refused before any group is built, naming the
+    (`Plan.item_shares`; ZeRO 1 only then); the LLM at any TP and CP (its last stage gathers the
+    whole sequence of its final states first). Refused before any group is built, naming the
     field."""
-    llm = plan.spec(LLM)
-    if llm.context_parallel > 1:
-        raise PlanError(f"plan.modules['llm'].context_parallel = {llm.context_parallel} with generators "
-                        f"{plan.generator_names}: the LLM's last stage hands each generator its states in sample "
-                        f"order, which the runtime does not gather from the CP ranks' token blocks yet; set it to 1")
     for g in plan.generator_names:
         spec = plan.spec(g)
         for field_, value in (("context_parallel", spec.context_parallel), ("virtual_stages", spec.virtual_stages)):

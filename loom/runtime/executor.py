@@ -343,8 +343,9 @@ class PipelineExecutor:
             st.batch = move_batch(batch, self.device)
             if split is None:  # a split microbatch builds one context per part
                 st.context = self.model.module_context(stage.module, st.batch, self._cp_context(it, j, stage.module))
-                if stage.computes_loss and stage.module == LLM and self.generators and self.unit.tp_mesh is not None:
-                    st.context["gather_sequence"] = self._gather_sequence
+                if stage.computes_loss and stage.module == LLM and self.generators and self.unit.size > 1:
+                    rc = self._cp_context(it, j, LLM)
+                    st.context["gather_sequence"] = lambda x, rc=rc: self._gather_sequence(x, rc)
         with self.precision.autocast():
             if self.needs_backward[(a.module, a.stage)]:
                 out = self._run_forward(it, stage, j, st, split)
@@ -391,12 +392,21 @@ class PipelineExecutor:
             return out
         return self.precision.message(out)  # sent in the compute dtype, graph included
 
-    def _gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole sequence of the final states whose TP rank's shard ``x`` is (sequence
-        parallelism, `loom.runtime.tensor_parallel`): what the LLM's last stage selects each
-        generator's states from. Differentiable: the gradient of the replicated whole is each
-        rank's slice of it."""
-        return DTensor.from_local(x, self.unit.tp_mesh, [Shard(1)]).full_tensor()
+    def _gather_sequence(self, x: torch.Tensor, rc: RankContext | None) -> torch.Tensor:
+        """The whole sequence ``[B, L, H]`` of the final states whose share this rank holds: the
+        TP rank's sequence shard (sequence parallelism, `loom.runtime.tensor_parallel`), then, under
+        context parallelism, the CP rank's tokens (``rc.tokens``, put back at their positions):
+        what the LLM's last stage selects each generator's states from. Differentiable: the
+        gradient of the (replicated) whole is each rank's share of it."""
+        if self.unit.tp_mesh is not None:
+            x = DTensor.from_local(x, self.unit.tp_mesh, [Shard(1)]).full_tensor()
+        if rc is None:
+            return x
+        group = self.unit.cp_group
+        rows = gather_lanes(x.transpose(0, 1).contiguous(), group)  # every CP rank's tokens, rank by rank
+        positions = gather_lanes(rc.tokens.to(x.device).view(-1, 1), group).view(-1)
+        whole = rows.new_zeros((positions.numel(), *rows.shape[1:])).index_copy(0, positions, rows)
+        return whole.transpose(0, 1)
 
     def _generator_share(self, batch: Batch, module: str) -> Batch:
         """``batch`` with only this TP rank's share of generator ``module``'s images (targets and
