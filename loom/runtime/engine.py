@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from loom.schedule.layout import BatchLayout, contiguous_layout
 from loom.data.sample import Batch
 from loom.model.multimodal import MultimodalModel
-from loom.plan.plan import LLM, Plan, PlanError
+from loom.plan.plan import Plan, PlanError
 from loom.runtime.executor import PipelineExecutor, StepResult
 from loom.runtime.precision import Precision
 from loom.runtime.recompute import apply_recompute
