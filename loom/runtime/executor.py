@@ -144,8 +144,7 @@ class _Iteration:
                  "grad_norm", "cp", "cp_blocks", "local")
 
     def __init__(self, plan: ActionPlan, microbatches: dict[int, Batch], num_targets: int, rows: RowMap | None,
-                 device: torch.device, cp_blocks: dict[int, int] | None = None,
-                 num_generations: dict[str, int] | None = None):
+                 cp_blocks: dict[int, int] | None = None, num_generations: dict[str, int] | None = None):
         self.plan, self.microbatches, self.num_targets, self.rows = plan, microbatches, num_targets, rows
         self.num_generations = num_generations or {}
         self.states: dict[_Key, MicrobatchState] = {}
@@ -244,7 +243,7 @@ class PipelineExecutor:
         if plan.routed and rows is None:
             raise ValueError(f"rank {self.rank}: this schedule routes encoder rows by sample; pass the layout's RowMap "
                              f"as rows= (Dispatched.rows)")
-        it = _Iteration(plan, microbatches, num_targets, rows, self.device, cp_blocks, num_generations)
+        it = _Iteration(plan, microbatches, num_targets, rows, cp_blocks, num_generations)
         sync = exact_timing and self.device.type == "cuda"
         compute = (ActionKind.FORWARD, *BACKWARDS)
         times: list[float] = []
