@@ -203,9 +203,7 @@ def module_costs(scenario: Scenario, tp_choices: Sequence[int] = TP_CHOICES) -> 
     seconds of the whole module, one stage, for the scenario's mean sequence (its first global
     batch's per-sample workloads, from metadata): the ``C_m(TP)`` of the formulation, from the
     analytic cost model (TP communication and frozen-aware backward included)."""
-    samples = scenario.per_sample_work(scenario.metas())
-    mean = {m: Workload(*(round(sum(getattr(w.get(m, Workload()), f) for w in samples) / len(samples))
-                          for f in ("tokens", "attn_sq", "segments"))) for m in scenario.arch.module_names}
+    mean = _mean_sequence(scenario)
     out: dict[str, dict[int, float]] = {m: {} for m in scenario.arch.module_names}
     for m in scenario.arch.module_names:
         for tp in tp_choices:
@@ -219,6 +217,13 @@ def module_costs(scenario: Scenario, tp_choices: Sequence[int] = TP_CHOICES) -> 
                 continue
             out[m][tp] = cost.stage_time(m, 0, "forward", mean[m]) + cost.stage_time(m, 0, "backward", mean[m])
     return out
+
+
+def _mean_sequence(scenario: Scenario) -> dict[str, Workload]:
+    """Per module, the mean workload of one sequence of the scenario's first global batch."""
+    samples = scenario.per_sample_work(scenario.metas())
+    return {m: Workload(*(round(sum(getattr(w.get(m, Workload()), f) for w in samples) / len(samples))
+                          for f in ("tokens", "attn_sq", "segments"))) for m in scenario.arch.module_names}
 
 
 def _node_aligned(scenario: Scenario, module: str) -> dict[str, int]:
@@ -267,9 +272,7 @@ def scenario_inputs(scenario: Scenario) -> ScenarioInputs:
     of the modules before the LLM."""
     costs = module_costs(scenario)
     capacity = scenario.memory_capacity()
-    samples = scenario.per_sample_work(scenario.metas())
-    mean = {m: Workload(*(round(sum(getattr(w.get(m, Workload()), f) for w in samples) / len(samples))
-                          for f in ("tokens", "attn_sq", "segments"))) for m in scenario.arch.module_names}
+    mean = _mean_sequence(scenario)
     memo: dict[tuple, bool] = {}
 
     def fits(module: str, tp: int, dp: int, pp: int) -> bool:
