@@ -124,3 +124,12 @@ def test_a_generator_rearranged_on_its_own_gets_routed_rows_in_its_round(llm_dp,
                       arrays={**base.arrays, "image": slot_arrays(moved, 4)})
     with pytest.raises(LayoutError, match="a generator's routes must stay in the round"):
         bad.check_routes(p)
+
+
+def test_the_encoders_entry_of_balance_policy_does_not_name_a_generator():
+    from loom.balance.config import BalanceConfig
+
+    config = BalanceConfig(default="none", policy={"encoders": "orchmllm"})
+    assert config.summary(["vision", "llm", "image"]) == {"vision": "orchmllm", "llm": "none", "image": "none"}
+    config = BalanceConfig(default="none", policy={"encoders": "orchmllm", "image": "orchmllm"})
+    assert config.summary(["vision", "llm", "image"])["image"] == "orchmllm"

@@ -91,7 +91,10 @@ class BalanceConfig:
         return self
 
     def summary(self, phases: list[str]) -> dict[str, str]:
-        return {p: self.policy_of(p) for p in phases}
+        """Each phase's policy, ``phases`` in plan order: those after the LLM are generators,
+        which ``"encoders"`` does not name (they take their own entry, else ``default``)."""
+        generators = set(phases[phases.index(LLM) + 1:]) if LLM in phases else set()
+        return {p: self.policy.get(p, self.default) if p in generators else self.policy_of(p) for p in phases}
 
 
 def check_balance_config(config: BalanceConfig, plan: Plan, global_batch_size: int) -> None:
