@@ -133,3 +133,17 @@ def test_the_encoders_entry_of_balance_policy_does_not_name_a_generator():
     assert config.summary(["vision", "llm", "image"]) == {"vision": "orchmllm", "llm": "none", "image": "none"}
     config = BalanceConfig(default="none", policy={"encoders": "orchmllm", "image": "orchmllm"})
     assert config.summary(["vision", "llm", "image"])["image"] == "orchmllm"
+
+
+def test_a_plan_refuses_what_a_generator_cannot_run():
+    """Refused by `Plan.resolve`, so the runtime and the simulator refuse the same plans."""
+    counts = {"vision": 5, "llm": 7, "image": 4}
+    base = [ModuleSpec("vision"), ModuleSpec("llm", num_stages=2), ModuleSpec("image")]
+    for modules, field in (
+        ([*base[:2], ModuleSpec("image", context_parallel=2)], "modules['image'].context_parallel"),
+        ([*base[:2], ModuleSpec("image", num_stages=4, virtual_stages=2)], "modules['image'].virtual_stages"),
+        ([*base[:2], ModuleSpec("image", data_parallel=2, tensor_parallel=2, zero_stage=2)],
+         "modules['image'].zero_stage"),
+    ):
+        with pytest.raises(PlanError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            Plan(modules).resolve(counts, generators=["image"])

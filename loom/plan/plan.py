@@ -465,6 +465,19 @@ class Plan:
         if self.generator_names and self.placement != "disaggregated":
             raise PlanError(f"plan.placement = {self.placement!r} with generators {self.generator_names}: generators run "
                             f"on ranks of their own after the LLM; use placement = 'disaggregated'")
+        for g in self.generator_names:
+            # a generator runs pipelined, data-parallel (ZeRO) and at TP as image-sharing
+            # replicas (`item_shares`); the runtime and the simulator both take exactly that
+            spec = self.spec(g)
+            for field_, value in (("context_parallel", spec.context_parallel), ("virtual_stages", spec.virtual_stages)):
+                if value > 1:
+                    raise PlanError(f"plan.modules[{g!r}].{field_} = {value}: a generator runs pipelined, "
+                                    f"data-parallel (with ZeRO) and over TP ranks that share its images; there is no "
+                                    f"{field_} for it; set it to 1")
+            if spec.tensor_parallel > 1 and spec.zero_stage >= 2:
+                raise PlanError(f"plan.modules[{g!r}].zero_stage = {spec.zero_stage} with tensor_parallel = "
+                                f"{spec.tensor_parallel}: a generator's TP ranks each hold it whole and share its "
+                                f"images, which FSDP does not shard over; use zero_stage 0 or 1, or tensor_parallel = 1")
         for m in self.modules:
             where = f"plan.modules[{m.name!r}]"
             if m.data_parallel < 1:

@@ -64,8 +64,6 @@ class ParallelEngine:
         precision = Precision(dtype, device.type)  # refuses an unknown dtype before any group is built
         rank, world_size = dist.get_rank(), dist.get_world_size()
         plan.resolve(model.layer_counts(), world_size, generators=list(model.generators))
-        if plan.generator_names:
-            check_generator_plan(plan)
         for m in plan.modules:
             check_context_parallel(m, model)  # loom.runtime.context_parallel: the LLM's, alone on its module
             check_zero(m)  # loom.runtime.zero: ZeRO needs replicas
@@ -169,23 +167,3 @@ class ParallelEngine:
         to it (or its own) is pending. Call it on every rank; the training loop does."""
         self.executor.close()
         dist.barrier()
-
-
-def check_generator_plan(plan: Plan) -> None:
-    """What the runtime executes of a plan with generators (DistTrain's disaggregated layout,
-    disttrain.md §2): every generator on ranks of its own, pipelined and data-parallel, with
-    ZeRO, and at TP > 1 as a whole replica on each TP rank running a share of the images
-    (`Plan.item_shares`; ZeRO 1 only then); the LLM at any TP and CP (its last stage gathers the
-    whole sequence of its final states first). Refused before any group is built, naming the
-    field."""
-    for g in plan.generator_names:
-        spec = plan.spec(g)
-        for field_, value in (("context_parallel", spec.context_parallel), ("virtual_stages", spec.virtual_stages)):
-            if value > 1:
-                raise PlanError(f"plan.modules[{g!r}].{field_} = {value}: a generator runs pipelined, data-parallel "
-                                f"(with ZeRO) and over TP ranks that share its images; the runtime has no {field_} "
-                                f"for it yet; set it to 1")
-        if spec.tensor_parallel > 1 and spec.zero_stage >= 2:
-            raise PlanError(f"plan.modules[{g!r}].zero_stage = {spec.zero_stage} with tensor_parallel = "
-                            f"{spec.tensor_parallel}: a generator's TP ranks each hold it whole and share its images, "
-                            f"which FSDP does not shard over; use zero_stage 0 or 1, or tensor_parallel = 1")

@@ -621,12 +621,12 @@ class PipelineExecutor:
                 # each encoder's microbatch j feeds LLM microbatch j whole: its rows are in order
                 return {m: p[0][1] for m, p in parts.items()}
             return {m: rows.assemble(m, j, sorted(p, key=lambda t: t[0])) for m, p in parts.items()}
-        if stage.is_first and stage.generator and rows is not None and (len(received) > 1 or next(iter(received))[1] != j):
+        parts = sorted((source, x) for (_, source), x in received.items())
+        if stage.is_first and stage.generator and rows is not None and [k for k, _ in parts] != [j]:
             # the LLM's states of this generator microbatch's samples from every LLM microbatch
             # holding them (a generator phase rearranged on its own), in its own sample order
-            parts = sorted((source, x) for (_, source), x in received.items())
             return rows.assemble(stage.module, j, parts, src=LLM, dst=stage.module)
-        (x,) = received.values()
+        ((_, x),) = parts
         return x
 
     def _lane_forward(self, stage: Stage, batch: Batch) -> torch.Tensor:
