@@ -126,6 +126,8 @@ SIMULATE = [
     (["parallel.tensor_parallel"], "dotted.key=value"),
     (['run.dtype="fp16"'], "run.dtype = 'fp16'"),
     (["optim.max_grad_norm=-1.0"], "optim.max_grad_norm = -1.0"),
+    (["cost.efficiency=1.5"], "cost.efficiency = 1.5"),
+    (["cost.bogus=1"], "'bogus'"),
 ]
 
 

@@ -4,12 +4,14 @@ item 1; cornstarch.md §3.2.2, entrain.md §3.1, disttrain.md §3.1).
 Per layer and per part of the work (forward, backward-input, backward-weight), from the FLOPs
 and bytes of `loom.cost.flops`, on one rank of a stage with TP degree ``t`` and CP degree ``c``:
 
-- GEMMs: ``max(FLOPs / (t c) / (peak x efficiency), weight bytes / t / HBM bandwidth)``: a
-  roofline whose memory side is reading the weights once per pass, which is what bounds small
-  microbatches ("memory-bandwidth saturation", entrain.md §3.1). ``efficiency`` is the
-  achieved fraction of the dense BF16 peak, a stated assumption (default 0.5);
-- attention: FLOPs ``/ (t c) / (peak x efficiency)`` (heads split by TP, the load-balanced
-  causal shards by CP);
+- GEMMs: by their shapes (`loom.cost.gemm`): each of a layer's GEMMs on one rank (TP cuts its
+  parallel dimension, the rank's ``T / c`` tokens its rows) at the GPU's ceiling times its tile
+  and wave quantization, or bound by its operands' HBM traffic, which is what bounds small
+  microbatches ("memory-bandwidth saturation", entrain.md §3.1). With a constant
+  ``efficiency`` instead: ``max(FLOPs / (t c) / (peak x efficiency), weight bytes / t / HBM
+  bandwidth)``;
+- attention: FLOPs ``/ (t c) / (peak x attention efficiency)`` (heads split by TP, the
+  load-balanced causal shards by CP), `GPUSpec.attention_efficiency` or the constant;
 - embedding lookups and norms: bytes ``/ c / HBM bandwidth`` (replicated across TP);
 - TP communication, as `loom.runtime.tensor_parallel` runs it. The LLM with sequence
   parallelism (Korthikanti et al. 2023 §4.2.2): a block all-gathers its ``T/c x hidden``
@@ -59,6 +61,7 @@ from loom.cost import comm
 from loom.cost.arch import LayerArch, ModelArch
 from loom.cost.flops import attention_flops, gemm_flops, memory_traffic, model_flops
 from loom.cost.frozen import BackwardNeeds, backward_needs
+from loom.cost.gemm import layer_gemm_seconds
 from loom.cost.hardware import Cluster
 from loom.cost.memory import (
     MASTER_BYTES,
@@ -125,8 +128,10 @@ class AnalyticCostModel(CostModel):
     (`loom.cost.memory.DTYPE_BYTES`: bf16 2, the default, or fp32 4), and of ZeRO-2/3's
     parameter gathers (FSDP2's ``MixedPrecisionPolicy`` under bf16); weights, gradients, their
     reduction and the optimizer state are fp32 whatever it is (`loom.cost.memory.MASTER_BYTES`).
-    The peak is the GPU's dense BF16 figure whatever ``dtype_bytes`` is. ``efficiency`` is the fraction
-    of that peak GEMMs and attention achieve. ``optimizer`` is ``"adam"`` or ``"sgd"``.
+    The peak is the GPU's dense BF16 figure whatever ``dtype_bytes`` is. ``efficiency``: ``None``
+    (the default) prices GEMMs by shape and attention at the GPU's `attention_efficiency`
+    (module docstring); a number is the fraction of that peak every GEMM and attention kernel
+    achieves. ``optimizer`` is ``"adam"`` or ``"sgd"``.
     """
 
     def __init__(
@@ -135,10 +140,10 @@ class AnalyticCostModel(CostModel):
         plan: Plan,
         cluster: Cluster,
         dtype_bytes: int = 2,
-        efficiency: float = 0.5,
+        efficiency: float | None = None,
         optimizer: str = "adam",
     ) -> None:
-        if not 0 < efficiency <= 1:
+        if efficiency is not None and not 0 < efficiency <= 1:
             raise ValueError(f"efficiency = {efficiency}: the achieved fraction of peak must be in (0, 1]")
         if dtype_bytes not in (2, 4):
             raise ValueError(f"dtype_bytes = {dtype_bytes}: choose 2 (run.dtype bf16) or 4 (fp32)")
@@ -167,6 +172,9 @@ class AnalyticCostModel(CostModel):
         self.spec = cluster.spec
         self.dtype_bytes = dtype_bytes
         self.efficiency = efficiency
+        gpu = cluster.spec
+        self._gemm_rate = gpu.peak_bf16_flops * (efficiency or gpu.gemm_ceiling)
+        self._attention_rate = gpu.peak_bf16_flops * (efficiency or gpu.attention_efficiency)
         self.optimizer = optimizer
         self.needs: dict[str, list[BackwardNeeds]] = backward_needs(arch)
         self._groups: dict[tuple[str, int], _Groups] = {}
@@ -260,13 +268,15 @@ class AnalyticCostModel(CostModel):
     def _compute(self, layer: LayerArch, work: Workload, phase: str, tp: int, cp: int, sp: int = 1) -> float:
         """``sp``: how many ways norms and elementwise work are split (the TP degree under
         sequence parallelism, else 1)."""
-        rate = self.spec.peak_bf16_flops * self.efficiency
         hbm = self.spec.hbm_bandwidth
         gemm = getattr(gemm_flops(layer, work), phase)
         t = 0.0
-        if gemm:
-            t += max(gemm / (tp * cp) / rate, layer.gemm_weights / tp * self.dtype_bytes / hbm)
-        t += getattr(attention_flops(layer, work), phase) / (tp * cp) / rate
+        if gemm and self.efficiency is None:  # by shape: the rank's rows on the layer's own grid
+            t += layer_gemm_seconds(layer, work.tokens / cp / layer.scale**2, tp, phase, gemm / (tp * cp),
+                                    self.spec, self.dtype_bytes)
+        elif gemm:
+            t += max(gemm / (tp * cp) / self._gemm_rate, layer.gemm_weights / tp * self.dtype_bytes / hbm)
+        t += getattr(attention_flops(layer, work), phase) / (tp * cp) / self._attention_rate
         t += getattr(memory_traffic(layer, work, self.dtype_bytes), phase) / (cp * sp) / hbm
         return t
 
@@ -324,8 +334,7 @@ class AnalyticCostModel(CostModel):
             if spec.recompute == "full":
                 recompute = forward_core
             elif spec.recompute == "selective":  # the attention core only: no GEMMs; under CP its gather
-                recompute = (attention_flops(layer, work).forward / (tp * cp) / (self.spec.peak_bf16_flops * self.efficiency)
-                             + kv_gather)
+                recompute = attention_flops(layer, work).forward / (tp * cp) / self._attention_rate + kv_gather
         backward_gather = gather if need.any and spec.zero_stage >= 3 else 0.0
         # the parameters are gathered once for the layer's whole backward, at its first part
         if need.input:

@@ -15,6 +15,17 @@ to it. Conventions, so that the numbers compose with `loom.cost.comm`:
 - ``intra_node_latency``, ``inter_node_latency``: the alpha of the alpha-beta model, seconds
   per message step. *Assumption* for every GPU (datasheets do not give it): 2 µs over
   NVLink/NVSwitch and 5 µs over InfiniBand/RoCE, the order of NCCL's small-message step times.
+- ``sms``: streaming multiprocessors (the whitepapers' SM counts), for the wave quantization of
+  `loom.cost.gemm`; 0 for a device without them (no quantization).
+- ``gemm_ceiling``: the fraction of the dense peak the largest BF16 GEMMs reach. *Assumption*
+  (vendors publish peaks, not achieved rates): 0.8 on Ampere and 0.75 on Hopper, the order of
+  public cuBLAS measurements of large square BF16 GEMMs (about 250 of 312 TFLOP/s on an A100,
+  about 740 of 989 on an H100 SXM).
+- ``attention_efficiency``: the fraction of the peak attention kernels reach. *Assumption*:
+  0.5. FlashAttention-2 reaches "50-73% of the theoretical maximum FLOPs/s on A100" forward
+  and less backward (Dao 2023, abstract) and "only 35% utilization on H100" (Shah et al. 2024,
+  FlashAttention-3, abstract), whose own kernels reach 75 % forward; torch's SDPA picks among
+  such kernels.
 """
 
 from __future__ import annotations
@@ -43,6 +54,14 @@ class GPUSpec:
     inter_node_bandwidth: float
     intra_node_latency: float = NVLINK_LATENCY
     inter_node_latency: float = NETWORK_LATENCY
+    sms: int = 0
+    gemm_ceiling: float = 0.75
+    attention_efficiency: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("gemm_ceiling", "attention_efficiency"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"GPUSpec {self.name!r}: {name} = {getattr(self, name)} must be a fraction in (0, 1]")
 
 
 GPUS: dict[str, GPUSpec] = {
@@ -61,6 +80,9 @@ GPUS: dict[str, GPUSpec] = {
             # Assumption (PCIe servers vary): one 200 Gb/s HDR NIC per 2 GPUs -> 100 Gb/s per GPU.
             inter_node_bandwidth=100 * Gbit,
             intra_node_latency=NETWORK_LATENCY,  # PCIe through the host bridge: not NVLink-fast
+            # NVIDIA A40 datasheet: 10,752 CUDA cores, 128 per Ampere SM; gemm_ceiling: the module docstring's assumption.
+            sms=84,
+            gemm_ceiling=0.8,
         ),
         GPUSpec(
             name="A100-40GB",
@@ -74,6 +96,9 @@ GPUS: dict[str, GPUSpec] = {
             # NVIDIA DGX A100 datasheet: "8x Single-Port Mellanox ConnectX-6 VPI 200Gb/s HDR
             # InfiniBand" for 8 GPUs -> 200 Gb/s per GPU.
             inter_node_bandwidth=200 * Gbit,
+            # NVIDIA A100 Tensor Core GPU Architecture whitepaper: "108 SMs"; gemm_ceiling: the module docstring's assumption.
+            sms=108,
+            gemm_ceiling=0.8,
         ),
         GPUSpec(
             name="A100-80GB",
@@ -86,6 +111,9 @@ GPUS: dict[str, GPUSpec] = {
             intra_node_bandwidth=300 * GB,
             # NVIDIA DGX A100 datasheet: 8x ConnectX-6 HDR 200 Gb/s for 8 GPUs.
             inter_node_bandwidth=200 * Gbit,
+            # NVIDIA A100 whitepaper: "108 SMs"; gemm_ceiling: the module docstring's assumption.
+            sms=108,
+            gemm_ceiling=0.8,
         ),
         GPUSpec(
             name="A800",
@@ -99,6 +127,9 @@ GPUS: dict[str, GPUSpec] = {
             # DistTrain's production A800 cluster (disttrain.md §4.1): "4x200 Gbps RDMA, RoCEv2"
             # per 8-GPU node -> 100 Gb/s per GPU.
             inter_node_bandwidth=100 * Gbit,
+            # an A100 die: 108 SMs; gemm_ceiling: the module docstring's assumption.
+            sms=108,
+            gemm_ceiling=0.8,
         ),
         GPUSpec(
             name="H100",
@@ -113,6 +144,9 @@ GPUS: dict[str, GPUSpec] = {
             # NVIDIA DGX H100 datasheet: "8x single-port NVIDIA ConnectX-7 VPI, 400 Gb/s
             # InfiniBand/Ethernet" for 8 GPUs -> 400 Gb/s per GPU.
             inter_node_bandwidth=400 * Gbit,
+            # NVIDIA H100 Tensor Core GPU Architecture whitepaper: "132 SMs" (SXM5); gemm_ceiling: the module docstring's assumption.
+            sms=132,
+            gemm_ceiling=0.75,
         ),
         GPUSpec(
             name="H800",
@@ -127,6 +161,9 @@ GPUS: dict[str, GPUSpec] = {
             # DeepSeek-V3 technical report (2024) §3.2.2, an H800 cluster: one 400 Gb/s
             # InfiniBand NIC per GPU ("IB (50 GB/s)").
             inter_node_bandwidth=400 * Gbit,
+            # an H100 SXM5 die: 132 SMs; gemm_ceiling: the module docstring's assumption.
+            sms=132,
+            gemm_ceiling=0.75,
         ),
         GPUSpec(
             name="H200",
@@ -141,6 +178,9 @@ GPUS: dict[str, GPUSpec] = {
             # NVIDIA DGX H200 datasheet: "8x single-port NVIDIA ConnectX-7 VPI, 400Gb/s
             # InfiniBand/Ethernet" for 8 GPUs -> 400 Gb/s per GPU.
             inter_node_bandwidth=400 * Gbit,
+            # an H100 SXM5 die with HBM3e: 132 SMs; gemm_ceiling: the module docstring's assumption.
+            sms=132,
+            gemm_ceiling=0.75,
         ),
     ]
 }

@@ -87,10 +87,15 @@ class Scenario:
     dtype: str = "bf16"
     max_grad_norm: float = 0.0
     generation_size: int = 512  # data.generation_size: the side of the images generation requests ask for
+    # cost.efficiency: one achieved fraction of the peak for every GEMM and attention kernel;
+    # None prices GEMMs by shape (`loom.cost.gemm`)
+    efficiency: float | None = None
 
     def cost_model(self, plan: Plan) -> AnalyticCostModel:
-        """The analytic cost model of ``plan`` on this cluster at the scenario's ``run.dtype``."""
-        return AnalyticCostModel(self.arch, plan, self.cluster, dtype_bytes=DTYPE_BYTES[self.dtype])
+        """The analytic cost model of ``plan`` on this cluster at the scenario's ``run.dtype`` and
+        ``cost.efficiency``."""
+        return AnalyticCostModel(self.arch, plan, self.cluster, dtype_bytes=DTYPE_BYTES[self.dtype],
+                                 efficiency=self.efficiency)
 
     # ---- data -----------------------------------------------------------------------------
     def metas(self, step: int = 0) -> list[SampleMeta]:
@@ -275,7 +280,8 @@ def load_scenario(path: str | Path, overrides: typing.Sequence[str] = ()) -> Sce
     ``[cluster]`` (gpu, num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size,
     llm_batching, generation_size),
     ``[parallel]`` (`ParallelDegrees`), ``[run]`` (dtype, as a run's: "bf16", the default, or
-    "fp32"), ``[optim]`` (max_grad_norm, as a run's: > 0 prices the clipping norm's all-reduce)
+    "fp32"), ``[cost]`` (efficiency: one achieved fraction of the peak for every kernel, instead of
+    GEMMs priced by shape), ``[optim]`` (max_grad_norm, as a run's: > 0 prices the clipping norm's all-reduce)
     and optional ``[plans.<name>]`` tables in the plan format.
     ``overrides`` (``dotted.key=value``, `loom.plan.overrides`) apply to those tables first; every
     value, the file's and the overrides', passes `check_scenario_tables`, so this API refuses what
@@ -312,6 +318,7 @@ def _schema() -> dict[str, Any]:
         "parallel": typing.get_type_hints(ParallelDegrees),
         "run": {"dtype": str},
         "optim": {"max_grad_norm": float},
+        "cost": {"efficiency": float},
         "plans": dict[str, dict],
     }
 
@@ -352,6 +359,9 @@ def check_scenario_tables(data: dict[str, Any]) -> None:
                 if isinstance(v, int) and not isinstance(v, bool) and v < low:
                     raise ScenarioError(f"{where} = {v}: must be at least {low}; use a "
                                         f"{'non-negative' if low == 0 else 'positive'} whole number")
+                if where == "cost.efficiency" and not 0 < v <= 1:
+                    raise ScenarioError(f"{where} = {v!r}: is the achieved fraction of the GPU's peak; use a number "
+                                        f"in (0, 1] such as 0.5, or leave it out to price GEMMs by shape")
                 if where == "optim.max_grad_norm" and not (v >= 0 and v != float("inf")):
                     raise ScenarioError(f"{where} = {v!r}: is a gradient-norm threshold; use 0 for no clipping or a "
                                         f"positive norm such as 1.0")
@@ -407,4 +417,5 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
         dtype=data.get("run", {}).get("dtype", "bf16"),
         max_grad_norm=float(data.get("optim", {}).get("max_grad_norm", 0.0)),
         generation_size=int(dd.get("generation_size", 512)),
+        efficiency=data.get("cost", {}).get("efficiency"),
     )
