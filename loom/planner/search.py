@@ -1,0 +1,356 @@
+"""loom's planner search (issue 12, item 2): the fastest plan that fits, over placements and
+every module's parallel degrees, by analytic estimate first and the simulator last.
+
+The space (`SearchSpace`):
+
+- placement: ``first_stage`` (Megatron-LM's own layout: the encoders inside the LLM's first
+  position), ``colocated`` with Optimus's bubble fill (optimus.md §2.3, §3.4-3.6; an encoder
+  replica on every LLM unit, no ZeRO, no CP), ``disaggregated`` (encoders and generators on
+  ranks of their own): Megatron-LM's MLLM layout, each at the LLM's TP and DP in one stage
+  (disttrain.md §2; optimus.md §3.10's balanced baseline), and DistTrain's orchestration
+  (disttrain.md §3.2, Algorithm 1, `loom.planner.orchestration`), which sizes each module's GPUs
+  and TP;
+- the LLM's TP (within a node, dividing every hosted module's heads), CP, pipeline depth and
+  DP filling the GPUs; stage boundaries by cost (`loom.planner.partition.partition` over each
+  layer's forward + backward, so an embedding and a large-vocabulary head weigh what they cost,
+  and the first position carries its hosted encoders);
+- samples per microbatch; schedule (1F1B, interleaved 1F1B with 2 chunks, ZB-H1);
+- per module ZeRO stage and recompute: for each recompute mode (none, selective, full: more
+  recompute is only slower) the lowest ZeRO stage that fits the GPU's memory (a higher stage
+  only adds communication);
+- the balancing policy, tried on the best plans by the simulator.
+
+Every layout is priced by `loom.planner.estimate` (stage times of the mean microbatch, the
+memory each position holds at its peak); a plan over the GPU's memory is pruned, with the
+memory it needs. The ``simulate_top`` fastest estimates are then played by the simulator on
+the scenario's real microbatches (per-microbatch token counts from the data mix), under each
+policy of ``policies``; a played plan whose simulated peak memory exceeds the GPU is pruned
+too. The fastest played plan wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from loom.cost.model import Workload
+from loom.plan.plan import LLM, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
+from loom.planner.estimate import Estimate, estimate
+from loom.planner.partition import partition
+from loom.sim.result import SimResult
+from loom.sim.scenario import Scenario, ScenarioError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search varies (module docstring); every field narrows it."""
+
+    placements: tuple[str, ...] = ("first_stage", "colocated", "disaggregated")
+    tensor_parallel: tuple[int, ...] = (1, 2, 4, 8)
+    context_parallel: tuple[int, ...] = (1,)
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE_MODES
+    microbatch_samples: tuple[int, ...] = (1, 2, 4, 8)
+    schedules: tuple[tuple[str, int], ...] = (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1))  # (schedule, chunks)
+    orchestrations: int = 4  # DistTrain's fastest layouts taken as disaggregated candidates
+    policies: tuple[str, ...] = ("none",)
+    simulate_top: int = 6
+
+
+@dataclass
+class Candidate:
+    """One plan the search priced: its estimate, and when played its simulation under
+    ``policy``; ``verdict`` says why it won, lost or was pruned."""
+
+    layout: str
+    plan: Plan | None
+    estimate: Estimate | None
+    verdict: str = ""
+    simulated: SimResult | None = None
+    policy: str = "none"
+
+    @property
+    def iteration_time(self) -> float:
+        if self.simulated is not None:
+            return self.simulated.iteration_time
+        return self.estimate.iteration_time if self.estimate is not None else math.inf
+
+
+@dataclass
+class SearchResult:
+    """The winner, every candidate priced (the played ones first, fastest first) and counts."""
+
+    best: Candidate
+    candidates: list[Candidate]
+    priced: int
+    pruned_memory: int
+    seconds: float
+    techniques: list[str] = field(default_factory=list)
+
+
+def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResult:
+    """The fastest memory-feasible plan for ``scenario`` over ``space`` (module docstring).
+    Raises `ScenarioError` when no plan fits, naming the least memory any layout needs."""
+    t0 = time.perf_counter()
+    capacity = scenario.memory_capacity()
+    pricer = _Pricer(scenario)
+    priced: list[Candidate] = []
+    least = math.inf  # the least memory a pruned layout needs
+    count = pruned = 0
+    for layout in _layouts(scenario, space):
+        for samples in space.microbatch_samples:
+            mb = _microbatches(scenario, layout, samples)
+            if mb is None:
+                continue
+            for schedule, chunks in space.schedules:
+                best: Candidate | None = None
+                for recompute in space.recompute:
+                    for zero in space.zero_stages:
+                        if zero and min(s.data_parallel for s in layout.modules) < 2:
+                            continue
+                        if zero and layout.placement == "colocated":
+                            continue  # the colocated runtime runs no ZeRO
+                        try:
+                            plan = pricer.plan(layout, mb, schedule, chunks, zero, recompute)
+                        except PlanError:
+                            break
+                        count += 1
+                        est = pricer.estimate(plan)
+                        if est.peak_memory > capacity:
+                            least = min(least, est.peak_memory)
+                            pruned += 1
+                            continue
+                        best = Candidate(_layout_label(plan), plan, est)
+                        break  # a higher ZeRO stage only adds communication
+                    if best is not None:
+                        priced.append(best)
+                        best = None
+    if not priced:
+        raise ScenarioError(
+            f"no plan fits {scenario.cluster.num_gpus} x {scenario.cluster.spec.name} "
+            f"({capacity / GiB:.0f} GiB each): the least memory any layout the search priced needs is "
+            f"{least / GiB:.1f} GiB per GPU; use GPUs with more memory, more of them, or a smaller global batch")
+    priced.sort(key=lambda c: c.iteration_time)
+    played = _play(scenario, priced, space, capacity)
+    for c in priced[len(played):]:
+        c.verdict = f"lost: estimate {c.iteration_time:.3f} s, not among the {space.simulate_top} played"
+    candidates = played + priced[len(played):]
+    fitting = [c for c in played if c.verdict != "pruned"]
+    if not fitting:
+        raise ScenarioError(f"every played plan exceeds {capacity / GiB:.0f} GiB per GPU in simulation; raise "
+                            f"simulate_top or use GPUs with more memory")
+    best = min(fitting, key=lambda c: c.iteration_time)
+    for c in played:
+        if c is best:
+            c.verdict = "best"
+        elif not c.verdict:
+            c.verdict = f"lost: {c.iteration_time / best.iteration_time:.3f}x the best"
+    candidates.sort(key=lambda c: (c.simulated is None, c.verdict.startswith("pruned"), c.iteration_time))
+    return SearchResult(best, candidates, count, pruned, time.perf_counter() - t0, techniques(best))
+
+
+def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capacity: float) -> list[Candidate]:
+    """Simulate the ``simulate_top`` fastest estimates under each policy (module docstring)."""
+    played: list[Candidate] = []
+    for c in priced[:space.simulate_top]:
+        for policy in space.policies:
+            try:
+                if policy == "none":
+                    result = scenario.run(c.plan)
+                else:
+                    result = scenario.run_balanced(c.plan, policy).result
+            except (PlanError, ScenarioError, ValueError) as e:  # a policy that does not apply to the plan
+                played.append(dataclasses.replace(c, verdict=f"pruned: {e}", policy=policy))
+                continue
+            verdict = ""
+            peak = max(result.peak_memory.values())
+            if peak > capacity:
+                verdict = f"pruned: simulated peak {peak / GiB:.1f} GiB > {capacity / GiB:.0f} GiB"
+            played.append(dataclasses.replace(c, simulated=result, policy=policy, verdict=verdict))
+    return played
+
+
+# ---- the layouts --------------------------------------------------------------------------------
+def _layouts(scenario: Scenario, space: SearchSpace) -> Iterator[Plan]:
+    """Plan templates: placement, each module's TP, CP, DP and stage count (module docstring);
+    ZeRO, recompute, microbatches, schedule and boundaries are filled in later."""
+    arch, cluster = scenario.arch, scenario.cluster
+    n, layers = cluster.num_gpus, arch.layer_counts()
+    others = arch.encoder_names + arch.generator_names
+    for placement in space.placements:
+        if placement != "disaggregated" and arch.generator_names:
+            continue  # generators run on ranks of their own
+        if placement == "disaggregated" and not others:
+            continue  # a text-only model: the same as first_stage
+        for tp in space.tensor_parallel:
+            if tp > cluster.gpus_per_node or not _divides_heads(scenario, tp):
+                continue
+            for cp in space.context_parallel:
+                if placement == "colocated" and (cp > 1 or not arch.encoder_names):
+                    continue
+                if placement == "disaggregated":
+                    yield from _megatron_layouts(scenario, tp, cp)
+                    continue
+                for pp in _divisors(n // (tp * cp)) if n % (tp * cp) == 0 else []:
+                    dp = n // (tp * cp * pp)
+                    if pp > layers[LLM]:
+                        continue
+                    units = pp * dp
+                    encoders = [ModuleSpec(e, data_parallel=units if placement == "colocated" else dp, tensor_parallel=tp)
+                                for e in arch.encoder_names]
+                    llm = ModuleSpec(LLM, data_parallel=dp, num_stages=pp, tensor_parallel=tp, context_parallel=cp)
+                    yield Plan([*encoders, llm], placement=placement,
+                               bubble_fill="optimus" if placement == "colocated" else "none")
+    if "disaggregated" in space.placements and others and space.orchestrations:
+        yield from _orchestrated_layouts(scenario, space)
+
+
+def _megatron_layouts(scenario: Scenario, tp: int, cp: int) -> Iterator[Plan]:
+    """Each encoder and generator one stage at the LLM's TP and DP, the LLM on the rest."""
+    arch, n = scenario.arch, scenario.cluster.num_gpus
+    others = arch.encoder_names + arch.generator_names
+    for dp in _divisors(n // tp):
+        rest = n - len(others) * tp * dp
+        if rest <= 0 or rest % (tp * cp * dp):
+            continue
+        pp = rest // (tp * cp * dp)
+        if pp > arch.layer_counts()[LLM]:
+            continue
+        yield Plan([*(ModuleSpec(e, data_parallel=dp, tensor_parallel=tp) for e in arch.encoder_names),
+                    ModuleSpec(LLM, data_parallel=dp, num_stages=pp, tensor_parallel=tp, context_parallel=cp),
+                    *(ModuleSpec(g, data_parallel=dp, tensor_parallel=tp) for g in arch.generator_names)])
+
+
+def _orchestrated_layouts(scenario: Scenario, space: SearchSpace) -> Iterator[Plan]:
+    """DistTrain's orchestration's fastest layouts (`loom.planner.orchestration`)."""
+    from loom.planner.orchestration import scenario_inputs
+
+    tps = {m: [t for t in space.tensor_parallel if t <= scenario.cluster.gpus_per_node]
+           for m in scenario.arch.module_names}
+    try:
+        layouts = scenario_inputs(scenario).orchestrate(tps, keep=space.orchestrations)
+    except ValueError:  # nothing fits the formulation's memory check
+        return
+    for o in layouts:
+        yield Plan([ModuleSpec(m, data_parallel=o.dp[m], tensor_parallel=o.tp[m], num_stages=o.pp[m])
+                    for m in scenario.arch.module_names])
+
+
+def _divides_heads(scenario: Scenario, tp: int) -> bool:
+    return all(layer.heads % tp == 0 for name in [*scenario.arch.encoder_names, LLM]
+               for layer in scenario.arch.module(name).layers if layer.kind == "block")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _microbatches(scenario: Scenario, layout: Plan, samples: int) -> int | None:
+    """The plan's microbatch count for ``samples`` per microbatch: whole microbatches per LLM
+    replica, the global batch shared among them (None when a replica would get none)."""
+    dp = layout.spec(LLM).data_parallel
+    per_replica = scenario.global_batch_size // (dp * samples)
+    if per_replica < 1:
+        return None
+    return per_replica * dp
+
+
+class _Pricer:
+    """Builds and prices plans, keeping what candidates share: each microbatch count's mean
+    workload, each (module, TP, CP, recompute, microbatch) layer cost list for the partition."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.metas = scenario.metas()
+        self._means: dict[int, dict[str, Workload]] = {}
+        self._layer_costs: dict[tuple, list[float]] = {}
+
+    def mean(self, num_microbatches: int) -> dict[str, Workload]:
+        m = self._means.get(num_microbatches)
+        if m is None:
+            work = self.scenario.microbatch_work(self.metas, num_microbatches)
+            m = self._means[num_microbatches] = {
+                name: Workload(*(round(sum(getattr(w.get(name, Workload()), f) for w in work) / len(work))
+                                 for f in ("tokens", "attn_sq", "segments")))
+                for name in self.scenario.arch.module_names}
+        return m
+
+    def layer_costs(self, plan: Plan, name: str) -> list[float]:
+        spec = plan.spec(name)
+        key = (name, spec.tensor_parallel, spec.context_parallel, spec.recompute, plan.num_microbatches)
+        costs = self._layer_costs.get(key)
+        if costs is None:
+            one = Plan([ModuleSpec(m.name, tensor_parallel=m.tensor_parallel, context_parallel=m.context_parallel,
+                                   recompute=m.recompute) for m in plan.modules])
+            one.resolve(self.scenario.arch.layer_counts(), generators=self.scenario.arch.generator_names)
+            model = self.scenario.cost_model(one)
+            mean = self.mean(plan.num_microbatches)
+            for m in plan.modules:
+                self._layer_costs[(m.name, m.tensor_parallel, m.context_parallel, m.recompute, plan.num_microbatches)] = [
+                    c.forward + c.backward for c in model.module_layer_costs(m.name, mean[m.name])]
+            costs = self._layer_costs[key]
+        return costs
+
+    def plan(self, layout: Plan, num_microbatches: int, schedule: str, chunks: int, zero: int, recompute: str) -> Plan:
+        """``layout`` with these settings and its boundaries by cost (module docstring)."""
+        modules = [dataclasses.replace(m, zero_stage=zero if m.data_parallel > 1 else 0, recompute=recompute,
+                                       num_stages=m.num_stages * (chunks if m.name == LLM else 1),
+                                       virtual_stages=chunks if m.name == LLM else 1, stage_boundaries=None)
+                   for m in layout.modules]
+        plan = Plan(modules, num_microbatches=num_microbatches, schedule=schedule, placement=layout.placement,
+                    bubble_fill=layout.bubble_fill)
+        for m in plan.modules:
+            if m.num_stages > 1:
+                costs = list(self.layer_costs(plan, m.name))
+                if m.name == LLM and plan.placement == "first_stage":  # the hosted encoders run on position 0
+                    costs[0] += sum(sum(self.layer_costs(plan, e)) for e in plan.encoder_names)
+                if m.num_stages > len(costs):
+                    raise PlanError(f"{m.name}: {m.num_stages} stages for {len(costs)} layers")
+                m.stage_boundaries, _ = partition(costs, m.num_stages)
+        return plan.resolve(self.scenario.arch.layer_counts(), self.scenario.cluster.num_gpus,
+                            generators=self.scenario.arch.generator_names)
+
+    def estimate(self, plan: Plan) -> Estimate:
+        return estimate(plan, self.scenario.cost_model(plan), self.mean(plan.num_microbatches))
+
+
+# ---- reporting ----------------------------------------------------------------------------------
+def _layout_label(plan: Plan) -> str:
+    parts = []
+    for m in plan.modules:
+        if plan.hosted_by_llm(m.name):
+            where = "in llm.0" if plan.placement == "first_stage" else f"dp {m.data_parallel} on the llm's units"
+            parts.append(f"{m.name} {where} tp{m.tensor_parallel}")
+        else:
+            parts.append(f"{m.name} {m.pipeline_depth}x{m.data_parallel}x{m.tensor_parallel}x{m.context_parallel}")
+    llm = plan.spec(LLM)
+    sched = plan.schedule + (f" v{llm.virtual_stages}" if llm.virtual_stages > 1 else "")
+    mb = plan.num_microbatches // llm.data_parallel
+    return (", ".join(parts) + f"; {sched}, {mb} mb/pipeline, zero {llm.zero_stage}, recompute {llm.recompute}")
+
+
+def techniques(c: Candidate) -> list[str]:
+    """What the winning plan uses, in the papers' words."""
+    plan, out = c.plan, []
+    llm = plan.spec(LLM)
+    out.append({"first_stage": "Megatron-LM layout (encoders in the first stage)",
+                "colocated": "Optimus (colocated encoders, bubble fill)",
+                "disaggregated": "disaggregated modules (DistTrain / Cornstarch)"}[plan.placement])
+    if llm.virtual_stages > 1:
+        out.append(f"interleaved 1F1B ({llm.virtual_stages} chunks)")
+    if plan.schedule == "zb-h1":
+        out.append("zero-bubble ZB-H1")
+    if any(m.stage_boundaries and m.num_stages > 1 for m in plan.modules):
+        out.append("stage boundaries by cost (frozen-aware partition)")
+    if llm.zero_stage:
+        out.append(f"ZeRO-{llm.zero_stage}")
+    if llm.recompute != "none":
+        out.append(f"{llm.recompute} recompute")
+    if c.policy != "none":
+        out.append(f"{c.policy} balancing")
+    return out
