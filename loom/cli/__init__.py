@@ -78,9 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="delete runs/<name>/ first if it holds an earlier run (else a reused name is refused)")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("plan", help="print the resolved plan and schedule")
+    p = sub.add_parser("plan", help="print the resolved plan and schedule, or search for the fastest plan")
     _train_config_args(p)
     p.add_argument("--comm", action="store_true", help="also show sends and receives in the schedule")
+    p.add_argument("--search", action="store_true",
+                   help="search a scenario's plans (--config: a scenario TOML as loom simulate takes, default "
+                        f"configs/sim/{DEFAULT_SCENARIO.name}) and write the fastest that fits as a plan file")
+    p.add_argument("--out", default=None, help="with --search: the plan file (default: runs/plan/<scenario>.toml)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("profile", help="time every layer on this machine and write a profile")

@@ -10,6 +10,10 @@ from loom.plan.plan import MESH_DIMS
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.search:
+        from loom.cli.search import cmd_search
+
+        return cmd_search(args)
     from loom.runtime.stage import trainable_stages
     from loom.schedule.generators import build_schedule
     from loom.schedule.validate import render, validate_schedule

@@ -121,6 +121,26 @@ class _Groups:
     replicate_link: comm.Link | None = None
 
 
+_SHAPES: dict[int, tuple[ModelArch, dict[str, list[BackwardNeeds]], dict[str, list[int]]]] = {}
+
+
+def _layer_shapes(arch: ModelArch) -> tuple[dict[str, list[BackwardNeeds]], dict[str, list[int]]]:
+    """Per module, each layer's backward needs and an id shared by layers of equal shape and
+    needs; kept per architecture, as a planner builds thousands of cost models of one model."""
+    kept = _SHAPES.get(id(arch))
+    if kept is None or kept[0] is not arch:
+        needs = backward_needs(arch)
+        shape_ids: dict[str, list[int]] = {}
+        for name, module in arch.modules.items():
+            ids: dict[tuple[LayerArch, BackwardNeeds], int] = {}
+            shape_ids[name] = [ids.setdefault((dataclasses.replace(l, name=""), n), len(ids))
+                               for l, n in zip(module.layers, needs[name])]
+        if len(_SHAPES) > 32:
+            _SHAPES.clear()
+        kept = _SHAPES[id(arch)] = (arch, needs, shape_ids)  # the arch itself: its id stays its own
+    return kept[1], kept[2]
+
+
 class AnalyticCostModel(CostModel):
     """Costs from `ModelArch` dimensions and `GPUSpec` numbers (module docstring).
 
@@ -176,16 +196,8 @@ class AnalyticCostModel(CostModel):
         self._gemm_rate = gpu.peak_bf16_flops * (efficiency or gpu.gemm_ceiling)
         self._attention_rate = gpu.peak_bf16_flops * (efficiency or gpu.attention_efficiency)
         self.optimizer = optimizer
-        self.needs: dict[str, list[BackwardNeeds]] = backward_needs(arch)
+        self.needs, self._shape_ids = _layer_shapes(arch)
         self._groups: dict[tuple[str, int], _Groups] = {}
-        # per module, per layer: an id shared by layers of equal shape and backward needs
-        self._shape_ids: dict[str, list[int]] = {}
-        for name, module in arch.modules.items():
-            ids: dict[tuple[LayerArch, BackwardNeeds], int] = {}
-            self._shape_ids[name] = [
-                ids.setdefault((dataclasses.replace(l, name=""), n), len(ids))
-                for l, n in zip(module.layers, self.needs[name])
-            ]
         self._costs: dict[tuple[str, int, Workload], list[LayerCost]] = {}
         self._stage_times: dict[tuple[int, str, Workload], float] = {}
         self._stage_sigs: dict[tuple[str, int], int] = {}
@@ -210,19 +222,19 @@ class AnalyticCostModel(CostModel):
             self.stage_layers(module, stage)  # checks the stage index
             spec = self.plan.spec(module)
             tp, cp, dp = spec.tensor_parallel, spec.context_parallel, spec.data_parallel
-            shard = spec.shard_degree or dp  # consecutive replicas one shard group spans
+            shard = self._shards(module) // cp  # consecutive replicas one shard group spans
             rank = self.plan.rank_of
+            # a group's ranks grow with its index: it shares a node iff its first and last do
+            span = lambda first, last: comm.link_for(self.cluster, (first, last))
             self._groups[key] = _Groups(
                 tp=tp,
                 cp=cp,
                 shards=shard * cp,
-                tp_link=comm.link_for(self.cluster, [rank(module, stage, 0, tp=i) for i in range(tp)]),
-                cp_link=comm.link_for(self.cluster, [rank(module, stage, 0, cp=c) for c in range(cp)]),
-                dp_link=comm.link_for(
-                    self.cluster, [rank(module, stage, d, cp=c) for d in range(shard) for c in range(cp)]
-                ),
+                tp_link=span(rank(module, stage, 0), rank(module, stage, 0, tp=tp - 1)),
+                cp_link=span(rank(module, stage, 0), rank(module, stage, 0, cp=cp - 1)),
+                dp_link=span(rank(module, stage, 0), rank(module, stage, shard - 1, cp=cp - 1)),
                 replicas=dp // shard,
-                replicate_link=comm.link_for(self.cluster, [rank(module, stage, r) for r in range(0, dp, shard)]),
+                replicate_link=span(rank(module, stage, 0), rank(module, stage, dp - shard)),
             )
         return self._groups[key]
 
@@ -439,6 +451,11 @@ class AnalyticCostModel(CostModel):
         layers = self.stage_layers(module, stage)
         return sum(l.stored_params for l, _ in layers if l.trainable) / self._param_shards(module)
 
+    def _shards(self, module: str) -> int:
+        """The ranks a ZeRO shard group spans (`groups`' ``shards``, without its links)."""
+        spec = self.plan.spec(module)
+        return (spec.shard_degree or spec.data_parallel) * spec.context_parallel
+
     def _param_shards(self, module: str) -> int:
         """The TP degree a module's parameters are sharded over: 1 for a generator, whole on each
         of its TP ranks (`Plan.item_shares`)."""
@@ -480,7 +497,7 @@ class AnalyticCostModel(CostModel):
         spec = self.plan.spec(module)
         params = self._trainable_params(module, stage)
         if spec.zero_stage >= 1:
-            params /= self.groups(module, stage).shards
+            params /= self._shards(module)
         return params * OPTIMIZER_STEP_BYTES[self.optimizer] / self.spec.hbm_bandwidth
 
     # ---- memory ----------------------------------------------------------------------------
@@ -488,8 +505,8 @@ class AnalyticCostModel(CostModel):
         spec = self.plan.spec(module)
         layers = [l for l, _ in self.stage_layers(module, stage)]
         # several microbatches per replica: loom's ZeRO-2/3 reduce-scatter only after the last
-        accumulates = max(len(self.plan.microbatches_of(module, r)) for r in range(spec.data_parallel)) > 1
-        return static_memory(layers, self._param_shards(module), self.groups(module, stage).shards, spec.zero_stage,
+        accumulates = len(self.plan.microbatches_of(module, 0)) > 1  # replica 0 gets the most (round-robin)
+        return static_memory(layers, self._param_shards(module), self._shards(module), spec.zero_stage,
                              self.optimizer, accumulates, self.dtype_bytes)
 
     def static_memory(self, module: str, stage: int) -> float:
@@ -533,7 +550,7 @@ class AnalyticCostModel(CostModel):
         # the recomputed block casts its weights again (not FSDP2's, gathered in the compute dtype)
         copies = spec.recompute == "full" and spec.zero_stage < 2
         layers = self.stage_layers(module, stage)
-        gather = (zero3_gather_bytes([l for l, _ in layers], t, self.groups(module, stage).shards, self.dtype_bytes)
+        gather = (zero3_gather_bytes([l for l, _ in layers], t, self._shards(module), self.dtype_bytes)
                   if spec.zero_stage >= 3 else 0.0)  # a layer's parameters gathered for its backward
         return gather + max(
             (backward_working_bytes(l, t, self.dtype_bytes, tokens, spec.recompute, module == LLM)

@@ -35,15 +35,19 @@ import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from loom.cost.model import Workload
-from loom.plan.plan import LLM, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
-from loom.planner.estimate import Estimate, estimate
+from loom.plan.plan import LLM, PLACEMENTS, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
+from loom.planner.estimate import Estimate, TokenWindows, estimate
 from loom.planner.partition import partition
 from loom.sim.result import SimResult
 from loom.sim.scenario import Scenario, ScenarioError
 
 GiB = 2**30
+SCHEDULE_CHOICES = ("1f1b", "interleaved", "zb-h1", "gpipe")
 
 
 @dataclass(frozen=True)
@@ -56,10 +60,30 @@ class SearchSpace:
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     recompute: tuple[str, ...] = RECOMPUTE_MODES
     microbatch_samples: tuple[int, ...] = (1, 2, 4, 8)
-    schedules: tuple[tuple[str, int], ...] = (("1f1b", 1), ("1f1b", 2), ("zb-h1", 1))  # (schedule, chunks)
+    schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")  # interleaved: 1F1B with 2 chunks
     orchestrations: int = 4  # DistTrain's fastest layouts taken as disaggregated candidates
     policies: tuple[str, ...] = ("none",)
-    simulate_top: int = 6
+    simulate_top: int = 4
+
+    @classmethod
+    def from_table(cls, table: dict[str, Any]) -> "SearchSpace":
+        """The ``[search]`` table of a scenario (`loom.sim.scenario`, types checked there):
+        choices checked here, each error naming ``search.<field>``."""
+        from loom.balance.policy import POLICIES
+
+        choices = {"placements": PLACEMENTS, "schedules": SCHEDULE_CHOICES, "recompute": RECOMPUTE_MODES,
+                   "zero_stages": (0, 1, 2, 3), "policies": tuple(POLICIES)}
+        out = {}
+        for key, value in table.items():
+            if isinstance(value, list):
+                if not value:
+                    raise ScenarioError(f"search.{key} = []: give at least one choice")
+                bad = [v for v in value if key in choices and v not in choices[key]]
+                if bad:
+                    raise ScenarioError(f"search.{key}: unknown choice(s) {bad}; choose among {list(choices[key])}")
+                value = tuple(value)
+            out[key] = value
+        return cls(**out)
 
 
 @dataclass
@@ -73,6 +97,7 @@ class Candidate:
     verdict: str = ""
     simulated: SimResult | None = None
     policy: str = "none"
+    batch_flops: float = 0.0  # the global batch's model FLOPs (an MFU for estimated rows)
 
     @property
     def iteration_time(self) -> float:
@@ -107,14 +132,13 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
             mb = _microbatches(scenario, layout, samples)
             if mb is None:
                 continue
-            for schedule, chunks in space.schedules:
-                best: Candidate | None = None
-                for recompute in space.recompute:
-                    for zero in space.zero_stages:
-                        if zero and min(s.data_parallel for s in layout.modules) < 2:
-                            continue
-                        if zero and layout.placement == "colocated":
-                            continue  # the colocated runtime runs no ZeRO
+            allowed = [z for z in space.zero_stages  # the colocated runtime runs no ZeRO
+                       if not z or (min(s.data_parallel for s in layout.modules) > 1 and layout.placement != "colocated")]
+            for name in space.schedules:
+                schedule, chunks = ("1f1b", 2) if name == "interleaved" else (name, 1)
+                zeros = list(allowed)
+                for recompute in space.recompute:  # more recompute is only slower: worth it for a lower ZeRO stage
+                    for zero in zeros:
                         try:
                             plan = pricer.plan(layout, mb, schedule, chunks, zero, recompute)
                         except PlanError:
@@ -125,11 +149,11 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
                             least = min(least, est.peak_memory)
                             pruned += 1
                             continue
-                        best = Candidate(_layout_label(plan), plan, est)
-                        break  # a higher ZeRO stage only adds communication
-                    if best is not None:
-                        priced.append(best)
-                        best = None
+                        priced.append(Candidate(_layout_label(plan), plan, est, batch_flops=pricer.batch_flops))
+                        zeros = zeros[:zeros.index(zero)]  # a higher ZeRO stage only adds communication
+                        break
+                    if not zeros:
+                        break
     if not priced:
         raise ScenarioError(
             f"no plan fits {scenario.cluster.num_gpus} x {scenario.cluster.spec.name} "
@@ -137,10 +161,12 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
             f"{least / GiB:.1f} GiB per GPU; use GPUs with more memory, more of them, or a smaller global batch")
     priced.sort(key=lambda c: c.iteration_time)
     played = _play(scenario, priced, space, capacity)
-    for c in priced[len(played):]:
-        c.verdict = f"lost: estimate {c.iteration_time:.3f} s, not among the {space.simulate_top} played"
-    candidates = played + priced[len(played):]
-    fitting = [c for c in played if c.verdict != "pruned"]
+    was_played = {id(c.plan) for c in played}
+    rest = [c for c in priced if id(c.plan) not in was_played]
+    for c in rest:
+        c.verdict = f"lost: estimate {c.iteration_time:.3f} s, not among the played"
+    candidates = played + rest
+    fitting = [c for c in played if not c.verdict.startswith("pruned")] if space.simulate_top else priced[:1]
     if not fitting:
         raise ScenarioError(f"every played plan exceeds {capacity / GiB:.0f} GiB per GPU in simulation; raise "
                             f"simulate_top or use GPUs with more memory")
@@ -155,15 +181,16 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
 
 
 def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capacity: float) -> list[Candidate]:
-    """Simulate the ``simulate_top`` fastest estimates under each policy (module docstring)."""
+    """Simulate the fastest estimates under each policy until ``simulate_top`` of them fit the
+    GPU's memory in simulation, at most twice that many played (module docstring)."""
     played: list[Candidate] = []
-    for c in priced[:space.simulate_top]:
+    fitting = 0
+    for c in priced[:2 * space.simulate_top]:
+        if fitting >= space.simulate_top:
+            break
         for policy in space.policies:
             try:
-                if policy == "none":
-                    result = scenario.run(c.plan)
-                else:
-                    result = scenario.run_balanced(c.plan, policy).result
+                result = scenario.run_balanced(c.plan, policy).result  # with the dispatcher, as `loom simulate`
             except (PlanError, ScenarioError, ValueError) as e:  # a policy that does not apply to the plan
                 played.append(dataclasses.replace(c, verdict=f"pruned: {e}", policy=policy))
                 continue
@@ -172,6 +199,7 @@ def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capac
             if peak > capacity:
                 verdict = f"pruned: simulated peak {peak / GiB:.1f} GiB > {capacity / GiB:.0f} GiB"
             played.append(dataclasses.replace(c, simulated=result, policy=policy, verdict=verdict))
+        fitting += any(p.plan is c.plan and not p.verdict for p in played)
     return played
 
 
@@ -267,10 +295,18 @@ class _Pricer:
     def __init__(self, scenario: Scenario) -> None:
         self.scenario = scenario
         self.metas = scenario.metas()
+        one = Plan([ModuleSpec(m) for m in scenario.arch.module_names]).resolve(
+            scenario.arch.layer_counts(), generators=scenario.arch.generator_names)
+        self._flops = scenario.cost_model(one)  # model FLOPs depend on the model only
+        self.batch_flops = 0.0
         self._means: dict[int, dict[str, Workload]] = {}
+        self._sizes: dict[int, list[float]] = {}
+        self._tokens: dict[int, TokenWindows] = {}
         self._layer_costs: dict[tuple, list[float]] = {}
+        self._partitions: dict[tuple, list[int]] = {}
 
     def mean(self, num_microbatches: int) -> dict[str, Workload]:
+        """The mean microbatch of the first global batch cut into ``num_microbatches``."""
         m = self._means.get(num_microbatches)
         if m is None:
             work = self.scenario.microbatch_work(self.metas, num_microbatches)
@@ -278,6 +314,11 @@ class _Pricer:
                 name: Workload(*(round(sum(getattr(w.get(name, Workload()), f) for w in work) / len(work))
                                  for f in ("tokens", "attn_sq", "segments")))
                 for name in self.scenario.arch.module_names}
+            # each microbatch's model FLOPs over the mean: how unequal they are (`expected_max`)
+            flops = np.array([self._flops.model_flops(w) for w in work])
+            self.batch_flops = float(flops.sum())
+            self._sizes[num_microbatches] = list(flops / flops.mean()) if flops.mean() > 0 else []
+            self._tokens[num_microbatches] = TokenWindows([sum(x.tokens for x in w.values()) for w in work])
         return m
 
     def layer_costs(self, plan: Plan, name: str) -> list[float]:
@@ -311,12 +352,20 @@ class _Pricer:
                     costs[0] += sum(sum(self.layer_costs(plan, e)) for e in plan.encoder_names)
                 if m.num_stages > len(costs):
                     raise PlanError(f"{m.name}: {m.num_stages} stages for {len(costs)} layers")
-                m.stage_boundaries, _ = partition(costs, m.num_stages)
+                key = (m.name, m.tensor_parallel, m.context_parallel, m.recompute, plan.num_microbatches,
+                       plan.placement, m.num_stages)
+                if key not in self._partitions:
+                    self._partitions[key] = partition(costs, m.num_stages)[0]
+                m.stage_boundaries = list(self._partitions[key])
         return plan.resolve(self.scenario.arch.layer_counts(), self.scenario.cluster.num_gpus,
                             generators=self.scenario.arch.generator_names)
 
     def estimate(self, plan: Plan) -> Estimate:
-        return estimate(plan, self.scenario.cost_model(plan), self.mean(plan.num_microbatches))
+        """`loom.planner.estimate.estimate`, unpriced over the GPU's memory."""
+        mean = self.mean(plan.num_microbatches)
+        n = plan.num_microbatches
+        return estimate(plan, self.scenario.cost_model(plan), mean, self._sizes[n], self.scenario.memory_capacity(),
+                        self._tokens[n])
 
 
 # ---- reporting ----------------------------------------------------------------------------------

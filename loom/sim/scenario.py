@@ -90,6 +90,7 @@ class Scenario:
     # cost.efficiency: one achieved fraction of the peak for every GEMM and attention kernel;
     # None prices GEMMs by shape (`loom.cost.gemm`)
     efficiency: float | None = None
+    search: dict[str, Any] = field(default_factory=dict)  # [search]: the planner's space (loom plan --search)
 
     def cost_model(self, plan: Plan) -> AnalyticCostModel:
         """The analytic cost model of ``plan`` on this cluster at the scenario's ``run.dtype`` and
@@ -281,7 +282,8 @@ def load_scenario(path: str | Path, overrides: typing.Sequence[str] = ()) -> Sce
     llm_batching, generation_size),
     ``[parallel]`` (`ParallelDegrees`), ``[run]`` (dtype, as a run's: "bf16", the default, or
     "fp32"), ``[cost]`` (efficiency: one achieved fraction of the peak for every kernel, instead of
-    GEMMs priced by shape), ``[optim]`` (max_grad_norm, as a run's: > 0 prices the clipping norm's all-reduce)
+    GEMMs priced by shape), ``[search]`` (the space of ``loom plan --search``,
+    `loom.planner.search.SearchSpace`), ``[optim]`` (max_grad_norm, as a run's: > 0 prices the clipping norm's all-reduce)
     and optional ``[plans.<name>]`` tables in the plan format.
     ``overrides`` (``dotted.key=value``, `loom.plan.overrides`) apply to those tables first; every
     value, the file's and the overrides', passes `check_scenario_tables`, so this API refuses what
@@ -319,12 +321,16 @@ def _schema() -> dict[str, Any]:
         "run": {"dtype": str},
         "optim": {"max_grad_norm": float},
         "cost": {"efficiency": float},
+        # the planner's space (`loom.planner.search.SearchSpace`, which checks the choices)
+        "search": {"placements": list[str], "tensor_parallel": list[int], "context_parallel": list[int],
+                   "zero_stages": list[int], "recompute": list[str], "microbatch_samples": list[int],
+                   "schedules": list[str], "orchestrations": int, "policies": list[str], "simulate_top": int},
         "plans": dict[str, dict],
     }
 
 
 # whole numbers that may be 0 (the others are sizes and counts, at least 1)
-_ZERO_OK = {"data.seed", "parallel.zero_stage"}
+_ZERO_OK = {"data.seed", "parallel.zero_stage", "search.orchestrations"}
 _CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3),
             "parallel.recompute": RECOMPUTE_MODES, "run.dtype": tuple(DTYPE_BYTES)}
 
@@ -418,4 +424,5 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
         max_grad_norm=float(data.get("optim", {}).get("max_grad_norm", 0.0)),
         generation_size=int(dd.get("generation_size", 512)),
         efficiency=data.get("cost", {}).get("efficiency"),
+        search=dict(data.get("search", {})),
     )
