@@ -63,6 +63,8 @@ class _Parser(argparse.ArgumentParser):
 def _train_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help=f"training config TOML (default: configs/{DEFAULT_CONFIG.name})")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. run.steps=10")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="take the plan from this plan file (as loom plan --search writes), as plan = \"@FILE\" does")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -122,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "entrain; repeatable or comma-separated), against the unbalanced 'none'")
     p.add_argument("--order", default="given",
                    help="microbatch order for the per-phase policies: given or disttrain (Algorithm 3)")
+    p.add_argument("--plan", action="append", default=None, metavar="FILE",
+                   help="also simulate the plan of this plan file (repeatable), named by its file name")
     p.add_argument("--eager-forward", type=int, default=0, metavar="N",
                    help="encoders forward N more microbatches before their first "
                         "backward (Entrain's eager forward; every policy, as balance.eager_forward in a run)")

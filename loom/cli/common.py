@@ -23,12 +23,19 @@ def default_config(args: argparse.Namespace) -> Path | None:
     return DEFAULT_CONFIG if DEFAULT_CONFIG.is_file() else None
 
 
+def plan_overrides(args: argparse.Namespace) -> list[str]:
+    """The overrides, with ``--plan FILE`` as ``plan="@FILE"`` first (so an override may still
+    change one of its fields)."""
+    plan = getattr(args, "plan", None)
+    return ([f'plan="@{plan}"'] if plan else []) + list(args.overrides)
+
+
 def load_train_config(args: argparse.Namespace) -> TrainConfig:
     """The config of ``--config`` and the overrides, with the plan resolved against the real
     model now, so a bad plan fails before any process starts."""
     from loom.train.build import build_data, build_model, profiled_boundaries
 
-    cfg = load_config(default_config(args), args.overrides)
+    cfg = load_config(default_config(args), plan_overrides(args))
     tokenizer, dataset = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
     if cfg.run.profile:

@@ -9,7 +9,7 @@ import argparse
 import os
 from pathlib import Path
 
-from loom.cli.common import CliError, default_config
+from loom.cli.common import CliError, default_config, plan_overrides
 from loom.train.config import load_config
 
 # check_settings names profile_model's arguments; the command names its flags
@@ -55,7 +55,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
             if text.startswith(f"{name} = "):
                 text = flag + " " + text[len(name) + 3:]
         raise CliError(text) from None
-    cfg = load_config(default_config(args), args.overrides)
+    cfg = load_config(default_config(args), plan_overrides(args))
     if cfg.model.generator is not None:
         raise CliError("model.generator: loom profile does not time generator layers yet; profile the model "
                        "without it (model.generator=none)")

@@ -45,8 +45,10 @@ def policies_of(args: argparse.Namespace) -> list[str] | None:
 
 
 # ---- simulating -------------------------------------------------------------------------------
-def plans_of(scenario, compare: bool) -> dict[str, Any]:
-    """The scenario's plans; with ``compare`` (or when it names none) the built ones too."""
+def plans_of(scenario, compare: bool, files: list[str] = ()) -> dict[str, Any]:
+    """The scenario's plans and those of the plan ``files`` (named by their file names); with
+    ``compare`` (or when there are none) the built ones too."""
+    from loom.plan.plan import Plan
     from loom.planner.baselines import first_stage_plan, frozen_aware_plan, megatron_plan, optimus_plan
     from loom.sim.scenario import ScenarioError
 
@@ -63,6 +65,8 @@ def plans_of(scenario, compare: bool) -> dict[str, Any]:
             print(f"loom: no optimus plan: {e}")
         plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
     plans.update(scenario.plans)
+    for path in files:
+        plans[Path(path).stem] = Plan.read_file(path, field="--plan")
     if not plans:
         plans["frozen-aware"] = frozen_aware_plan(scenario)[0]
     return plans
@@ -218,7 +222,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     # the same checks as the Python API: every value of the file and the overrides
     scenario = load_scenario(Path(args.config) if args.config else DEFAULT_SCENARIO, args.overrides)
-    plans = plans_of(scenario, args.compare)
+    plans = plans_of(scenario, args.compare, args.plan or [])
     metas = scenario.metas()
     out_dir = Path(args.out) / scenario.name
     out_dir.mkdir(parents=True, exist_ok=True)

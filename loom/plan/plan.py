@@ -577,6 +577,25 @@ class Plan:
         return cls.from_dict(json.loads(text))
 
     @classmethod
+    def read_file(cls, path: str | Path, field: str = "--plan") -> "Plan":
+        """A plan file: TOML (a ``[plan]`` table, as ``loom plan --search`` writes) or JSON
+        (`to_json`). ``field`` names where the path came from in the error of a missing or
+        unreadable file."""
+        p = Path(path)
+        if not p.is_file():
+            raise PlanError(f"{field} = {str(p)!r}: no such plan file; give the path of a plan TOML "
+                            f"(loom plan --search writes one)")
+        try:
+            if p.suffix == ".json":
+                return cls.from_json(p)
+            return cls.from_toml(p)
+        except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise PlanError(f"{field} = {str(p)!r}: not a valid plan file ({e}); write it as [plan] with "
+                            f"[[plan.modules]] tables") from e
+        except TypeError as e:  # a field of the wrong kind
+            raise PlanError(f"{field} = {str(p)!r}: {e}") from e
+
+    @classmethod
     def from_toml(cls, path: str | Path) -> "Plan":
         with open(path, "rb") as f:
             data = tomllib.load(f)

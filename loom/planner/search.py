@@ -387,7 +387,7 @@ def techniques(c: Candidate) -> list[str]:
     """What the winning plan uses, in the papers' words."""
     plan, out = c.plan, []
     llm = plan.spec(LLM)
-    out.append({"first_stage": "Megatron-LM layout (encoders in the first stage)",
+    out.append({"first_stage": "Megatron-LM layout" + (" (encoders in the first stage)" if plan.encoder_names else ""),
                 "colocated": "Optimus (colocated encoders, bubble fill)",
                 "disaggregated": "disaggregated modules (DistTrain / Cornstarch)"}[plan.placement])
     if llm.virtual_stages > 1:

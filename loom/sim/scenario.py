@@ -35,7 +35,7 @@ from loom.cost.memory import DTYPE_BYTES
 from loom.cost.model import MicrobatchWork, Workload
 from loom.cost.workload import WorkloadError, sample_work
 from loom.data.sample import SampleMeta
-from loom.data.synthetic import MIXES, SyntheticMetadata
+from loom.data.synthetic import MIXES, SampleKind, SyntheticMetadata
 from loom.plan.overrides import ConfigError, apply_override, typed_value
 from loom.plan.plan import RECOMPUTE_MODES, Plan, PlanError
 from loom.schedule.generators import build_schedule
@@ -77,6 +77,8 @@ class Scenario:
     arch: ModelArch
     cluster: Cluster
     mix: str = "llava"
+    # [data.kinds.<name>]: a custom mix (`SampleKind` fields and a weight per kind); mix is then "custom"
+    kinds: dict[str, tuple[float, SampleKind]] | None = None
     seed: int = 0
     global_batch_size: int = 1024
     llm_batching: str = "packed"  # or "padded"
@@ -105,7 +107,7 @@ class Scenario:
         patch = next((m.patch for m in self.arch.modules.values() if m.kind == "vision"), 14)
         rate = next((m.sample_rate for m in self.arch.modules.values() if m.kind == "audio"), 16000)
         gen = next(iter(self.arch.generator_names), "image")
-        stream = SyntheticMetadata(self.mix, seed=self.seed, patch_size=patch, sample_rate=rate,
+        stream = SyntheticMetadata(self.kinds or self.mix, seed=self.seed, patch_size=patch, sample_rate=rate,
                                    generation_size=self.generation_size, generator=gen)
         first = step * self.global_batch_size
         return [stream.meta(i) for i in range(first, first + self.global_batch_size)]
@@ -279,12 +281,13 @@ def policy_label(config: "BalanceConfig", phases: list[str]) -> str:
 def load_scenario(path: str | Path, overrides: typing.Sequence[str] = ()) -> Scenario:
     """A scenario from TOML: ``[model]`` (llm, encoders, projector, freeze, generators),
     ``[cluster]`` (gpu, num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size,
-    llm_batching, generation_size),
+    llm_batching, generation_size, and ``[data.kinds.<name>]`` tables describing a custom mix),
     ``[parallel]`` (`ParallelDegrees`), ``[run]`` (dtype, as a run's: "bf16", the default, or
     "fp32"), ``[cost]`` (efficiency: one achieved fraction of the peak for every kernel, instead of
     GEMMs priced by shape), ``[search]`` (the space of ``loom plan --search``,
     `loom.planner.search.SearchSpace`), ``[optim]`` (max_grad_norm, as a run's: > 0 prices the clipping norm's all-reduce)
-    and optional ``[plans.<name>]`` tables in the plan format.
+    and optional ``[plans.<name>]`` tables in the plan format (or ``plans.<name> = "@path"`` of a
+    plan file).
     ``overrides`` (``dotted.key=value``, `loom.plan.overrides`) apply to those tables first; every
     value, the file's and the overrides', passes `check_scenario_tables`, so this API refuses what
     ``loom simulate`` refuses."""
@@ -316,7 +319,8 @@ def _schema() -> dict[str, Any]:
         "model": {"llm": str, "encoders": dict[str, str], "projector": str, "freeze": list[str],
                   "generators": dict[str, str]},
         "cluster": {"gpu": str, "num_gpus": int, "gpus_per_node": int},
-        "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str, "generation_size": int},
+        "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str, "generation_size": int,
+                 "kinds": dict[str, dict]},
         "parallel": typing.get_type_hints(ParallelDegrees),
         "run": {"dtype": str},
         "optim": {"max_grad_norm": float},
@@ -394,6 +398,43 @@ def scenario_from_dict(data: dict[str, Any], default_name: str) -> Scenario:
                             f"configs/sim/") from e
 
 
+def _custom_kinds(tables: dict[str, dict]) -> dict[str, tuple[float, SampleKind]]:
+    """``[data.kinds.<name>]``: ``weight`` (relative, > 0) and any `SampleKind` field per kind;
+    ranges are ``[low, high]`` pairs."""
+    hints = typing.get_type_hints(SampleKind)
+    out = {}
+    for name, table in tables.items():
+        where = f"data.kinds.{name}"
+        if not isinstance(table, dict):
+            raise ScenarioError(f"{where} = {table!r}: must be a table of SampleKind fields and a weight")
+        unknown = sorted(set(table) - set(hints) - {"weight"})
+        if unknown:
+            raise ScenarioError(f"unknown field(s) {unknown} in [{where}]; known: {sorted([*hints, 'weight'])}")
+        weight = typed_value(float, table.get("weight", 1.0), f"{where}.weight")
+        if not weight > 0:
+            raise ScenarioError(f"{where}.weight = {weight}: must be positive")
+        fields = {}
+        for key, value in table.items():
+            if key == "weight":
+                continue
+            if hints[key] is float or hints[key] is int:
+                v = typed_value(hints[key], value, f"{where}.{key}")
+                if v < 0:
+                    raise ScenarioError(f"{where}.{key} = {v}: must not be negative")
+            else:  # a [low, high] range
+                if not (isinstance(value, list) and len(value) == 2):
+                    raise ScenarioError(f"{where}.{key} = {value!r}: give a [low, high] pair")
+                item = typing.get_args(hints[key])[0]
+                v = tuple(typed_value(item, x, f"{where}.{key}") for x in value)
+                if not 0 <= v[0] <= v[1]:
+                    raise ScenarioError(f"{where}.{key} = {list(v)}: need 0 <= low <= high")
+            fields[key] = v
+        out[name] = (weight, SampleKind(**fields))
+    if not out:
+        raise ScenarioError("[data.kinds] is empty: describe at least one kind of sample")
+    return out
+
+
 def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
     model = data.get("model", {})
     if "llm" not in model:
@@ -407,17 +448,28 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
     get_gpu(cl["gpu"], field="cluster.gpu")
     cluster = Cluster(cl["gpu"], int(cl["num_gpus"]), int(cl.get("gpus_per_node", 8)))
     dd = data.get("data", {})
-    mix = dd.get("mix", "llava")
-    if mix not in MIXES:
-        raise ScenarioError(f"data.mix = {mix!r} is unknown; choose one of {sorted(MIXES)}")
+    mix = dd.get("mix", "custom" if "kinds" in dd else "llava")
+    kinds = _custom_kinds(dd["kinds"]) if "kinds" in dd else None
+    if kinds is not None and mix != "custom":
+        raise ScenarioError(f"data.mix = {mix!r} with [data.kinds] tables: the kinds are the mix; drop data.mix "
+                            f"or set it to \"custom\"")
+    if kinds is None and mix not in MIXES:
+        raise ScenarioError(f"data.mix = {mix!r} is unknown; choose one of {sorted(MIXES)}, or describe the samples "
+                            f"in [data.kinds.<name>] tables")
     plans = {}
     for name, table in data.get("plans", {}).items():
         try:
+            if isinstance(table, str) and table.startswith("@"):  # a plan file (loom plan --search writes one)
+                plans[name] = Plan.read_file(table[1:], field=f"plans.{name}")
+                continue
+            if not isinstance(table, dict):
+                raise PlanError(f"must be a table in the plan format or \"@path\" of a plan file, not {table!r}")
             plans[name] = Plan.from_dict(table)
         except (PlanError, TypeError) as e:
             raise ScenarioError(f"plans.{name}: {e}") from e
     return Scenario(
-        name=data.get("name", default_name), arch=arch, cluster=cluster, mix=mix, seed=int(dd.get("seed", 0)),
+        name=data.get("name", default_name), arch=arch, cluster=cluster, mix=mix, kinds=kinds,
+        seed=int(dd.get("seed", 0)),
         global_batch_size=int(dd.get("global_batch_size", 1024)), llm_batching=dd.get("llm_batching", "packed"),
         degrees=ParallelDegrees(**data.get("parallel", {})), plans=plans,
         dtype=data.get("run", {}).get("dtype", "bf16"),

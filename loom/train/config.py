@@ -284,9 +284,16 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         _apply_override(data, item)
     plan_data = data.pop("plan", None)
     cfg = build_dataclass(TrainConfig, data, "", _check_shape)
-    if plan_data is not None:
+    if isinstance(plan_data, str) and plan_data.startswith("@"):  # plan = "@file": a plan file (loom plan --search)
+        try:
+            cfg.plan = Plan.read_file(plan_data[1:], field="plan")
+        except PlanError as e:
+            raise ConfigError(str(e)) from e
+        _check_plan_types(cfg.plan)
+    elif plan_data is not None:
         if not isinstance(plan_data, dict):
-            raise ConfigError(f"plan = {plan_data!r}: must be a table; write [plan] with [[plan.modules]] entries")
+            raise ConfigError(f"plan = {plan_data!r}: must be a table ([plan] with [[plan.modules]] entries) or "
+                              f'"@path" of a plan file')
         try:
             cfg.plan = Plan.from_dict(plan_data)
         except (PlanError, TypeError) as e:
@@ -313,6 +320,12 @@ def _check_plan_types(plan: Plan) -> None:
 
 def _apply_override(data: dict[str, Any], item: str) -> None:
     parts, value = parse_override(item)
+    plan = data.get("plan")
+    if parts[0] == "plan" and len(parts) > 1 and isinstance(plan, str) and plan.startswith("@"):
+        try:  # a field of a plan file's plan: read the file, then override it
+            data["plan"] = Plan.read_file(plan[1:], field="plan").to_dict()
+        except PlanError as e:
+            raise ConfigError(str(e)) from e
     if parts[:2] == ["plan", "modules"] and len(parts) == 4:
         mods = data.setdefault("plan", {}).setdefault("modules", [m_as_dict(m) for m in default_plan().modules])
         for m in mods:
