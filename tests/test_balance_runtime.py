@@ -37,6 +37,7 @@ pytestmark = pytest.mark.multiprocess
 
 GLOBAL_BATCH = 8
 SEED = 5
+TOKEN_BUDGET = 180  # the skewed batch's LLM lengths: 97 186 10 70 8 170 165 49
 # skewed: a few samples carry several images, many carry none
 SKEWED = {"text": 0.35, "image": 0.25, "multi_image": 0.4}
 
@@ -50,6 +51,9 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     )
     demo = DemoConfig(num_samples=64, seed=SEED, mix=SKEWED)
     layout, policy = case.rsplit("-", 1)
+    # data.microbatch_tokens: microbatches cut by a token budget (6 here, one sample over the budget)
+    budget = TOKEN_BUDGET if layout.endswith("tokens") else 0
+    layout = layout.removesuffix("tokens")
     pack = layout.endswith("packed")  # LLM microbatches as one packed row each
     layout = layout.removesuffix("packed")
     eager = 2 if layout.endswith("eager") else 0  # Entrain's eager forward: a deeper encoder warmup
@@ -96,7 +100,8 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     if zero_bubble:
         plan = dataclasses.replace(plan, schedule="zb-h1")
     cfg = TrainConfig(model=model, plan=plan)
-    cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo, pack_sequences=pack)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo, pack_sequences=pack,
+                                   microbatch_tokens=budget)
     # min_gain = -inf: take the policy's layout even where its cost model predicts no gain (the
     # production default keeps the given layout then), so every case really rearranges
     return cfg, BalanceConfig(default=policy, eager_forward=eager, min_gain=float("-inf"))
@@ -117,7 +122,7 @@ def _run_case(rank: int, case: str, path: Path) -> None:
     if cfg.plan.bubble_fill != "none":  # as loom train sets it (loom.train.rank.build_rank)
         engine.schedule_transform = bubble_filler(cfg, model, dataset, engine.plan)
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, token_counters(model), arch, balance, torch.device("cpu"),
-                            pack=cfg.data.pack_sequences)
+                            pack=cfg.data.pack_sequences, microbatch_tokens=cfg.data.microbatch_tokens)
     # two steps on the same batch without an optimizer: the first sets each channel's shape rule
     # (messages with a header), the second sends activations and gradients without headers
     for step in range(2):
@@ -178,7 +183,8 @@ CASES = {
 # optimus: Optimus's bubble fill (plan.bubble_fill) of colocated vision and audio encoders (optimuschunks:
 # vision in 2 chunks per rank, filled chunk by chunk); firststage:
 # DistTrain's layout (a sample of every module per microbatch) with the encoders inside the LLM's first stage
-FOLDED = {"mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
+# pipe2dp2tokens: data.microbatch_tokens cuts the batch into 6 microbatches instead of the plan's 4
+FOLDED = {"pipe2dp2-none": ["pipe2dp2tokens-none"], "mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
           "pipe2-disttrain": ["colocated-orchmllm"], "pipe2-none": ["optimus-none"],
           "pipe2packed-entrain": ["optimus-orchmllm"], "pipe2dp2-disttrain": ["firststage-disttrain"],
           "pipe2eager-entrain": ["optimuschunks-orchmllm"]}
@@ -202,6 +208,9 @@ def _check(case: str, world: int, out: Path, prefix: str) -> None:
 
     # every sample exactly once in each phase, counted over what the first stages really ran
     cfg, _ = _config(case)
+    if cfg.data.microbatch_tokens:  # the budget really cut the batch otherwise than the plan's count
+        ran = sum(len(r["ran"].get(LLM, [])) > 0 for r in results)
+        assert ran and _budget_layout(cfg).num_microbatches == 6 != cfg.plan.num_microbatches
     for phase in cfg.plan.module_names:
         counted = Counter(s for r in results for s in r["ran"].get(phase, []))
         assert counted == Counter(sample_ids), f"{phase}: samples dropped or duplicated: {counted}"
@@ -230,3 +239,16 @@ def test_balancing_really_rearranges(tmp_path: Path) -> None:
             def worst(lay):
                 return max(sum(costs.work["vision"][s] for s in lay.slots["vision"][j]) for j in (0, 1))
             assert worst(layout) < worst(unbalanced)
+
+
+def _budget_layout(cfg: TrainConfig):
+    from loom.balance.policy import make_layout, sample_costs
+
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=SEED)
+    cfg.plan.resolve(model.layer_counts())
+    costs = sample_costs(arch_from_model(model), [dataset.meta(i) for i in range(GLOBAL_BATCH)])
+    layout = make_layout(BalanceConfig(), cfg.plan, costs, "padded", cfg.data.microbatch_tokens)
+    for slot in layout.slots[LLM]:  # within the budget, but for a sample longer than it alone
+        assert sum(costs.llm_lengths[list(slot)]) <= cfg.data.microbatch_tokens or len(slot) == 1
+    return layout

@@ -52,15 +52,21 @@ from loom.balance.lpt import quantised_lpt
 from loom.balance.orchmllm import nonempty_bins, orchmllm_layout, place_bins, slot_arrays
 from loom.balance.predict import predict_steps
 from loom.plan.plan import LLM, Plan
-from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean, round_size
+from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean, round_size, token_budget_sizes
 
 __all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",
            "load_stats", "make_layout", "sample_costs"]
 
 
 # ---- the policies ----------------------------------------------------------------------------
-def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batching: str = "padded") -> BatchLayout:
+def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batching: str = "padded",
+                microbatch_tokens: int = 0) -> BatchLayout:
     """The layout of one global batch (``len(costs.llm_lengths)`` samples) under ``config``.
+
+    ``microbatch_tokens`` > 0 (``data.microbatch_tokens``) cuts the batch into contiguous
+    microbatches of at most that many LLM tokens (`token_budget_sizes`), at least
+    ``plan.num_microbatches`` of them; it runs under the ``none`` policy only (the balancing
+    policies choose their own microbatches).
 
     ``llm_batching`` says how the LLM batches a microbatch: ``"padded"`` (loom's runtime
     right-pads, so OrchMLLM's padded algorithm applies) or ``"packed"`` (LPT on the
@@ -72,14 +78,24 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     if plan.generator_names:
         gens = set(plan.generator_names)
         inner = dataclasses.replace(config, policy={k: v for k, v in config.policy.items() if k not in gens})
-        return _with_generators(make_layout(inner, plan.without_generators(), costs, llm_batching), plan, costs,
-                                config.summary(plan.module_names))
+        return _with_generators(make_layout(inner, plan.without_generators(), costs, llm_batching, microbatch_tokens),
+                                plan, costs, config.summary(plan.module_names))
     phases = plan.module_names
     if llm_batching not in ("padded", "packed"):
         raise BalanceError(f"llm_batching = {llm_batching!r}: choose 'padded' or 'packed'")
     n = costs.num_samples
     check_balance_config(config, plan, n)
     chosen = config.summary(phases)
+    if microbatch_tokens > 0:
+        if set(chosen.values()) != {"none"}:
+            raise BalanceError(f"data.microbatch_tokens = {microbatch_tokens} with balance policies {chosen}: a token "
+                               f"budget cuts the batch under the 'none' policy only; set data.microbatch_tokens = 0 or "
+                               f"balance.default = \"none\"")
+        try:
+            sizes = token_budget_sizes(costs.llm_lengths, microbatch_tokens, plan.num_microbatches, round_size(plan))
+        except ValueError as e:
+            raise BalanceError(str(e)) from e
+        return contiguous_layout(n, len(sizes), phases, sizes=sizes).check(n, phases)
     given = contiguous_layout(n, plan.num_microbatches, phases)
     if set(chosen.values()) == {"none"}:
         return given.check(n, phases)

@@ -128,8 +128,9 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
     least = math.inf  # the least memory a pruned layout needs
     count = pruned = 0
     for layout in _layouts(scenario, space):
-        for samples in space.microbatch_samples:
-            mb = _microbatches(scenario, layout, samples)
+        # under a token budget the budget cuts the batch: one microbatch count per layout
+        for samples in space.microbatch_samples[:1] if scenario.microbatch_tokens else space.microbatch_samples:
+            mb = _microbatches(scenario, layout, samples, pricer)
             if mb is None:
                 continue
             allowed = [z for z in space.zero_stages  # the colocated runtime runs no ZeRO
@@ -278,10 +279,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _microbatches(scenario: Scenario, layout: Plan, samples: int) -> int | None:
+def _microbatches(scenario: Scenario, layout: Plan, samples: int, pricer: "_Pricer") -> int | None:
     """The plan's microbatch count for ``samples`` per microbatch: whole microbatches per LLM
-    replica, the global batch shared among them (None when a replica would get none)."""
+    replica, the global batch shared among them (None when a replica would get none). Under a
+    token budget (``data.microbatch_tokens``) the budget decides: its count, once."""
     dp = layout.spec(LLM).data_parallel
+    if scenario.microbatch_tokens:
+        try:
+            return len(scenario.token_budget_sizes(pricer.metas, 1, dp))
+        except ScenarioError:  # more microbatches than samples at this DP
+            return None
     per_replica = scenario.global_batch_size // (dp * samples)
     if per_replica < 1:
         return None
@@ -306,10 +313,11 @@ class _Pricer:
         self._partitions: dict[tuple, list[int]] = {}
 
     def mean(self, num_microbatches: int) -> dict[str, Workload]:
-        """The mean microbatch of the first global batch cut into ``num_microbatches``."""
+        """The mean microbatch of the first global batch cut into ``num_microbatches`` (as
+        `Scenario.batch_work` cuts it: under a token budget, at least that many)."""
         m = self._means.get(num_microbatches)
         if m is None:
-            work = self.scenario.microbatch_work(self.metas, num_microbatches)
+            work = self.scenario.batch_work(self.metas, num_microbatches)
             m = self._means[num_microbatches] = {
                 name: Workload(*(round(sum(getattr(w.get(name, Workload()), f) for w in work) / len(work))
                                  for f in ("tokens", "attn_sq", "segments")))

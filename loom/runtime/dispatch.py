@@ -120,11 +120,13 @@ class Dispatcher:
         group: dist.ProcessGroup | None = None,
         pack: bool = False,
         generations: Generations | None = None,
+        microbatch_tokens: int = 0,
     ):
         self.plan, self.dataset, self.tokenizer = plan, dataset, tokenizer
         self.token_counts, self.arch, self.balance = token_counts, arch, balance.check(plan.module_names)
         self.device, self.placeholder_ids, self.group = device, placeholder_ids, group
         self.pack = pack  # LLM microbatches as one packed row (then balancing costs the LLM as packed)
+        self.microbatch_tokens = microbatch_tokens  # data.microbatch_tokens: a token budget per microbatch
         # per generator of the model, what collation needs of it (`loom.train.build.generation_specs`)
         self.generations = dict(generations or {})
         missing = [g for g in plan.generator_names if g not in self.generations]
@@ -157,7 +159,7 @@ class Dispatcher:
         if errors:
             raise DispatchError(errors[min(errors)])
         costs = sample_costs(self.arch, meta)
-        layout = make_layout(self.balance, self.plan, costs, "packed" if self.pack else "padded")
+        layout = make_layout(self.balance, self.plan, costs, "packed" if self.pack else "padded", self.microbatch_tokens)
         self._check_shared_slots(layout)
         tokens, items = self._encoder_rows(meta)
         rows = RowMap(layout, tokens, items)

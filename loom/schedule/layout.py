@@ -338,14 +338,52 @@ def identity_layout(slots: list[list[int]] | Slots, phases: list[str], policy: s
     return BatchLayout({p: fixed for p in phases}, {p: policy for p in phases})
 
 
-def contiguous_layout(batch_size: int, num_slots: int, phases: list[str], policy: str = "none") -> BatchLayout:
+def contiguous_layout(batch_size: int, num_slots: int, phases: list[str], policy: str = "none",
+                      sizes: np.ndarray | None = None) -> BatchLayout:
     """`identity_layout` of equal-count contiguous slots (``split_microbatches``'s split, sizes
-    differing by at most one, larger first), built as arrays."""
-    base, extra = divmod(batch_size, num_slots)
-    sizes = np.full(num_slots, base, dtype=np.int64)
-    sizes[:extra] += 1
+    differing by at most one, larger first), built as arrays; ``sizes`` gives the slots' sample
+    counts instead (`token_budget_sizes`)."""
+    if sizes is None:
+        base, extra = divmod(batch_size, num_slots)
+        sizes = np.full(num_slots, base, dtype=np.int64)
+        sizes[:extra] += 1
     # one pair of arrays shared by every phase: checked once, identity at a glance
     pair = (np.arange(batch_size, dtype=np.int64), np.concatenate(([0], np.cumsum(sizes))))
     layout = BatchLayout(None, {p: policy for p in phases}, arrays={p: pair for p in phases})
     layout.contiguous = True
     return layout
+
+
+def token_budget_sizes(lengths: np.ndarray, budget: int, min_slots: int, multiple: int) -> np.ndarray:
+    """Sample counts of contiguous microbatches holding at most ``budget`` LLM tokens each
+    (``data.microbatch_tokens``: samples packed up to a token budget, as DistTrain and OrchMLLM
+    cut their batches). A sample longer than the budget is a microbatch of its own, the one
+    case a microbatch exceeds it. Samples are packed in order, greedily; then, for at least
+    ``min_slots`` microbatches in a multiple of ``multiple`` (the plan's microbatch count and
+    its round of data-parallel replicas), the fullest microbatch of two or more samples is
+    halved by tokens until there are enough: cutting never overfills one. Raises ValueError
+    when the batch has too few samples for that many microbatches."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = len(lengths)
+    cuts, total = [0], 0
+    for i, length in enumerate(lengths):
+        if total and total + length > budget:
+            cuts.append(i)
+            total = 0
+        total += length
+    cuts.append(n)
+    parts = [(cuts[k], cuts[k + 1]) for k in range(len(cuts) - 1)]
+    want = max(min_slots, len(parts))
+    want = -(-want // multiple) * multiple
+    if want > n:
+        raise ValueError(f"data.microbatch_tokens = {budget}: the batch's {n} samples make {len(parts)} microbatches, "
+                         f"rounded up to {want} (at least plan.num_microbatches = {min_slots}, a multiple of {multiple} "
+                         f"data-parallel replicas), more than its samples; raise data.microbatch_tokens or the batch")
+    prefix = np.concatenate(([0], np.cumsum(lengths)))
+    while len(parts) < want:
+        k = max((k for k, (lo, hi) in enumerate(parts) if hi - lo > 1), key=lambda k: prefix[parts[k][1]] - prefix[parts[k][0]])
+        lo, hi = parts[k]
+        half = (prefix[lo] + prefix[hi]) / 2
+        mid = int(np.clip(np.searchsorted(prefix, half), lo + 1, hi - 1))
+        parts[k:k + 1] = [(lo, mid), (mid, hi)]
+    return np.array([hi - lo for lo, hi in parts], dtype=np.int64)

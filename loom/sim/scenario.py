@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch import ModelArch
 from loom.cost.model_configs import load_model_arch
@@ -39,6 +41,7 @@ from loom.data.synthetic import MIXES, SampleKind, SyntheticMetadata
 from loom.plan.overrides import ConfigError, apply_override, typed_value
 from loom.plan.plan import RECOMPUTE_MODES, Plan, PlanError
 from loom.schedule.generators import build_schedule
+from loom.schedule.layout import token_budget_sizes
 from loom.sim.bubble_fill import fill_bubbles
 from loom.balance.payload import layout_payload_bytes, sample_payload_bytes
 from loom.cost.workload import MetadataArrays
@@ -89,6 +92,7 @@ class Scenario:
     dtype: str = "bf16"
     max_grad_norm: float = 0.0
     generation_size: int = 512  # data.generation_size: the side of the images generation requests ask for
+    microbatch_tokens: int = 0  # data.microbatch_tokens: a token budget per microbatch, as a run's (0: off)
     # cost.efficiency: one achieved fraction of the peak for every GEMM and attention kernel;
     # None prices GEMMs by shape (`loom.cost.gemm`)
     efficiency: float | None = None
@@ -111,6 +115,26 @@ class Scenario:
                                    generation_size=self.generation_size, generator=gen)
         first = step * self.global_batch_size
         return [stream.meta(i) for i in range(first, first + self.global_batch_size)]
+
+    def batch_work(self, metas: list[SampleMeta], num_microbatches: int, multiple: int = 1) -> list[MicrobatchWork]:
+        """The batch's microbatches as ``loom train`` cuts it: under ``data.microbatch_tokens``
+        contiguous microbatches within the budget (at least ``num_microbatches``, a multiple of
+        ``multiple``: `loom.schedule.layout.token_budget_sizes`), else `microbatch_work`."""
+        if not self.microbatch_tokens:
+            return self.microbatch_work(metas, num_microbatches)
+        sizes = self.token_budget_sizes(metas, num_microbatches, multiple)
+        bounds = np.concatenate(([0], np.cumsum(sizes)))
+        return [sample_work(self.arch, metas[bounds[k]:bounds[k + 1]], self.llm_batching) for k in range(len(sizes))]
+
+    def token_budget_sizes(self, metas: list[SampleMeta], num_microbatches: int = 1, multiple: int = 1) -> np.ndarray:
+        """`loom.schedule.layout.token_budget_sizes` of the batch under ``data.microbatch_tokens``."""
+        from loom.balance.costs import sample_costs
+
+        try:
+            return token_budget_sizes(sample_costs(self.arch, metas).llm_lengths, self.microbatch_tokens,
+                                      num_microbatches, multiple)
+        except ValueError as e:
+            raise ScenarioError(str(e)) from e
 
     def microbatch_work(self, metas: list[SampleMeta], num_microbatches: int) -> list[MicrobatchWork]:
         if len(metas) < num_microbatches:
@@ -201,6 +225,8 @@ class Scenario:
         if work is None:
             if layout is not None:
                 raise ScenarioError("Scenario.run with a layout needs its per-slot work (Scenario.layout_work)")
+            if self.microbatch_tokens:  # the batch as loom train cuts it: a layout of the budget's microbatches
+                return self._run(plan, *self._budget_inputs(plan), eager=eager, dispatch=dispatch)
             work = self.microbatch_work(self.metas(), plan.num_microbatches)
         cost = self.cost_model(plan)
         # frozen stages run no backward
@@ -211,6 +237,15 @@ class Scenario:
         result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work,
                           dispatch=dispatch, clip=self.max_grad_norm > 0)
         return result, cost
+
+    def _budget_inputs(self, plan: Plan) -> tuple[list[MicrobatchWork], "BatchLayout", list[MicrobatchWork]]:
+        """Per-slot work, layout and per-sample work of the first batch under ``data.microbatch_tokens``."""
+        from loom.balance.policy import BalanceConfig, make_layout, sample_costs
+
+        metas = self.metas()
+        layout = make_layout(BalanceConfig(), plan, sample_costs(self.arch, metas), self.llm_batching,
+                             self.microbatch_tokens)
+        return self.layout_work(metas, layout), layout, self.per_sample_work(metas)
 
     def run_balanced(self, plan: Plan, balance: "BalanceConfig | str", step: int = 0,
                      metas: list[SampleMeta] | None = None, *, dispatch: bool = True,
@@ -227,7 +262,7 @@ class Scenario:
         config = BalanceConfig(default=balance) if isinstance(balance, str) else balance
         plan.resolve(self.arch.layer_counts(), generators=self.arch.generator_names)
         metas = self.metas(step) if metas is None else metas
-        layout = make_layout(config, plan, sample_costs(self.arch, metas), self.llm_batching)
+        layout = make_layout(config, plan, sample_costs(self.arch, metas), self.llm_batching, self.microbatch_tokens)
         work = self.layout_work(metas, layout)
         cost_of_dispatch = None
         if dispatch:
@@ -281,7 +316,8 @@ def policy_label(config: "BalanceConfig", phases: list[str]) -> str:
 def load_scenario(path: str | Path, overrides: typing.Sequence[str] = ()) -> Scenario:
     """A scenario from TOML: ``[model]`` (llm, encoders, projector, freeze, generators),
     ``[cluster]`` (gpu, num_gpus, gpus_per_node), ``[data]`` (mix, seed, global_batch_size,
-    llm_batching, generation_size, and ``[data.kinds.<name>]`` tables describing a custom mix),
+    llm_batching, generation_size, microbatch_tokens, and ``[data.kinds.<name>]`` tables
+    describing a custom mix),
     ``[parallel]`` (`ParallelDegrees`), ``[run]`` (dtype, as a run's: "bf16", the default, or
     "fp32"), ``[cost]`` (efficiency: one achieved fraction of the peak for every kernel, instead of
     GEMMs priced by shape), ``[search]`` (the space of ``loom plan --search``,
@@ -320,7 +356,7 @@ def _schema() -> dict[str, Any]:
                   "generators": dict[str, str]},
         "cluster": {"gpu": str, "num_gpus": int, "gpus_per_node": int},
         "data": {"mix": str, "seed": int, "global_batch_size": int, "llm_batching": str, "generation_size": int,
-                 "kinds": dict[str, dict]},
+                 "microbatch_tokens": int, "kinds": dict[str, dict]},
         "parallel": typing.get_type_hints(ParallelDegrees),
         "run": {"dtype": str},
         "optim": {"max_grad_norm": float},
@@ -334,7 +370,7 @@ def _schema() -> dict[str, Any]:
 
 
 # whole numbers that may be 0 (the others are sizes and counts, at least 1)
-_ZERO_OK = {"data.seed", "parallel.zero_stage", "search.orchestrations"}
+_ZERO_OK = {"data.seed", "parallel.zero_stage", "search.orchestrations", "data.microbatch_tokens"}
 _CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3),
             "parallel.recompute": RECOMPUTE_MODES, "run.dtype": tuple(DTYPE_BYTES)}
 
@@ -475,6 +511,7 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
         dtype=data.get("run", {}).get("dtype", "bf16"),
         max_grad_norm=float(data.get("optim", {}).get("max_grad_norm", 0.0)),
         generation_size=int(dd.get("generation_size", 512)),
+        microbatch_tokens=int(dd.get("microbatch_tokens", 0)),
         efficiency=data.get("cost", {}).get("efficiency"),
         search=dict(data.get("search", {})),
     )

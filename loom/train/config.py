@@ -66,6 +66,11 @@ class DataConfig:
     # LLM microbatches as one packed row (attention and positions restart per sample; no
     # padding) instead of one right-padded row per sample. Needs the zoo Llama.
     pack_sequences: bool = False
+    # > 0: each step's batch is cut into contiguous microbatches of at most this many LLM tokens
+    # (a longer sample alone), at least plan.num_microbatches of them, a multiple of the plan's
+    # data-parallel round (`loom.schedule.layout.token_budget_sizes`); 0: plan.num_microbatches
+    # microbatches of equal sample counts
+    microbatch_tokens: int = 0
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -134,6 +139,13 @@ class TrainConfig:
                               f"set both to the same size")
         _require(self.data.global_batch_size >= 1, "data.global_batch_size", self.data.global_batch_size,
                  "must be at least 1", "use a positive number of samples per step")
+        _require(self.data.microbatch_tokens >= 0, "data.microbatch_tokens", self.data.microbatch_tokens,
+                 "is a token budget per microbatch", "use 0 (plan.num_microbatches equal microbatches) or a positive "
+                 "budget such as 4096")
+        policies = set(self.balance.summary(self.plan.module_names).values())
+        _require(self.data.microbatch_tokens == 0 or policies == {"none"}, "data.microbatch_tokens",
+                 self.data.microbatch_tokens, f"a token budget cuts the batch under the 'none' policy only, and the "
+                 f"balance section chooses {sorted(policies)}", 'set balance.default = "none" or data.microbatch_tokens = 0')
         _require(math.isfinite(optim.lr) and optim.lr > 0, "optim.lr", optim.lr, "must be positive",
                  "use a learning rate such as 3e-3")
         _require(math.isfinite(optim.weight_decay) and optim.weight_decay >= 0, "optim.weight_decay",

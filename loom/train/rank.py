@@ -143,7 +143,8 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     scheduler = make_lr_scheduler(cfg, engine.optimizer) if engine.optimizer is not None else None
     sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch, cfg.balance, device,
-                            pack=cfg.data.pack_sequences, generations=generation_specs(model))
+                            pack=cfg.data.pack_sequences, generations=generation_specs(model),
+                            microbatch_tokens=cfg.data.microbatch_tokens)
     return RankRun(cfg, device, tokenizer, dataset, engine, dispatcher, sampler, scheduler, counters)
 
 
