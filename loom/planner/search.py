@@ -63,7 +63,8 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")  # interleaved: 1F1B with 2 chunks
     orchestrations: int = 4  # DistTrain's fastest layouts taken as disaggregated candidates
     policies: tuple[str, ...] = ("none",)
-    simulate_top: int = 4
+    simulate_top: int = 4  # plans simulated at least (`_play`)
+    simulate_budget: int = 24_000  # and more while their units x microbatches per pipeline sum below this
 
     @classmethod
     def from_table(cls, table: dict[str, Any]) -> "SearchSpace":
@@ -74,7 +75,10 @@ class SearchSpace:
         choices = {"placements": PLACEMENTS, "schedules": SCHEDULE_CHOICES, "recompute": RECOMPUTE_MODES,
                    "zero_stages": (0, 1, 2, 3), "policies": tuple(POLICIES)}
         out = {}
+        known = {f.name for f in dataclasses.fields(cls)}
         for key, value in table.items():
+            if key not in known:
+                raise ScenarioError(f"unknown field search.{key}; known: {sorted(known)}")
             if isinstance(value, list):
                 if not value:
                     raise ScenarioError(f"search.{key} = []: give at least one choice")
@@ -182,13 +186,20 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
 
 
 def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capacity: float) -> list[Candidate]:
-    """Simulate the fastest estimates under each policy until ``simulate_top`` of them fit the
-    GPU's memory in simulation, at most twice that many played (module docstring)."""
+    """Simulate the plans in order of their estimates, under each policy: at least
+    ``simulate_top`` that fit the GPU's memory in simulation, then more while the simulation
+    budget lasts (``simulate_budget``: pipeline units times microbatches per pipeline, summed
+    over the played plans, what a simulation's work grows with): a small space is simulated
+    far down its estimates, whose errors (tens of percent on skewed data) then cannot hide its
+    best; a cluster-scale one as far as the time allows."""
     played: list[Candidate] = []
-    fitting = 0
-    for c in priced[:2 * space.simulate_top]:
-        if fitting >= space.simulate_top:
+    fitting = spent = 0
+    for c in priced:
+        cost = c.plan.num_units * len(c.plan.microbatches_of(LLM, 0))
+        if fitting >= space.simulate_top and spent + cost > space.simulate_budget:
             break
+        spent += cost
+        fits = False
         for policy in space.policies:
             try:
                 result = scenario.run_balanced(c.plan, policy).result  # with the dispatcher, as `loom simulate`
@@ -199,9 +210,33 @@ def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capac
             peak = max(result.peak_memory.values())
             if peak > capacity:
                 verdict = f"pruned: simulated peak {peak / GiB:.1f} GiB > {capacity / GiB:.0f} GiB"
+            else:
+                fits = True
             played.append(dataclasses.replace(c, simulated=result, policy=policy, verdict=verdict))
-        fitting += any(p.plan is c.plan and not p.verdict for p in played)
+        fitting += fits
     return played
+
+
+def all_plans(scenario: Scenario, space: SearchSpace = SearchSpace()) -> Iterator[Plan]:
+    """Every plan of ``space`` the search could price, without its memory pruning or its
+    dominance rule (the lowest fitting ZeRO stage per recompute mode): the brute force the
+    search is checked against (``benchmarks/plan_search.py``, ``search_regret``)."""
+    pricer = _Pricer(scenario)
+    for layout in _layouts(scenario, space):
+        for samples in space.microbatch_samples[:1] if scenario.microbatch_tokens else space.microbatch_samples:
+            mb = _microbatches(scenario, layout, samples, pricer)
+            if mb is None:
+                continue
+            for name in space.schedules:
+                schedule, chunks = ("1f1b", 2) if name == "interleaved" else (name, 1)
+                for recompute in space.recompute:
+                    for zero in space.zero_stages:
+                        if zero and (min(s.data_parallel for s in layout.modules) < 2 or layout.placement == "colocated"):
+                            continue
+                        try:
+                            yield pricer.plan(layout, mb, schedule, chunks, zero, recompute)
+                        except PlanError:
+                            continue
 
 
 # ---- the layouts --------------------------------------------------------------------------------

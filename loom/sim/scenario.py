@@ -364,7 +364,8 @@ def _schema() -> dict[str, Any]:
         # the planner's space (`loom.planner.search.SearchSpace`, which checks the choices)
         "search": {"placements": list[str], "tensor_parallel": list[int], "context_parallel": list[int],
                    "zero_stages": list[int], "recompute": list[str], "microbatch_samples": list[int],
-                   "schedules": list[str], "orchestrations": int, "policies": list[str], "simulate_top": int},
+                   "schedules": list[str], "orchestrations": int, "policies": list[str], "simulate_top": int,
+                   "simulate_budget": int},
         "plans": dict[str, dict],
     }
 
