@@ -12,7 +12,6 @@ global batch of 64) that searches in a second or two:
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import math
