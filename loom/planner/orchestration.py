@@ -18,7 +18,9 @@ counts is convex, and its continuous optimum has a closed form: GPUs in proporti
 of the pipeline depths around it (one below its floor to one above its ceiling), each module's
 GPUs in whole TP groups around its share of the rest likewise; every candidate is priced with
 the exact ``T`` above and kept only if ``fits`` (a memory check) accepts it. Algorithm 1 keeps
-the fastest over the set. Against exhaustive enumeration of the same ``T`` on small instances
+the fastest over the set. A depth whose LLM alone (``C_lm + K C_lm / PP`` plus its
+communication) already takes longer than the layouts kept is skipped before its allocations
+are priced: a bound, exact, since no allocation of the other modules shortens ``T`` below it. Against exhaustive enumeration of the same ``T`` on small instances
 (`tests/test_orchestration.py`) the rounding stays within 1 %.
 """
 
@@ -97,8 +99,10 @@ def orchestrate(costs: Mapping[str, Mapping[int, float]], batch_size: int, num_g
         raise ValueError(f"modules {empty} have no TP degree both in tp_choices and in costs; give costs for them")
     fits = fits or (lambda module, tp, dp, pp: True)
     # (time, order found, LLM dp, tp per module, pp, dp per other module): ties keep the first
-    found: list[tuple[float, int, int, tuple[int, ...], int, tuple[int, ...]]] = []
-    priced = 0
+    # the `keep` fastest so far, a max-heap on (time, order found): ties keep the first found
+    kept: list[tuple[float, int, int, tuple[int, ...], int, tuple[int, ...]]] = []
+    priced = order = 0
+    fits_memo: dict[tuple[str, int, int], bool] = {}
     for dp_lm in _divisors(batch_size):
         steady = batch_size / dp_lm - 1  # K: microbatches of an LLM pipeline after the first
         for tp_lm in choices[LLM]:
@@ -119,10 +123,13 @@ def orchestrate(costs: Mapping[str, Mapping[int, float]], batch_size: int, num_g
                     if rest < sum(tps) or not fits(LLM, tp_lm, dp_lm, pp):
                         continue
                     extra = overhead(tp_lm, dp_lm, pp) if overhead is not None else 0.0
+                    # branch and bound, exact: no allocation makes T shorter than the LLM alone does
+                    if len(kept) >= keep and c_lm + steady * c_lm / pp + extra >= -kept[0][0]:
+                        continue
                     before = [m for m in others if m in encoders] if tp_lm > 1 and align > 1 else []
                     for dp in _allocations(others, tp, b, rest, before, align):
                         priced += 1
-                        if not all(fits(m, tp[m], dp[m], 1) for m in others):
+                        if not all(_memo(fits_memo, fits, m, tp[m], dp[m]) for m in others):
                             continue
                         # `iteration_time`, inline: a / y = C_lm / PP, b_m / x_m = DP_lm C_m / DP_m
                         stage, warm = c_lm / pp, c_lm
@@ -130,18 +137,31 @@ def orchestrate(costs: Mapping[str, Mapping[int, float]], batch_size: int, num_g
                             t_m = b[m] / (tp[m] * dp[m])
                             warm += t_m
                             stage = max(stage, t_m)
-                        found.append((warm + steady * stage + extra, len(found), dp_lm, (tp_lm, *tps), pp,
-                                      tuple(dp[m] for m in others)))
-    if not found:
+                        t = warm + steady * stage + extra
+                        order += 1
+                        if len(kept) < keep:
+                            heapq.heappush(kept, (-t, -order, dp_lm, (tp_lm, *tps), pp, tuple(dp[m] for m in others)))
+                        elif (t, order) < (-kept[0][0], -kept[0][1]):
+                            heapq.heapreplace(kept, (-t, -order, dp_lm, (tp_lm, *tps), pp,
+                                                     tuple(dp[m] for m in others)))
+    if not kept:
         raise ValueError(f"no layout of {list(costs)} fits {num_gpus} GPUs: every candidate failed the memory check "
                          f"or needs more GPUs; use more GPUs or a smaller batch")
     out = []
-    for t, _, dp_lm, tps, pp, dps in heapq.nsmallest(keep, found):
+    for t, _, dp_lm, tps, pp, dps in sorted(((-t, -o, *rest) for t, o, *rest in kept)):
         tp = dict(zip([LLM, *others], tps))
         dp = {LLM: dp_lm, **dict(zip(others, dps))}
         gpus = {LLM: tp[LLM] * dp_lm * pp, **{m: tp[m] * dp[m] for m in others}}
         out.append(Orchestration(tp, dp, {LLM: pp, **{m: 1 for m in others}}, t, priced, gpus))
     return out
+
+
+def _memo(memo: dict[tuple[str, int, int], bool], fits: FitCheck, module: str, tp: int, dp: int) -> bool:
+    key = (module, tp, dp)
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = fits(module, tp, dp, 1)
+    return got
 
 
 def _allocations(others: list[str], tp: Mapping[str, int], b: Mapping[str, float], rest: int,
