@@ -18,7 +18,8 @@ The space (`SearchSpace`):
 - per module ZeRO stage and recompute: for each recompute mode (none, selective, full: more
   recompute is only slower) the lowest ZeRO stage that fits the GPU's memory (a higher stage
   only adds communication);
-- the balancing policy, tried on the best plans by the simulator.
+- the balancing policy, tried on the best plans by the simulator;
+- the scenario's own plans (``[plans.<name>]``: a paper's baseline), always played.
 
 Every layout is priced by `loom.planner.estimate` (stage times of the mean microbatch, the
 memory each position holds at its peak); a plan over the GPU's memory is pruned, with the
@@ -165,11 +166,11 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
             f"({capacity / GiB:.0f} GiB each): the least memory any layout the search priced needs is "
             f"{least / GiB:.1f} GiB per GPU; use GPUs with more memory, more of them, or a smaller global batch")
     priced.sort(key=lambda c: c.iteration_time)
-    played = _play(scenario, priced, space, capacity)
+    played = _play(scenario, priced, space, capacity) + _play_given(scenario, pricer, space, capacity)
     was_played = {id(c.plan) for c in played}
     rest = [c for c in priced if id(c.plan) not in was_played]
     for c in rest:
-        c.verdict = f"lost: estimate {c.iteration_time:.3f} s, not among the played"
+        c.verdict = "not played"
     candidates = played + rest
     fitting = [c for c in played if not c.verdict.startswith("pruned")] if space.simulate_top else priced[:1]
     if not fitting:
@@ -185,7 +186,21 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
     return SearchResult(best, candidates, count, pruned, time.perf_counter() - t0, techniques(best))
 
 
-def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capacity: float) -> list[Candidate]:
+def _play_given(scenario: Scenario, pricer: "_Pricer", space: SearchSpace, capacity: float) -> list[Candidate]:
+    """The scenario's own plans (``[plans.<name>]``, e.g. the baseline a paper compares
+    against) played as candidates too: the search never returns a plan slower than one it was
+    given. Outside the budget, and never pruned by the estimate."""
+    given = []
+    for name, plan in scenario.plans.items():
+        plan = plan.resolve(scenario.arch.layer_counts(), generators=scenario.arch.generator_names)
+        est = estimate(plan, scenario.cost_model(plan), pricer.mean(plan.num_microbatches))
+        given.append(Candidate(f"{_layout_label(plan)} [the scenario's plans.{name}]", plan, est,
+                               batch_flops=pricer.batch_flops))
+    return _play(scenario, given, dataclasses.replace(space, simulate_budget=0), capacity, limit=len(given))
+
+
+def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capacity: float,
+          limit: int | None = None) -> list[Candidate]:
     """Simulate the plans in order of their estimates, under each policy: at least
     ``simulate_top`` that fit the GPU's memory in simulation, then more while the simulation
     budget lasts (``simulate_budget``: pipeline units times microbatches per pipeline, summed
@@ -196,7 +211,7 @@ def _play(scenario: Scenario, priced: list[Candidate], space: SearchSpace, capac
     fitting = spent = 0
     for c in priced:
         cost = c.plan.num_units * len(c.plan.microbatches_of(LLM, 0))
-        if fitting >= space.simulate_top and spent + cost > space.simulate_budget:
+        if limit is None and fitting >= space.simulate_top and spent + cost > space.simulate_budget:
             break
         spent += cost
         fits = False
@@ -430,9 +445,15 @@ def techniques(c: Candidate) -> list[str]:
     """What the winning plan uses, in the papers' words."""
     plan, out = c.plan, []
     llm = plan.spec(LLM)
-    out.append({"first_stage": "Megatron-LM layout" + (" (encoders in the first stage)" if plan.encoder_names else ""),
-                "colocated": "Optimus (colocated encoders, bubble fill)",
-                "disaggregated": "disaggregated modules (DistTrain / Cornstarch)"}[plan.placement])
+    others = [m for m in plan.modules if m.name != LLM]
+    if plan.placement == "disaggregated" and all(
+            (m.tensor_parallel, m.data_parallel, m.num_stages) == (llm.tensor_parallel, llm.data_parallel, 1)
+            for m in others):
+        out.append("Megatron-LM's MLLM layout (encoders and generators as extra stages at the LLM's TP and DP)")
+    else:
+        out.append({"first_stage": "Megatron-LM layout" + (" (encoders in the first stage)" if plan.encoder_names else ""),
+                    "colocated": "Optimus (colocated encoders, bubble fill)",
+                    "disaggregated": "DistTrain's orchestration (each module its own GPUs and degrees)"}[plan.placement])
     if llm.virtual_stages > 1:
         out.append(f"interleaved 1F1B ({llm.virtual_stages} chunks)")
     if plan.schedule == "zb-h1":
