@@ -16,6 +16,7 @@ import itertools
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -326,3 +327,20 @@ def test_custom_data_kinds(small_path):
             load_scenario(small_path, ['data.mix="custom"', override])
     with pytest.raises(ScenarioError, match="data.mix"):  # the kinds are the mix
         load_scenario(small_path, ["data.kinds.text.text_range=[1000, 1000]"])
+
+
+# ---- 9. bad model files and GPUs, through loom plan --search -----------------------------------
+def test_plan_search_refuses_an_inconsistent_model_file_and_an_unknown_gpu(tmp_path, capsys):
+    model = (Path("configs/models/llama3-8b.toml").read_text()
+             .replace("heads = 32                     #", "heads = 30                     #"))
+    bad = tmp_path / "bad-llm.toml"
+    bad.write_text(model)
+    scenario = tmp_path / "s.toml"
+    scenario.write_text(f'[model]\nllm = "{bad}"\n\n[cluster]\ngpu = "H100"\nnum_gpus = 8\n')
+    assert main(["plan", "--search", "--config", str(scenario), "--out", str(tmp_path / "p.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "hidden = 4096 is not divisible by heads = 30" in err
+    assert main(["plan", "--search", "--config", str(scenario), 'model.llm="llama3-8b"', 'cluster.gpu="B300"',
+                 "--out", str(tmp_path / "p.toml")]) == 2
+    assert "cluster.gpu = 'B300'" in capsys.readouterr().err
+    assert not (tmp_path / "p.toml").exists()

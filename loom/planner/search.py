@@ -445,6 +445,9 @@ def techniques(c: Candidate) -> list[str]:
     """What the winning plan uses, in the papers' words."""
     plan, out = c.plan, []
     llm = plan.spec(LLM)
+    given = "[the scenario's plans." in c.layout
+    if given:  # the search's own candidates lost to it
+        out.append("the scenario's own plan (played as a candidate; the search's space found nothing faster)")
     others = [m for m in plan.modules if m.name != LLM]
     if plan.placement == "disaggregated" and all(
             (m.tensor_parallel, m.data_parallel, m.num_stages) == (llm.tensor_parallel, llm.data_parallel, 1)
@@ -458,7 +461,7 @@ def techniques(c: Candidate) -> list[str]:
         out.append(f"interleaved 1F1B ({llm.virtual_stages} chunks)")
     if plan.schedule == "zb-h1":
         out.append("zero-bubble ZB-H1")
-    if any(m.stage_boundaries and m.num_stages > 1 for m in plan.modules):
+    if not given and any(m.stage_boundaries and m.num_stages > 1 for m in plan.modules):
         out.append("stage boundaries by cost (frozen-aware partition)")
     if llm.zero_stage:
         out.append(f"ZeRO-{llm.zero_stage}")
