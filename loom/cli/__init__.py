@@ -87,6 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="search a scenario's plans (--config: a scenario TOML as loom simulate takes, default "
                         f"configs/sim/{DEFAULT_SCENARIO.name}) and write the fastest that fits as a plan file")
     p.add_argument("--out", default=None, help="with --search: the plan file (default: runs/plan/<scenario>.toml)")
+    p.add_argument("--cluster", default=None, metavar="local",
+                   help="with --search: 'local' searches this machine (--config: a training config, default the "
+                        "demo), priced by the profile `loom profile` wrote")
+    p.add_argument("--profile", default=None, metavar="PATH",
+                   help="with --cluster local: the profile (default: <run.out_dir>/<run.name>/profile.json)")
+    p.add_argument("--ranks", type=int, default=None,
+                   help="with --cluster local: how many local processes to plan for (default: this machine's cores)")
     p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("profile", help="time every layer on this machine and write a profile")

@@ -14,6 +14,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from loom.cli.search import cmd_search
 
         return cmd_search(args)
+    if args.cluster is not None or args.profile is not None or args.ranks is not None:
+        from loom.cli.common import CliError
+
+        raise CliError("--cluster, --profile and --ranks go with --search (loom plan --search --cluster local)")
     from loom.runtime.stage import trainable_stages
     from loom.schedule.generators import build_schedule
     from loom.schedule.validate import render, validate_schedule

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from loom.cost.analytic import LayerCost
 from loom.cost.arch import ModelArch
 from loom.cost.frozen import INPUT_KINDS, needs_from_flags
 from loom.cost.model import CostModel, MicrobatchWork, StageKind, Workload
@@ -170,6 +171,21 @@ class ProfiledCostModel(CostModel):
         if inputs and self._recompute(module) == "full":
             t += sum(layers[i].time("forward", work) for i in self._layers(module, stage))
         return max(t, 0.0)
+
+    def module_layer_costs(self, module: str, work: Workload) -> list[LayerCost]:
+        """Per layer of the whole module, measured: its forward and frozen-aware backward parts
+        on one unit (TP = CP = 1), the partitioner's input as `AnalyticCostModel` gives it. A
+        stage's context build, loss and autograd call are not any layer's: they stay out."""
+        layers, out = self.profile.layers[module], []
+        full = self._recompute(module) == "full"
+        for i, layer in enumerate(layers):
+            forward = max(layer.time("forward", work), 0.0)
+            out.append(LayerCost(
+                layer.name, layer.kind, forward,
+                max(layer.time("backward_input", work), 0.0) if self._needs_input[module][i] else 0.0,
+                max(layer.time("backward_weight", work), 0.0) if self._trainable[module][i] else 0.0,
+                forward if full and (self._needs_input[module][i] or self._trainable[module][i]) else 0.0))
+        return out
 
     def _recompute(self, module: str) -> str:
         """The module's recompute mode; a profile times whole layers, not their attention core,

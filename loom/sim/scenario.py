@@ -51,6 +51,7 @@ from loom.sim.simulator import SimResult, simulate
 
 if TYPE_CHECKING:
     from loom.schedule.layout import BatchLayout
+    from loom.sim.sharing import CoreSharing
     from loom.balance.policy import BalanceConfig
 
 class ScenarioError(WorkloadError, ConfigError):
@@ -210,8 +211,21 @@ class Scenario:
         unpermuted = None
         if getattr(layout, "unpermuted_slot", None):  # node-wise rearrangement ran: price it without, too
             unpermuted = layout_payload_bytes(plan, layout, sizes, False, world)
-        return price_dispatch(world, Links.of_cluster(self.cluster), metadata_bytes=metadata_bytes(metas, world),
-                              decision_seconds=decision_seconds, payload=payload, payload_unpermuted=unpermuted)
+        return price_dispatch(world, self.dispatch_links(), metadata_bytes=metadata_bytes(metas, world),
+                              decision_seconds=decision_seconds, payload=payload, payload_unpermuted=unpermuted,
+                              host_seconds=self.dispatch_host_seconds(len(metas), world))
+
+    def dispatch_links(self) -> Links:
+        """The links the dispatcher's collectives take: the cluster's intra- and inter-node links."""
+        return Links.of_cluster(self.cluster)
+
+    def dispatch_host_seconds(self, batch_size: int, world_size: int) -> float | list[float]:
+        """The dispatcher's own CPU work per rank and step: not measured for a cluster (0)."""
+        return 0.0
+
+    def core_sharing(self, plan: Plan) -> "CoreSharing | None":
+        """Ranks sharing a host's cores (`loom.sim.sharing`): none on a cluster, a device per rank."""
+        return None
 
     def _run(self, plan: Plan, work: list[MicrobatchWork] | None, layout: "BatchLayout | None",
              sample_work: list[MicrobatchWork] | None, eager: int = 0,
@@ -235,7 +249,7 @@ class Scenario:
             run_plan = plan if layout is None else dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
             schedule = fill_bubbles(schedule, run_plan, cost, work, sample_work).schedule
         result = simulate(schedule, plan, cost, work, num_samples=self.global_batch_size, sample_work=sample_work,
-                          dispatch=dispatch, clip=self.max_grad_norm > 0)
+                          dispatch=dispatch, clip=self.max_grad_norm > 0, sharing=self.core_sharing(plan))
         return result, cost
 
     def _budget_inputs(self, plan: Plan) -> tuple[list[MicrobatchWork], "BatchLayout", list[MicrobatchWork]]:
@@ -364,14 +378,14 @@ def _schema() -> dict[str, Any]:
         # the planner's space (`loom.planner.search.SearchSpace`, which checks the choices)
         "search": {"placements": list[str], "tensor_parallel": list[int], "context_parallel": list[int],
                    "zero_stages": list[int], "recompute": list[str], "microbatch_samples": list[int],
-                   "schedules": list[str], "orchestrations": int, "policies": list[str], "simulate_top": int,
-                   "simulate_budget": int},
+                   "schedules": list[str], "orchestrations": int, "cornstarch": int, "policies": list[str],
+                   "simulate_top": int, "simulate_budget": int},
         "plans": dict[str, dict],
     }
 
 
 # whole numbers that may be 0 (the others are sizes and counts, at least 1)
-_ZERO_OK = {"data.seed", "parallel.zero_stage", "search.orchestrations", "data.microbatch_tokens"}
+_ZERO_OK = {"data.seed", "parallel.zero_stage", "search.orchestrations", "search.cornstarch", "data.microbatch_tokens"}
 _CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3),
             "parallel.recompute": RECOMPUTE_MODES, "run.dtype": tuple(DTYPE_BYTES)}
 
