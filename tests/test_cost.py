@@ -342,6 +342,33 @@ def test_tensor_parallel_halves_compute_and_adds_communication():
             assert two.forward == pytest.approx(one.forward / 2) and two.forward_comm == 0
 
 
+def test_tp_comm_overlap_hides_the_tp_collectives_under_the_pass_compute():
+    """``tp_comm_overlap`` (Megatron-LM's --tp-comm-overlap): a pass exposes only the TP
+    communication its own compute cannot cover, ``max(0, comm - compute)``; at TP 1 nothing
+    changes. A small model's collectives outlast its GEMMs (partly exposed); Llama-3-70B's
+    blocks at sequence 4096 hide theirs whole."""
+    small = ModelArch({"llm": llm_module()})
+    big = load_model_arch(llm="llama3-70b")
+    work = Workload.of_lengths([4096])
+    for arch, hides_blocks, tp in ((small, False, 4), (big, True, 8)):
+        plan = Plan([ModuleSpec("llm", tensor_parallel=tp)])
+        plain = AnalyticCostModel(arch, plan, Cluster("H100", 8)).layer_costs("llm", 0, work)
+        hidden = AnalyticCostModel(arch, plan, Cluster("H100", 8), tp_comm_overlap=True).layer_costs("llm", 0, work)
+        for a, b in zip(plain, hidden):
+            compute = a.forward - a.forward_comm
+            assert b.forward - b.forward_comm == pytest.approx(compute)
+            assert b.forward_comm == pytest.approx(max(0.0, a.forward_comm - compute))
+            compute_input = a.backward_input - a.backward_comm
+            assert b.backward_comm == pytest.approx(max(0.0, a.backward_comm - compute_input))
+            assert b.backward_weight == a.backward_weight
+            if a.kind == "block":
+                assert a.forward_comm > 0 and (b.forward_comm == 0) == hides_blocks
+        assert sum(b.forward for b in hidden) < sum(a.forward for a in plain)
+    one = Plan([ModuleSpec("llm")])
+    assert (AnalyticCostModel(small, one, Cluster("H100", 8), tp_comm_overlap=True).layer_costs("llm", 0, work)
+            == AnalyticCostModel(small, one, Cluster("H100", 8)).layer_costs("llm", 0, work))
+
+
 def test_tensor_parallel_encoder_splits_blocks_and_replicates_the_rest():
     """An encoder under TP (no sequence parallelism, as loom.runtime.tensor_parallel runs it):
     blocks all-reduce twice per pass; front-end, final norm and projector run replicated."""

@@ -24,7 +24,11 @@ and bytes of `loom.cost.flops`, on one rank of a stage with TP degree ``t`` and 
   vocabulary-parallel loss's per-token scalars are left out. Encoders (no sequence
   parallelism): a block all-reduces its activation twice in forward and twice in
   backward-input; front-ends, final norms and projectors run replicated (whole compute, no
-  communication);
+  communication). With ``tp_comm_overlap`` (Megatron-LM's ``--tp-comm-overlap``, the TP
+  collectives chunked and pipelined with the GEMMs around them) a layer's TP communication
+  of a pass hides under that pass's own compute: only ``max(0, comm - compute)`` is exposed
+  (the backward's under the backward-input part, where its collectives sit). loom's runtime
+  does not overlap them; the option prices a stack that does (a scenario's ``[cost]``);
 - CP communication: a block all-gathers K and V (``T x 2 kv`` elements per TP shard) in
   forward, and in backward-input gathers them again and reduce-scatters their gradients;
 - ZeRO (`loom.runtime.zero`, FSDP2 ``fully_shard`` per layer), the parameter all-gathers over
@@ -151,7 +155,8 @@ class AnalyticCostModel(CostModel):
     The peak is the GPU's dense BF16 figure whatever ``dtype_bytes`` is. ``efficiency``: ``None``
     (the default) prices GEMMs by shape and attention at the GPU's `attention_efficiency`
     (module docstring); a number is the fraction of that peak every GEMM and attention kernel
-    achieves. ``optimizer`` is ``"adam"`` or ``"sgd"``.
+    achieves. ``optimizer`` is ``"adam"`` or ``"sgd"``. ``tp_comm_overlap``: TP collectives
+    hidden under the layer's compute (module docstring).
     """
 
     def __init__(
@@ -162,6 +167,7 @@ class AnalyticCostModel(CostModel):
         dtype_bytes: int = 2,
         efficiency: float | None = None,
         optimizer: str = "adam",
+        tp_comm_overlap: bool = False,
     ) -> None:
         if efficiency is not None and not 0 < efficiency <= 1:
             raise ValueError(f"efficiency = {efficiency}: the achieved fraction of peak must be in (0, 1]")
@@ -192,6 +198,7 @@ class AnalyticCostModel(CostModel):
         self.spec = cluster.spec
         self.dtype_bytes = dtype_bytes
         self.efficiency = efficiency
+        self.tp_comm_overlap = tp_comm_overlap
         gpu = cluster.spec
         self._gemm_rate = gpu.peak_bf16_flops * (efficiency or gpu.gemm_ceiling)
         self._attention_rate = gpu.peak_bf16_flops * (efficiency or gpu.attention_efficiency)
@@ -321,6 +328,7 @@ class AnalyticCostModel(CostModel):
             elif layer.kind == "head":
                 forward_comm += comm.all_gather_time(activation, tp, g.tp_link)
                 backward_input_comm += comm.reduce_scatter_time(activation, tp, g.tp_link)
+        tp_comm = (forward_comm, backward_input_comm)  # what an overlap can hide (module docstring)
         kv_gather = 0.0
         if cp > 1 and layer.kind == "block":
             kv = work.tokens * 2 * max(layer.kv_dim / tp, layer.kv_dim / layer.kv_heads) * b
@@ -335,10 +343,15 @@ class AnalyticCostModel(CostModel):
             # m gathers per step, one per forward (module docstring)
             gather = comm.all_gather_time(layer.stored_params / tp * b, g.shards, g.dp_link)
 
-        forward_core = self._compute(layer, work, "forward", tp, cp, sp) + forward_comm
+        forward_compute = self._compute(layer, work, "forward", tp, cp, sp)
+        backward_input_compute = self._compute(layer, work, "backward_input", tp, cp, sp) if need.input else 0.0
+        if self.tp_comm_overlap:
+            forward_comm -= min(tp_comm[0], forward_compute)
+            backward_input_comm -= min(tp_comm[1], backward_input_compute)
+        forward_core = forward_compute + forward_comm
         backward_input = backward_weight = 0.0
         if need.input:
-            backward_input = self._compute(layer, work, "backward_input", tp, cp, sp) + backward_input_comm
+            backward_input = backward_input_compute + backward_input_comm
         if need.weight:
             backward_weight = self._compute(layer, work, "backward_weight", tp, cp, sp)
         recompute = 0.0

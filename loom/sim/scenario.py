@@ -97,13 +97,16 @@ class Scenario:
     # cost.efficiency: one achieved fraction of the peak for every GEMM and attention kernel;
     # None prices GEMMs by shape (`loom.cost.gemm`)
     efficiency: float | None = None
+    # cost.tp_comm_overlap: price TP collectives hidden under compute (Megatron-LM's
+    # --tp-comm-overlap); loom's own runtime does not overlap them (`AnalyticCostModel`)
+    tp_comm_overlap: bool = False
     search: dict[str, Any] = field(default_factory=dict)  # [search]: the planner's space (loom plan --search)
 
     def cost_model(self, plan: Plan) -> AnalyticCostModel:
         """The analytic cost model of ``plan`` on this cluster at the scenario's ``run.dtype`` and
         ``cost.efficiency``."""
         return AnalyticCostModel(self.arch, plan, self.cluster, dtype_bytes=DTYPE_BYTES[self.dtype],
-                                 efficiency=self.efficiency)
+                                 efficiency=self.efficiency, tp_comm_overlap=self.tp_comm_overlap)
 
     # ---- data -----------------------------------------------------------------------------
     def metas(self, step: int = 0) -> list[SampleMeta]:
@@ -374,7 +377,7 @@ def _schema() -> dict[str, Any]:
         "parallel": typing.get_type_hints(ParallelDegrees),
         "run": {"dtype": str},
         "optim": {"max_grad_norm": float},
-        "cost": {"efficiency": float},
+        "cost": {"efficiency": float, "tp_comm_overlap": bool},
         # the planner's space (`loom.planner.search.SearchSpace`, which checks the choices)
         "search": {"placements": list[str], "tensor_parallel": list[int], "context_parallel": list[int],
                    "zero_stages": list[int], "recompute": list[str], "microbatch_samples": list[int],
@@ -528,5 +531,6 @@ def _scenario_of_tables(data: dict[str, Any], default_name: str) -> Scenario:
         generation_size=int(dd.get("generation_size", 512)),
         microbatch_tokens=int(dd.get("microbatch_tokens", 0)),
         efficiency=data.get("cost", {}).get("efficiency"),
+        tp_comm_overlap=bool(data.get("cost", {}).get("tp_comm_overlap", False)),
         search=dict(data.get("search", {})),
     )
