@@ -1,6 +1,7 @@
 """The ``loom`` command.
 
-    loom train [--config FILE] [--dry-run] [--overwrite] [dotted.key=value ...]   launch a training run
+    loom train [--config FILE] [--dry-run] [--overwrite | --resume RUN_DIR] [dotted.key=value ...]
+                                                                    launch (or continue) a training run
     loom plan  [--config FILE] [--comm] [dotted.key=value ...]      print the plan and its schedule
     loom profile [--config FILE] [--out PATH] [--tokens N,N,...] [dotted.key=value ...]
                                                                     time every layer on this machine
@@ -78,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "torchrun command, start nothing")
     p.add_argument("--overwrite", action="store_true",
                    help="delete runs/<name>/ first if it holds an earlier run (else a reused name is refused)")
+    p.add_argument("--resume", default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR (runs/<name>) from its latest checkpoint, with its config.toml "
+                        "(or --config) and the overrides on top; the plan may differ")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser("plan", help="print the resolved plan and schedule, or search for the fastest plan")

@@ -5,8 +5,13 @@ A run directory belongs to one run. It is free when it does not exist, is empty,
 the ``config.toml`` of a ``--dry-run``; otherwise the run is refused unless ``--overwrite``
 (which deletes the directory first). A directory whose run is still going (its ``loom train``
 or a worker alive) is refused even with ``--overwrite``; a ``running`` status with no process
-alive (its ``loom train`` was SIGKILLed) is named as such. loom writes no
-checkpoints yet, so a run cannot be continued.
+alive (its ``loom train`` was SIGKILLed) is named as such.
+
+``--resume runs/<name>`` continues the run there from its latest checkpoint
+(`loom.train.checkpoint`): the run's own ``config.toml`` (or ``--config``) with the overrides on
+top, so ``run.steps`` may grow and the plan may change; the checkpoint is checked against the
+model before any process starts. It needs no ``--overwrite`` (which it refuses), and a run
+still going is refused as above.
 
 ``--dry-run`` runs every check, prints the command and writes ``config.toml`` into a free run
 directory (for launching by hand, e.g. on several nodes); it never writes into, or clears, a
@@ -16,6 +21,7 @@ directory that holds a run.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -23,6 +29,7 @@ from pathlib import Path
 
 from loom.plan.plan import LLM
 from loom.cli.common import CliError, load_train_config
+from loom.train.checkpoint import CheckpointMeta, check_compatible, expected_shapes, latest_checkpoint
 from loom.train.config import TrainConfig, config_to_toml
 from loom.train.launch import Supervisor, is_loom_process
 from loom.train.status import LOGS, read_pids, read_status, read_supervisor_pid
@@ -36,7 +43,7 @@ def check_before_launch(cfg: TrainConfig, dry_run: bool = False) -> None:
     cfg.check_launch(None if dry_run else cfg.plan.world_size)
 
 
-def torchrun_command(cfg: TrainConfig, config_path: Path, run_dir: Path) -> list[str]:
+def torchrun_command(cfg: TrainConfig, config_path: Path, run_dir: Path, resume: Path | None = None) -> list[str]:
     """The launch of the run: every rank on this machine, or, for a dry run whose
     ``balance.ranks_per_node`` names smaller nodes, the command to run on each of them."""
     world, per_node = cfg.plan.world_size, cfg.balance.ranks_per_node
@@ -46,7 +53,8 @@ def torchrun_command(cfg: TrainConfig, config_path: Path, run_dir: Path) -> list
         where = [f"--nnodes={world // per_node}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d",
                  "--rdzv-endpoint=HOST:29500"]
     return [sys.executable, "-m", "torch.distributed.run", *where,
-            "-m", "loom.train.main", "--config", str(config_path), "--run-dir", str(run_dir)]
+            "-m", "loom.train.main", "--config", str(config_path), "--run-dir", str(run_dir),
+            *(["--resume", str(resume)] if resume is not None else [])]
 
 
 def holds_run(run_dir: Path) -> bool:
@@ -60,9 +68,9 @@ def live_processes(run_dir: Path) -> list[int]:
     return [pid for pid in pids if pid is not None and is_loom_process(pid)]
 
 
-def claim_run_dir(cfg: TrainConfig, overwrite: bool, dry_run: bool) -> Path:
-    """The run directory, refused if it holds a run and ``overwrite`` is not given; cleared
-    (unless a dry run) if it is."""
+def claim_run_dir(cfg: TrainConfig, overwrite: bool, dry_run: bool, resume: bool = False) -> Path:
+    """The run directory, refused if it holds a run and neither ``overwrite`` nor ``resume``
+    is given; cleared (unless a dry run) with ``overwrite``; kept with ``resume``."""
     run_dir = Path(cfg.run.out_dir) / cfg.run.name
     if run_dir.exists() and not run_dir.is_dir():
         raise CliError(f"run.name = {cfg.run.name!r}: {run_dir} is a file, not a run directory; "
@@ -77,23 +85,54 @@ def claim_run_dir(cfg: TrainConfig, overwrite: bool, dry_run: bool) -> Path:
         raise CliError(f"run.name = {cfg.run.name!r}: the run in {run_dir} is still going (status: {status}; "
                        f"process(es) {live}); stop it first (Ctrl-C or kill -TERM {live[0]}) or choose another "
                        f"run.name")
+    if resume:
+        return run_dir
     if not overwrite:
         raise CliError(
             f"run.name = {cfg.run.name!r}: {run_dir} already holds a run (status: {status}); choose another "
-            f"run.name or pass --overwrite to delete it first (a run cannot be continued: loom writes no "
-            f"checkpoints yet)")
+            f"run.name, pass --resume {run_dir} to continue it from its latest checkpoint (checkpoints/latest), "
+            f"or --overwrite to delete it first")
     if not dry_run:
         shutil.rmtree(run_dir)
     return run_dir
 
 
+def resume_target(args: argparse.Namespace) -> Path | None:
+    """For ``--resume RUN_DIR``: the checkpoint to continue from (``checkpoints/latest``), with
+    ``args`` set to load the run's ``config.toml`` (unless ``--config``) and to keep the run in
+    ``RUN_DIR`` whatever the overrides say."""
+    if args.resume is None:
+        return None
+    run_dir = Path(args.resume)
+    if args.overwrite:
+        raise CliError(f"--resume {run_dir} with --overwrite: --overwrite deletes the run that --resume continues; "
+                       f"pass one of them")
+    if not run_dir.is_dir():
+        raise CliError(f"--resume {run_dir}: no such run directory; pass runs/<name> of an earlier loom train")
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None or not ckpt.is_dir():
+        raise CliError(f"--resume {run_dir}: the run has no checkpoint (no {run_dir / 'checkpoints' / 'latest'}, "
+                       f"or it names a missing directory); start it again with --overwrite")
+    if args.config is None:
+        if not (run_dir / "config.toml").is_file():
+            raise CliError(f"--resume {run_dir}: no config.toml in it; pass --config with the run's config")
+        args.config = str(run_dir / "config.toml")
+    # the run stays where it is: these come last, over any run.out_dir / run.name given
+    args.overrides = [*args.overrides, f"run.out_dir={json.dumps(str(run_dir.parent))}",
+                      f"run.name={json.dumps(run_dir.name)}"]
+    return ckpt
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    resume = resume_target(args)
     cfg = load_train_config(args)
     check_before_launch(cfg, args.dry_run)
-    run_dir = claim_run_dir(cfg, args.overwrite, args.dry_run)
+    if resume is not None:  # another model's checkpoint is refused here, before any process starts
+        check_compatible(resume, CheckpointMeta.read(resume), expected_shapes(cfg))
+    run_dir = claim_run_dir(cfg, args.overwrite, args.dry_run, resume=resume is not None)
     config_path = run_dir / "config.toml"
     world = cfg.plan.world_size
-    cmd = torchrun_command(cfg, config_path, run_dir)
+    cmd = torchrun_command(cfg, config_path, run_dir, resume)
     print(f"loom: {world} processes, plan " + ", ".join(
         f"{m.name} {m.pipeline_depth} stage(s)"
         + ((f" of {m.virtual_stages} chunks (interleaved)" if m.name == LLM else f" in {m.virtual_stages} chunks")
@@ -102,6 +141,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         for m in cfg.plan.modules)
         + f", {cfg.plan.num_microbatches} microbatches, {cfg.plan.schedule}; run dir {run_dir}", flush=True)
     if args.dry_run:
+        if resume is not None:
+            print(f"would continue from {resume}, write {config_path} and run: " + " ".join(cmd))
+            return 0
         if holds_run(run_dir):
             print(f"would delete {run_dir} (--overwrite), write {config_path} and run: " + " ".join(cmd))
             return 0

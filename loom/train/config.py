@@ -45,6 +45,9 @@ class RunConfig:
     # "fp32" or "bf16": bf16 compute and messages, fp32 master weights, gradients and optimizer
     # state (loom.runtime.precision)
     dtype: str = "fp32"
+    # save a checkpoint (loom.train.checkpoint) every N steps, and always after the last step
+    # and on SIGTERM; 0: only after the last step and on SIGTERM
+    checkpoint_every: int = 0
 
 
 @dataclass
@@ -120,6 +123,8 @@ class TrainConfig:
                  'choose "fp32" or "bf16" (bf16 compute with fp32 master weights)')
         _require(run.log_every >= 1, "run.log_every", run.log_every, "must be at least 1",
                  "log every N >= 1 steps, e.g. run.log_every=10")
+        _require(run.checkpoint_every >= 0, "run.checkpoint_every", run.checkpoint_every, "must not be negative",
+                 "use 0 (a checkpoint after the last step only) or a step interval such as 100")
         _require(self.model.projector in ("linear", "mlp"), "model.projector", self.model.projector,
                  "unknown projector", "choose 'linear' or 'mlp'")
         _require(all(isinstance(f, str) and f for f in self.model.freeze), "model.freeze", self.model.freeze,

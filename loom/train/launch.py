@@ -6,7 +6,10 @@ torchrun starts each worker in a session of its own, so a signal to ``loom train
 terminal's process group) reaches neither. The supervisor therefore starts torchrun in a new
 session too and signals every process of the run itself: torchrun's process group and each
 worker (found from the pid files the workers write and from torchrun's children in
-``/proc``), SIGTERM first and SIGKILL after ``grace_s``. Worker output goes to
+``/proc``), SIGINT first and SIGKILL after ``grace_s``. A SIGTERM to ``loom train`` instead
+goes to the workers as SIGTERM, on which they save a checkpoint at the next step boundary and
+exit (`loom.train.main`); the supervisor waits up to ``stop_grace_s`` for that before it stops
+what is left as above. Worker output goes to
 ``logs/rank<R>.log``; torchrun's own to ``logs/torchrun.log``; the terminal gets rank 0's
 progress lines and one line at the end.
 
@@ -128,11 +131,13 @@ class Supervisor:
     """Runs one ``loom train`` launch; see the module docstring."""
 
     def __init__(self, cmd: list[str], run_dir: Path, world_size: int, env: dict[str, str],
-                 roles: dict[int, str] | None = None, grace_s: float = 3.0, steps: int | None = None):
+                 roles: dict[int, str] | None = None, grace_s: float = 3.0, steps: int | None = None,
+                 stop_grace_s: float = 120.0):
         self.cmd, self.run_dir, self.world_size, self.env = cmd, run_dir, world_size, env
         self.steps = steps  # the run's step count, to tell a death in teardown from one mid-run
         self.roles = roles or {}
         self.grace_s = grace_s
+        self.stop_grace_s = stop_grace_s  # after SIGTERM: time for the workers' final checkpoint
         self.signum: int | None = None
         self.workers: dict[int, int] = {}  # pid -> rank (-1 until its pid file names it)
         self.deaths: dict[int, float] = {}  # rank -> when it was first seen dead
@@ -231,10 +236,26 @@ class Supervisor:
                 continue
             _signal(pid, sig, group=leader)
 
-    def _teardown(self) -> None:
-        """SIGTERM to every process of the run, SIGKILL to what is left after ``grace_s``."""
+    def _ended(self) -> bool:
         assert self.proc is not None
-        self._kill_all(signal.SIGTERM)
+        self._refresh_workers()
+        return self.proc.poll() is not None and not any(alive(p) for p in self.workers)
+
+    def _teardown(self) -> None:
+        """After SIGTERM to ``loom train``: SIGTERM to the workers alone (each saves a
+        checkpoint at the next step boundary and exits; torchrun then ends by itself), waiting
+        up to ``stop_grace_s``. Then, and after Ctrl-C or a failure, SIGINT to every process of
+        the run (a worker stops at once), SIGKILL to what is left after ``grace_s``."""
+        assert self.proc is not None
+        if self.signum == signal.SIGTERM:
+            for pid in list(self.workers):
+                _signal(pid, signal.SIGTERM, group=False)
+            deadline = time.monotonic() + self.stop_grace_s
+            while time.monotonic() < deadline and not self._ended():
+                if any(e.state in ("error", "comm") for e in read_exits(self.run_dir).values()):
+                    break  # a rank failed while stopping: the others cannot finish their save
+                time.sleep(POLL_S)
+        self._kill_all(signal.SIGINT)
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline:
             self._refresh_workers()

@@ -13,6 +13,13 @@ dataset indices per phase, max/mean load across replicas and microbatches) and, 
 ``trace.json`` with every rank's timeline of the last step. Every rank writes its output to
 ``logs/rank<R>.log`` and how it ended to ``logs/rank<R>.exit.json``; rank 0 marks the run
 ``completed`` in ``status`` (`loom.train.status`).
+
+Checkpoints (`loom.train.checkpoint`): every ``run.checkpoint_every`` steps, after the last step,
+and on SIGTERM: the first SIGTERM during the training loop asks for a stop; the ranks agree on
+it at the next step boundary (a one-element all-reduce before each step), save a checkpoint
+there and exit cleanly. SIGINT (Ctrl-C, and the supervisor's stop after a failure) stops a rank
+at once, without a checkpoint, as before. ``--resume CKPT`` continues from a checkpoint:
+``metrics.jsonl`` and ``balance.jsonl`` keep the steps before it and are appended to.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch.distributed as dist
 
 from loom.balance.policy import load_stats
 from loom.schedule.timeline import write_chrome_trace
+from loom.train.checkpoint import Checkpointer, truncate_log
 from loom.train.config import TrainConfig, load_config
 from loom.train.launch import SUPERVISOR_ENV, die_with_parent
 from loom.train.rank import build_rank, lr_lambda
@@ -49,10 +57,35 @@ def init_distributed(device_kind: str) -> torch.device:
     return torch.device("cpu")
 
 
-def train(cfg: TrainConfig, run_dir: Path) -> None:
+def _stop_agreed(device: torch.device) -> bool:
+    """Whether any rank was asked to stop (SIGTERM): the same answer on every rank, so they all
+    stop at the same step boundary."""
+    flag = torch.tensor([1.0 if _stop_requested else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _say(progress, text: str) -> None:
+    if progress is not None:
+        progress.write(text)
+    else:
+        print(text, flush=True)
+
+
+def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | None:
+    """Train ``cfg`` (from the checkpoint ``resume``, if given); returns the step a SIGTERM
+    stopped the run at (a checkpoint of it saved), None when every step ran."""
+    global _graceful
     device = init_distributed(cfg.run.device)
     rank = dist.get_rank()
     run = build_rank(cfg, device)
+    checkpointer = Checkpointer(run, run_dir)
+    start = 0
+    if resume is not None:
+        t0 = time.perf_counter()
+        start = checkpointer.load(resume)
+        if rank == 0:
+            print(f"resumed from {resume} at step {start} ({time.perf_counter() - t0:.2f} s)", flush=True)
     if rank == 0:
         cfg.plan.to_json(run_dir / "plan.json")
         # the unbalanced iteration's schedule as the engine runs it (after any bubble fill)
@@ -61,15 +94,26 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     progress = None
     metrics = balance_log = None
     if rank == 0:
-        metrics = open(run_dir / "metrics.jsonl", "w")
-        balance_log = open(run_dir / "balance.jsonl", "w")
+        if resume is not None:  # the steps before the checkpoint stay; later ones run again
+            truncate_log(run_dir / "metrics.jsonl", start)
+            truncate_log(run_dir / "balance.jsonl", start)
+        metrics = open(run_dir / "metrics.jsonl", "a" if resume is not None else "w")
+        balance_log = open(run_dir / "balance.jsonl", "a" if resume is not None else "w")
         if sys.stdout.isatty():  # a live bar in a terminal; plain log lines in files and CI logs
             from tqdm import tqdm
 
-            progress = tqdm(total=cfg.run.steps, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True)
+            progress = tqdm(total=cfg.run.steps, initial=start, desc="train", unit="step", file=sys.stdout,
+                            dynamic_ncols=True)
 
     last_timeline = []
-    for step in range(cfg.run.steps):
+    got = None
+    stopped = None
+    every = cfg.run.checkpoint_every
+    _graceful = True  # from here a SIGTERM asks for a stop at a step boundary (`_on_sigterm`)
+    for step in range(start, cfg.run.steps):
+        if _stop_agreed(device):
+            stopped = step
+            break
         done = run.step(step, exact_timing=step == cfg.run.steps - 1)  # the traced step
         got, loss, step_time = done.dispatched, done.loss, done.total_s
         last_timeline = done.result.timeline
@@ -104,8 +148,17 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
                 terms = "".join(f"  {m} {v:.4f}" for m, v in done.losses.items()) if len(done.losses) > 1 else ""
                 print(f"step {step:5d}/{cfg.run.steps}  loss {loss:.4f}{terms}  "
                       f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step", flush=True)
+        if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
+            seconds = checkpointer.save(step + 1)
+            if rank == 0:
+                _say(progress, f"checkpoint step_{step + 1} saved ({seconds:.2f} s)")
 
-    if rank == 0 and set(got.layout.policy.values()) != {"none"}:
+    end = cfg.run.steps if stopped is None else stopped
+    if end > start or resume is None:  # a resumed run that ran no step has its checkpoint already
+        seconds = checkpointer.save(end)
+        if rank == 0:
+            _say(progress, f"checkpoint step_{end} saved ({seconds:.2f} s)")
+    if rank == 0 and got is not None and set(got.layout.policy.values()) != {"none"}:
         # a balanced run's schedule changes with its layout: keep the last step's next to the base one
         run.engine.schedule_for(got.layout).to_json(run_dir / "schedule_last_step.json")
     gathered = [None] * dist.get_world_size() if rank == 0 else None
@@ -116,6 +169,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
         metrics.close()
         balance_log.close()
         events = [e for per_rank in gathered for e in per_rank]
+    if rank == 0 and events:  # no step ran: a resumed run already at its end, or one stopped at once
         t_min = min(e.start_s for e in events)
         for e in events:
             e.start_s -= t_min
@@ -126,6 +180,7 @@ def train(cfg: TrainConfig, run_dir: Path) -> None:
     run.close()  # no send in flight when the group goes (issue 8, point 16)
     dist.barrier()
     dist.destroy_process_group()
+    return stopped
 
 
 def _own_output(run_dir: Path, rank: int) -> None:
@@ -144,6 +199,8 @@ def _own_output(run_dir: Path, rank: int) -> None:
 
 
 _stopping = False  # set once this rank is ending: a second signal must not cut its record short
+_graceful = False  # in the training loop: SIGTERM asks for a checkpoint and a stop at the next step
+_stop_requested = False  # a SIGTERM came during the training loop
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
@@ -156,11 +213,23 @@ def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated(f"stopped by {signal.Signals(signum).name}")
 
 
+def _on_sigterm(signum: int, frame: object) -> None:
+    # in the loop, a stop where every rank can save: the next step boundary (`_stop_agreed`);
+    # before it (setup) nothing new is there to save, so stop at once as SIGINT does
+    global _stop_requested
+    if _graceful:
+        _stop_requested = True
+        return
+    _raise_terminated(signum, frame)
+
+
 def main(argv: list[str] | None = None) -> None:
     global _stopping
     ap = argparse.ArgumentParser(description="loom training process (launched by torchrun; see `loom train`)")
     ap.add_argument("--config", required=True, help="resolved TOML config")
     ap.add_argument("--run-dir", required=True, help="run directory for metrics and traces")
+    ap.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                    help="continue from this checkpoint directory (runs/<name>/checkpoints/step_<N>)")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     rank = int(os.environ.get("RANK", "0"))
@@ -169,14 +238,15 @@ def main(argv: list[str] | None = None) -> None:
     die_with_parent(int(supervisor) if supervisor and supervisor.isdigit() else None)
     _own_output(run_dir, rank)
     write_pid(run_dir, rank)
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, _raise_terminated)
+    signal.signal(signal.SIGINT, _raise_terminated)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    stopped = None
     try:
         cfg = load_config(args.config)
         # the nodes of this launch (a run started by hand with torchrun on several nodes)
         local = os.environ.get("LOCAL_WORLD_SIZE")
         cfg.check_ranks_per_node(int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
-        train(cfg, run_dir)
+        stopped = train(cfg, run_dir, Path(args.resume) if args.resume else None)
     except BaseException as e:  # noqa: BLE001 - every way a rank ends is recorded
         _stopping = True
         state, reason = classify(e)
@@ -186,6 +256,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.flush()
         # skip interpreter teardown: destructors of a broken process group can hang or abort
         os._exit(143 if state == "terminated" else 1)
+    if stopped is not None:  # SIGTERM: a checkpoint at the step boundary, then a clean exit
+        _stopping = True
+        RankExit(rank, os.getpid(), "terminated", f"stopped by SIGTERM at step {stopped} (checkpoint step_{stopped} "
+                 f"saved)", time.time()).write(run_dir)
+        if rank == 0:
+            write_status(run_dir, f"interrupted at step {stopped}")
+        return
     RankExit(rank, os.getpid(), "done", "", time.time()).write(run_dir)
     if rank == 0:
         write_status(run_dir, "completed")  # also for runs started by hand with torchrun
