@@ -79,7 +79,9 @@ def test_rank_steps_match_one_process_with_the_runs_optimizer_and_schedule(tmp_p
         assert res["betas"] == ADAM_BETAS and res["weight_decay"] == cfg.optim.weight_decay
         assert res["lr"] == pytest.approx(cfg.optim.lr * lr_lambda(cfg)(STEPS)), "one scheduler step per step"
         for name, p in res["params"].items():
-            torch.testing.assert_close(p, ref[name].detach(), rtol=1e-4, atol=1e-6,
+            # atol 1e-5: Adam divides by sqrt(v), so an element whose gradient is near 0 moves by up
+            # to lr x its rounding noise's sign; a wrong step moves elements by ~lr = 1e-2
+            torch.testing.assert_close(p, ref[name].detach(), rtol=1e-4, atol=1e-5,
                                        msg=lambda m: f"rank {r} {name}: {m}")
             seen.add(name)
     assert seen == set(ref), f"parameters no rank holds: {sorted(set(ref) - seen)}"
