@@ -155,6 +155,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(config_to_toml(cfg))
+    if resume is not None:  # the earlier launch's pids and exit records would read as this one's
+        for stale in [*(run_dir / LOGS).glob("rank*.pid"), *(run_dir / LOGS).glob("rank*.exit.json")]:
+            stale.unlink()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     roles = {r: "{} stage {} replica {}".format(*cfg.plan.role_of(r)) for r in range(world)}

@@ -195,9 +195,8 @@ def expected_shapes(cfg: TrainConfig) -> dict[str, list[int]]:
 
     tokenizer, _ = build_data(cfg)
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")
-    names = {m.name for m in cfg.plan.modules}
     shapes: dict[str, list[int]] = {}
-    for module in names:
+    for module in cfg.plan.module_names:  # model order: the first mismatch is the first the model has
         for layer in model.module_layers(module):
             for k, v in layer.module.state_dict().items():
                 shapes[f"{layer.name}.{k}"] = list(v.shape)
