@@ -7,11 +7,15 @@ global batch of 64) that searches in a second or two:
 - the estimate against the simulator on equal microbatches, `expected_max` and
   `TokenWindows.heaviest` against their definitions;
 - its refusals (nothing fits; a bad ``[search]`` table), the plan file the CLI writes and
-  ``loom simulate --plan`` takes, and a custom data mix (``[data.kinds.<name>]``).
+  ``loom simulate --plan`` takes, and a custom data mix (``[data.kinds.<name>]``);
+- Cornstarch's loosely-coupled layouts (``search.cornstarch``) on the same cluster with an
+  encoder heavier than its LLM (``HEAVY_ENCODER``): against brute force over every split of
+  the device budget, and switched off.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -24,7 +28,8 @@ import pytest
 from loom.cli import main
 from loom.plan.plan import LLM, Plan
 from loom.planner.estimate import TokenWindows, estimate, expected_max
-from loom.planner.search import SearchSpace, _layouts, _microbatches, _Pricer, search
+from loom.planner.partition import loosely_coupled_search, partition
+from loom.planner.search import SearchSpace, _layouts, _loosely_coupled, _microbatches, _Pricer, search
 from loom.schedule.generators import build_schedule
 from loom.schedule.validate import validate_schedule
 from loom.sim.bubble_fill import fill_bubbles
@@ -81,9 +86,21 @@ def small_path(tmp_path_factory):
     return path
 
 
+# EVA-CLIP-E (4.4B, trained) before a frozen Llama-3.2-1B, an image and 200 words a sample: the
+# encoder's forward + backward about three times the LLM's, so Algorithm 1 gives it several stages
+HEAVY_ENCODER = ['model.llm="llama32-1b"', 'model.encoders={vision="eva-clip-e"}', 'model.freeze=["llm"]',
+                 'data.mix="custom"', "data.kinds.pic.images=[1, 1]", "data.kinds.pic.image_side=[224, 224]",
+                 "data.kinds.pic.text_range=[200, 200]"]
+
+
 @pytest.fixture(scope="module")
 def scenario(small_path):
     return load_scenario(small_path)
+
+
+@pytest.fixture(scope="module")
+def heavy(small_path):
+    return load_scenario(small_path, HEAVY_ENCODER)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +125,11 @@ def _schedule(scenario, plan):
 
 
 # ---- 1. what the search returns fits and runs ------------------------------------------------
-def test_every_plan_the_search_returns_fits_memory_and_has_a_valid_schedule(scenario):
+@pytest.mark.parametrize("which", ["scenario", "heavy"])
+def test_every_plan_the_search_returns_fits_memory_and_has_a_valid_schedule(which, request):
+    """On the small scenario and on its heavy-encoder variant, whose winner is Cornstarch's:
+    an encoder pipeline of its own (several stages), played and validated like every other."""
+    scenario = request.getfixturevalue(which)
     capacity = scenario.memory_capacity()
     result = search(scenario, SearchSpace(simulate_budget=2000))  # the whole default space, a third played
     best = result.best
@@ -136,6 +157,10 @@ def test_every_plan_the_search_returns_fits_memory_and_has_a_valid_schedule(scen
     times = [c.iteration_time for c in played if not c.verdict.startswith("pruned")]
     assert times == sorted(times) and result.candidates[0] is best
     assert result.techniques and result.techniques[0]
+    if which == "heavy":
+        assert best.plan.spec("vision").num_stages > 1, best.layout
+        assert result.techniques[0] == ("Cornstarch's loosely-coupled modality parallelism (each encoder its own "
+                                        "pipeline depth)")
 
 
 # ---- 2. regret against brute force ------------------------------------------------------------
@@ -344,3 +369,102 @@ def test_plan_search_refuses_an_inconsistent_model_file_and_an_unknown_gpu(tmp_p
                  "--out", str(tmp_path / "p.toml")]) == 2
     assert "cluster.gpu = 'B300'" in capsys.readouterr().err
     assert not (tmp_path / "p.toml").exists()
+
+
+# ---- 10. Cornstarch's loosely-coupled layouts ----------------------------------------------------
+@pytest.mark.parametrize("gpus", [16, 32])
+def test_cornstarch_layouts_against_brute_force_over_every_split(small_path, gpus):
+    """Algorithm 1 (cornstarch.md §2.6) at TP 2 and DP 1 and 2, against every (encoder stages,
+    LLM stages) split of the same budget of ``gpus / (TP x DP)`` stage replicas.
+
+    Algorithm 1 is a heuristic: at each LLM depth ``i`` it gives the encoder the fewest stages
+    whose bottleneck meets the LLM's ``t_i``, and drops the depth when those overshoot the
+    budget, so on 32 GPUs at DP 1 it misses (encoder 11, LLM 4), 18 % faster than its best.
+    What is proven, and asserted: with ``fill_budget`` (such a depth's encoder takes the stages
+    left) its candidates hold a split of the least bottleneck (the largest stage cost of any
+    module) of all splits of the budget (`loosely_coupled_search`'s docstring). Ranking by the
+    estimate is not ranking by bottleneck (bubbles, the spread of microbatch sizes,
+    synchronisation), so that Algorithm 1's choice is the fastest split by the estimate too is
+    asserted for this scenario only: it holds here. The ranking's lower bound is exact (the
+    pruned ranking's best are the full ranking's), and the estimate prices the encoder's
+    pipeline as the simulator plays it."""
+    scenario = load_scenario(small_path, [*HEAVY_ENCODER, f"cluster.num_gpus={gpus}"])
+    space = SearchSpace.from_table(scenario.search)
+    assert space.tensor_parallel == (2,)
+    pricer = _Pricer(scenario)
+    layers = scenario.arch.layer_counts()
+    for dp in (1, 2):
+        template, price, ranked = _loosely_coupled(scenario, space, pricer, 2, 1, dp, keep=10**6)
+        seconds, choice = ranked[0]
+        assert choice.stage_counts["vision"] > 1  # the encoder's own pipeline
+        budget = gpus // (2 * dp)
+        splits = [(k, i) for k in range(1, layers["vision"] + 1) for i in range(1, layers[LLM] + 1) if k + i <= budget]
+
+        # the least bottleneck, by Algorithm 1's candidates and by every split
+        one = template({"vision": 1, LLM: 1})
+        one.num_microbatches = _microbatches(scenario, one, space.microbatch_samples[0], pricer)
+        costs = {m: pricer.layer_costs(one, m) for m in ("vision", LLM)}
+        least = {m: [partition(costs[m], k)[1] for k in range(1, len(costs[m]) + 1)] for m in costs}
+        ranks = {"vision": 2 * dp, LLM: 2 * dp}
+        filled = loosely_coupled_search(costs[LLM], {"vision": costs["vision"]}, gpus, lambda c: 0.0,
+                                        ranks_per_stage=ranks, fill_budget=True)
+        brute = min(max(least["vision"][k - 1], least[LLM][i - 1]) for k, i in splits)
+        assert min(max(c.stage_times.values()) for c in filled.candidates if c.within_budget) == pytest.approx(brute)
+
+        # the estimate: no split beats Algorithm 1's choice on this scenario
+        fastest, split = min((price({"vision": k, LLM: i}), (k, i)) for k, i in splits)
+        assert seconds <= fastest * (1 + 1e-12), (dp, choice.stage_counts, split, seconds, fastest)
+        paper = loosely_coupled_search(costs[LLM], {"vision": costs["vision"]}, gpus, price, ranks_per_stage=ranks)
+        if (gpus, dp) == (32, 1):  # Algorithm 1 alone: the depth it drops held the best split
+            assert paper.iteration_time > 1.15 * seconds, (paper.stage_counts, choice.stage_counts)
+        else:
+            assert paper.iteration_time == pytest.approx(seconds, rel=1e-12)
+
+        # the ranking's bound prunes nothing it should not
+        _, _, pruned = _loosely_coupled(scenario, space, pricer, 2, 1, dp, keep=2)
+        assert [(t, c.stage_counts) for t, c in pruned[:2]] == [(t, c.stage_counts) for t, c in ranked[:2]]
+
+        # the estimate of the encoder's pipeline against the simulator, on equal microbatches
+        plan = pricer.plan(template(choice.stage_counts), one.num_microbatches, "1f1b", 1, 0, "none")
+        mean = pricer.mean(plan.num_microbatches)
+        est = estimate(plan, scenario.cost_model(plan), mean)
+        sim = scenario.run(plan, [dict(mean) for _ in range(plan.num_microbatches)])
+        assert est.iteration_time == pytest.approx(sim.iteration_time, rel=0.05)
+        assert est.peak_memory == pytest.approx(_peak(sim), rel=0.05)
+
+
+def test_cornstarch_layouts_are_priced_by_the_search_and_switched_off_by_the_search_table(small_path, heavy):
+    space = SearchSpace.from_table(heavy.search)
+    result = search(heavy, dataclasses.replace(space, simulate_top=1, simulate_budget=0))
+    deep = [c for c in result.candidates if c.plan.spec("vision").num_stages > 1]
+    assert deep and all(c.plan.placement == "disaggregated" for c in deep)
+    assert {(c.plan.spec("vision").num_stages, c.plan.spec(LLM).pipeline_depth, c.plan.spec(LLM).data_parallel)
+            for c in deep} >= {(6, 2, 1), (3, 1, 2)}  # Algorithm 1's choices at DP 1 and 2 (the test above)
+
+    off = load_scenario(small_path, [*HEAVY_ENCODER, "search.cornstarch=0"])
+    assert SearchSpace().cornstarch > 0 and SearchSpace.from_table(off.search).cornstarch == 0
+    on = list(_layouts(heavy, space))
+    without = list(_layouts(off, SearchSpace.from_table(off.search)))
+    assert any(p.spec("vision").num_stages > 1 for p in on)
+    assert not any(p.spec("vision").num_stages > 1 for p in without) and len(without) < len(on)
+    with pytest.raises(ScenarioError, match=re.escape("search.cornstarch")):
+        load_scenario(small_path, ["search.cornstarch=-1"])
+
+
+def test_fill_budget_holds_a_split_of_least_bottleneck_with_two_encoders():
+    """`loosely_coupled_search(fill_budget=True)`, which the search runs, against every split of
+    random layer costs into (encoder A, encoder B, LLM) stages within each budget, a B stage
+    twice A's devices: some candidate has the least bottleneck of them all (Algorithm 1 alone
+    misses it in 66 of these 160 cases, and has no candidate at all in 3)."""
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        costs = {m: list(rng.uniform(0.1, 3.0, size=n)) for m, n in (("a", 6), ("b", 5), (LLM, 8))}
+        least = {m: [partition(c, k)[1] for k in range(1, len(c) + 1)] for m, c in costs.items()}
+        ranks = {"a": 1, "b": 2, LLM: 1}
+        for budget in range(4, 26, 3):
+            result = loosely_coupled_search(costs[LLM], {"a": costs["a"], "b": costs["b"]}, budget, lambda c: 0.0,
+                                            ranks_per_stage=ranks, fill_budget=True)
+            best = min(max(c.stage_times.values()) for c in result.candidates if c.within_budget)
+            brute = min(max(least["a"][a - 1], least["b"][b - 1], least[LLM][i - 1])
+                        for a in range(1, 7) for b in range(1, 6) for i in range(1, 9) if a + 2 * b + i <= budget)
+            assert best == pytest.approx(brute, rel=1e-9), (budget, best, brute)

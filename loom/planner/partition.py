@@ -411,6 +411,7 @@ def loosely_coupled_search(
     iteration_time: Callable[[dict[str, int]], float],
     max_llm_stages: int | None = None,
     ranks_per_stage: Mapping[str, int] | None = None,
+    fill_budget: bool = False,
 ) -> SearchResult:
     """Cornstarch's loosely-coupled multimodal parallelization (cornstarch.md §2.6, Algorithm 1).
 
@@ -428,6 +429,14 @@ def loosely_coupled_search(
     4. otherwise ``iteration_time(stage_counts)`` ranks it (``stage_counts``: encoders in the
        given order, then ``"llm"``; `plan_with_stage_counts` then a simulator run is the usual
        implementation).
+
+    ``fill_budget`` (not in the paper) keeps an LLM depth whose encoders overshoot the budget:
+    they take the devices left instead, as the fewest stages that reach the least bottleneck
+    those devices allow (`_least_bottleneck`), above ``t_i``. Algorithm 1 alone then misses
+    splits such as (encoder 11, LLM 4) in a budget of 16 stages where meeting ``t_4`` takes
+    13 encoder stages; with it, the candidates hold, for every LLM depth, a split of the least
+    bottleneck (the largest stage cost of any module) at that depth, and so one of the least
+    bottleneck of all splits of the budget.
 
     Returns the candidate of least iteration time; ties go to the fewer LLM stages, which is
     also the fewer devices (a deeper LLM lowers ``t_i``, so no encoder gets shallower). Raises
@@ -482,8 +491,15 @@ def loosely_coupled_search(
             k = next((k for k, v in enumerate(values, start=1) if v <= target + slack), table.num_layers)
             counts[name], times[name] = k, values[k - 1]
         counts[LLM], times[LLM] = depth, target
-        bounds = {n: (encoders[n].boundaries(k) if n != LLM else llm_table.boundaries(k)) for n, k in counts.items()}
         devices = sum(counts[n] * ranks[n] for n in names)
+        if fill_budget and devices > device_budget and encoders:
+            left = device_budget - depth * ranks[LLM]
+            filled = _least_bottleneck(encoder_bottlenecks, {n: ranks[n] for n in encoders}, left)
+            if filled is not None:
+                counts.update(filled)
+                times.update({n: encoder_bottlenecks[n][k - 1] for n, k in filled.items()})
+                devices = sum(counts[n] * ranks[n] for n in names)
+        bounds = {n: (encoders[n].boundaries(k) if n != LLM else llm_table.boundaries(k)) for n, k in counts.items()}
         value: float | None = None
         if devices <= device_budget:
             value = float(iteration_time(dict(counts)))
@@ -503,3 +519,35 @@ def loosely_coupled_search(
         )
     return SearchResult(dict(best.stage_counts), dict(best.boundaries), float(best.iteration_time),
                         best.devices, candidates)
+
+
+def _least_bottleneck(bottlenecks: Mapping[str, Sequence[float]], ranks: Mapping[str, int],
+                      devices: int) -> dict[str, int] | None:
+    """The encoders' stage counts within ``devices`` (each stage ``ranks[n]`` of them) whose
+    largest bottleneck is least, each encoder at the fewest stages reaching it; None when one
+    stage each does not fit. ``bottlenecks[n][k - 1]``, encoder ``n``'s bottleneck at ``k``
+    stages, does not grow with ``k``: the fewer stages a level needs the higher it is, so the
+    levels that fit are those from the least one up, which bisection over them finds."""
+    def fewest(level: float) -> dict[str, int] | None:
+        out = {}
+        for n, values in bottlenecks.items():
+            k = next((k for k, v in enumerate(values, start=1) if v <= level), None)
+            if k is None:
+                return None
+            out[n] = k
+        return out
+
+    def fits(counts: dict[str, int] | None) -> bool:
+        return counts is not None and sum(k * ranks[n] for n, k in counts.items()) <= devices
+
+    levels = sorted({v for values in bottlenecks.values() for v in values})
+    lo, hi = 0, len(levels) - 1
+    if not fits(fewest(levels[hi])):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(fewest(levels[mid])):
+            hi = mid
+        else:
+            lo = mid + 1
+    return fewest(levels[lo])

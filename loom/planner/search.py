@@ -7,9 +7,11 @@ The space (`SearchSpace`):
   position), ``colocated`` with Optimus's bubble fill (optimus.md §2.3, §3.4-3.6; an encoder
   replica on every LLM unit, no ZeRO, no CP), ``disaggregated`` (encoders and generators on
   ranks of their own): Megatron-LM's MLLM layout, each at the LLM's TP and DP in one stage
-  (disttrain.md §2; optimus.md §3.10's balanced baseline), and DistTrain's orchestration
+  (disttrain.md §2; optimus.md §3.10's balanced baseline), DistTrain's orchestration
   (disttrain.md §3.2, Algorithm 1, `loom.planner.orchestration`), which sizes each module's GPUs
-  and TP;
+  and TP, and Cornstarch's loosely-coupled modality parallelism (cornstarch.md §2.6, Algorithm
+  1; §3.1), which gives each encoder the pipeline depth that meets the LLM's stage time
+  (`_cornstarch_layouts`); a disaggregated plan may leave GPUs idle, as both papers' budgets do;
 - the LLM's TP (within a node, dividing every hosted module's heads), CP, pipeline depth and
   DP filling the GPUs; stage boundaries by cost (`loom.planner.partition.partition` over each
   layer's forward + backward, so an embedding and a large-vocabulary head weigh what they cost,
@@ -31,10 +33,11 @@ too. The fastest played plan wins.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +45,13 @@ import numpy as np
 
 from loom.cost.model import Workload
 from loom.plan.plan import LLM, PLACEMENTS, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
-from loom.planner.estimate import Estimate, TokenWindows, estimate
-from loom.planner.partition import partition
+from loom.planner.estimate import BUBBLE_SHARE, Estimate, TokenWindows, estimate, expected_max
+from loom.planner.partition import SearchCandidate, loosely_coupled_search, partition
 from loom.sim.result import SimResult
 from loom.sim.scenario import Scenario, ScenarioError
 
 GiB = 2**30
+CORNSTARCH_SLACK = 2.0  # Cornstarch's layouts kept within this factor of the fastest one (`_cornstarch_layouts`)
 SCHEDULE_CHOICES = ("1f1b", "interleaved", "zb-h1", "gpipe")
 
 
@@ -63,6 +67,7 @@ class SearchSpace:
     microbatch_samples: tuple[int, ...] = (1, 2, 4, 8)
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")  # interleaved: 1F1B with 2 chunks
     orchestrations: int = 4  # DistTrain's fastest layouts taken as disaggregated candidates
+    cornstarch: int = 2  # Cornstarch's fastest loosely-coupled layouts per (TP, CP, DP) taken likewise; 0: none
     policies: tuple[str, ...] = ("none",)
     simulate_top: int = 4  # plans simulated at least (`_play`)
     simulate_budget: int = 24_000  # and more while their units x microbatches per pipeline sum below this
@@ -132,7 +137,7 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
     priced: list[Candidate] = []
     least = math.inf  # the least memory a pruned layout needs
     count = pruned = 0
-    for layout in _layouts(scenario, space):
+    for layout in _layouts(scenario, space, pricer):
         # under a token budget the budget cuts the batch: one microbatch count per layout
         for samples in space.microbatch_samples[:1] if scenario.microbatch_tokens else space.microbatch_samples:
             mb = _microbatches(scenario, layout, samples, pricer)
@@ -237,7 +242,7 @@ def all_plans(scenario: Scenario, space: SearchSpace = SearchSpace()) -> Iterato
     dominance rule (the lowest fitting ZeRO stage per recompute mode): the brute force the
     search is checked against (``benchmarks/plan_search.py``, ``search_regret``)."""
     pricer = _Pricer(scenario)
-    for layout in _layouts(scenario, space):
+    for layout in _layouts(scenario, space, pricer):
         for samples in space.microbatch_samples[:1] if scenario.microbatch_tokens else space.microbatch_samples:
             mb = _microbatches(scenario, layout, samples, pricer)
             if mb is None:
@@ -255,9 +260,10 @@ def all_plans(scenario: Scenario, space: SearchSpace = SearchSpace()) -> Iterato
 
 
 # ---- the layouts --------------------------------------------------------------------------------
-def _layouts(scenario: Scenario, space: SearchSpace) -> Iterator[Plan]:
+def _layouts(scenario: Scenario, space: SearchSpace, pricer: "_Pricer | None" = None) -> Iterator[Plan]:
     """Plan templates: placement, each module's TP, CP, DP and stage count (module docstring);
-    ZeRO, recompute, microbatches, schedule and boundaries are filled in later."""
+    ZeRO, recompute, microbatches, schedule and boundaries are filled in later. ``pricer``
+    (the search's own, to share its caches) ranks Cornstarch's candidates."""
     arch, cluster = scenario.arch, scenario.cluster
     n, layers = cluster.num_gpus, arch.layer_counts()
     others = arch.encoder_names + arch.generator_names
@@ -285,6 +291,8 @@ def _layouts(scenario: Scenario, space: SearchSpace) -> Iterator[Plan]:
                     llm = ModuleSpec(LLM, data_parallel=dp, num_stages=pp, tensor_parallel=tp, context_parallel=cp)
                     yield Plan([*encoders, llm], placement=placement,
                                bubble_fill="optimus" if placement == "colocated" else "none")
+    if "disaggregated" in space.placements and arch.encoder_names and space.cornstarch:
+        yield from _cornstarch_layouts(scenario, space, pricer or _Pricer(scenario))
     if "disaggregated" in space.placements and others and space.orchestrations:
         yield from _orchestrated_layouts(scenario, space)
 
@@ -303,6 +311,136 @@ def _megatron_layouts(scenario: Scenario, tp: int, cp: int) -> Iterator[Plan]:
         yield Plan([*(ModuleSpec(e, data_parallel=dp, tensor_parallel=tp) for e in arch.encoder_names),
                     ModuleSpec(LLM, data_parallel=dp, num_stages=pp, tensor_parallel=tp, context_parallel=cp),
                     *(ModuleSpec(g, data_parallel=dp, tensor_parallel=tp) for g in arch.generator_names)])
+
+
+def _cornstarch_layouts(scenario: Scenario, space: SearchSpace, pricer: "_Pricer") -> Iterator[Plan]:
+    """Cornstarch's loosely-coupled modality parallelism (cornstarch.md §2.6, Algorithm 1; §3.1),
+    each encoder and generator at its own pipeline depth: for every TP (within a node, dividing
+    the heads), CP and DP, the ``space.cornstarch`` fastest of Algorithm 1's candidates by the
+    estimate (`_loosely_coupled`), of those within ``CORNSTARCH_SLACK`` times the fastest of
+    them all. The slack spares the search the many layouts a large cluster's small TP and DP
+    give (a 70B LLM at TP 1 estimates 5x slower than at TP 8), whose pricing would cost more
+    than Algorithm 1 itself; it is wide, as the ranking sees one microbatch size and schedule
+    of the many the search then prices. TPs are taken largest first, where a large LLM runs
+    fastest, so that the bound cuts the rest early: which layouts are kept does not depend on
+    the order. A candidate with every other module in one stage on all the GPUs is Megatron-LM's
+    MLLM layout, which `_megatron_layouts` yields already."""
+    n, per_node = scenario.cluster.num_gpus, scenario.cluster.gpus_per_node
+    others = scenario.arch.encoder_names + scenario.arch.generator_names
+    fastest = math.inf
+    found = []
+    for tp in sorted(space.tensor_parallel, reverse=True):
+        if tp > per_node or not _divides_heads(scenario, tp):
+            continue
+        for cp in space.context_parallel:
+            for dp in _divisors(n // tp):
+                got = _loosely_coupled(scenario, space, pricer, tp, cp, dp, space.cornstarch,
+                                       CORNSTARCH_SLACK * fastest)
+                if got is not None:
+                    found.append(got)
+                    fastest = min(fastest, got[2][0][0])
+    for template, _, ranked in found:
+        for t, c in ranked[:space.cornstarch]:
+            if t <= CORNSTARCH_SLACK * fastest and (c.devices < n or any(c.stage_counts[m] > 1 for m in others)):
+                yield template(c.stage_counts)
+
+
+def _loosely_coupled(scenario: Scenario, space: SearchSpace, pricer: "_Pricer", tp: int, cp: int, dp: int,
+                     keep: int, cutoff: float = math.inf) -> tuple[Callable[[dict[str, int]], Plan],
+                                                                   Callable[[dict[str, int]], float],
+                                                                   list[tuple[float, SearchCandidate]]] | None:
+    """Algorithm 1 (cornstarch.md §2.6) at this TP, CP and DP: ``(template, price, ranked)``,
+    ``template(stage_counts)`` the layout, ``price(stage_counts)`` the iteration time that ranks
+    it, ``ranked`` the candidates ``price`` puts first as ``(seconds, candidate)``, fastest first
+    (those that fit the GPU's memory: at least the ``keep`` fastest, or every one faster than
+    ``cutoff`` where fewer are); None when none is ranked.
+
+    Every module's stage is replicated DP times at its TP (encoders and generators at CP 1:
+    Cornstarch runs CP on the LLM only, cornstarch.md §4.2.1), so a stage costs that many of
+    the budget's GPUs (``ranks_per_stage``) and a candidate may leave some idle, as the paper's
+    "up to 24 GPUs" does. The layer costs are the frozen-aware ``F + B`` (§3.2.2) of the mean
+    microbatch at the space's first microbatch size that gives this DP one; generators are
+    matched to the LLM's stage time as encoders are (as `loom simulate --compare`'s
+    frozen-aware plan does).
+
+    `loosely_coupled_search` gives the candidates (Algorithm 1's first loop: per LLM depth
+    ``i`` its bottleneck ``t_i`` and each other module's fewest stages meeting it; where those
+    overshoot the budget, ``fill_budget``: the stages left, at their least bottleneck, so that
+    a budget one encoder stage short of ``t_i`` still has its best split). Its second loop,
+    the ranking, is by the search's estimate, not the simulator (the search simulates
+    only its best): under the space's first schedule with its cheapest ZeRO stage and
+    recompute mode, or where that is over the GPU's memory its leanest (``inf`` when neither
+    fits). Estimates cost milliseconds and a deep LLM has a candidate per depth, so they are
+    taken in order of a lower bound on it until the bound reaches the ``keep``-th fastest or
+    ``cutoff``: exact. The estimate's pipeline term is ``spread (m t_max + f (sum_k t_k -
+    t_max))`` (`loom.planner.estimate`: ``m`` microbatches per pipeline, ``f`` the schedule's
+    bubble share), at least ``spread ((m - f) t_i + f W)`` with ``W`` the LLM's work, since the
+    LLM's layers cost at least what Algorithm 1 partitioned (the same compute, TP within a
+    node; ZeRO and recompute only add), so its slowest position at least ``t_i``, the least
+    bottleneck of any split into ``i`` stages. Interleaved positions are not contiguous, and
+    CP's links are not the partition's: there every candidate is priced.
+    """
+    arch, n = scenario.arch, scenario.cluster.num_gpus
+    others = arch.encoder_names + arch.generator_names
+    ranks = {**{m: tp * dp for m in others}, LLM: tp * cp * dp}
+    if sum(ranks.values()) > n:  # not even one stage each
+        return None
+
+    def template(counts: dict[str, int]) -> Plan:
+        return Plan([*(ModuleSpec(e, data_parallel=dp, tensor_parallel=tp, num_stages=counts[e])
+                       for e in arch.encoder_names),
+                     ModuleSpec(LLM, data_parallel=dp, num_stages=counts[LLM], tensor_parallel=tp, context_parallel=cp),
+                     *(ModuleSpec(g, data_parallel=dp, tensor_parallel=tp, num_stages=counts[g])
+                       for g in arch.generator_names)])
+
+    one = template(dict.fromkeys(ranks, 1))
+    sizes = (_microbatches(scenario, one, s, pricer) for s in space.microbatch_samples)
+    mb = next((k for k in sizes if k is not None), None)
+    zeros = sorted(z for z in space.zero_stages if not z or dp > 1)
+    if mb is None or not zeros:
+        return None
+    modes = sorted(space.recompute, key=RECOMPUTE_MODES.index)
+    one.num_microbatches = mb
+    for spec in one.modules:
+        spec.recompute = modes[0]
+    costs = {m: pricer.layer_costs(one, m) for m in ranks}
+    name = space.schedules[0]
+    schedule, chunks = ("1f1b", 2) if name == "interleaved" else (name, 1)
+    settings = [(zeros[0], modes[0]), (zeros[-1], modes[-1])]  # the cheapest, then the leanest
+
+    def price(counts: dict[str, int]) -> float:
+        layout = template(counts)
+        for zero, recompute in settings:
+            try:
+                plan = pricer.plan(layout, mb, schedule, chunks, zero, recompute)
+            except PlanError:
+                continue
+            t = pricer.estimate(plan).iteration_time  # inf over the GPU's memory
+            if math.isfinite(t):
+                return t
+        return math.inf
+
+    try:  # the first loop only: the candidates are ranked below
+        found = loosely_coupled_search(costs[LLM], {m: costs[m] for m in others}, n, lambda counts: 0.0,
+                                       ranks_per_stage=ranks, fill_budget=True)
+    except ValueError:  # the fewest stages the other modules need leave the LLM none
+        return None
+    candidates = [c for c in found.candidates if c.within_budget]
+    bound = dict.fromkeys(map(id, candidates), 0.0)
+    if chunks == 1 and cp == 1 and scenario.cluster.gpus_per_node % tp == 0:
+        m, f, work = mb // dp, BUBBLE_SHARE.get(schedule, 1.0), math.fsum(costs[LLM])
+        pricer.mean(mb)  # the microbatch sizes the estimate's spread is drawn from
+        for c in candidates:  # (m - f) x its slowest position (>= t_i) + f x all positions (>= the LLM's work)
+            spread = expected_max(pricer._sizes[mb], sum(c.stage_counts.values()))
+            bound[id(c)] = spread * ((m - f) * c.target_stage_time + f * work) * (1 - 1e-9)
+    ranked: list[tuple[float, SearchCandidate]] = []
+    for c in sorted(candidates, key=lambda c: (bound[id(c)], c.devices)):
+        if bound[id(c)] >= min(cutoff, ranked[keep - 1][0] if len(ranked) >= keep else math.inf):
+            break
+        t = price(c.stage_counts)
+        if math.isfinite(t):
+            bisect.insort(ranked, (t, c), key=lambda r: (r[0], r[1].devices))
+    return (template, price, ranked) if ranked else None
 
 
 def _orchestrated_layouts(scenario: Scenario, space: SearchSpace) -> Iterator[Plan]:
@@ -415,8 +553,14 @@ class _Pricer:
                 if key not in self._partitions:
                     self._partitions[key] = partition(costs, m.num_stages)[0]
                 m.stage_boundaries = list(self._partitions[key])
-        return plan.resolve(self.scenario.arch.layer_counts(), self.scenario.cluster.num_gpus,
-                            generators=self.scenario.arch.generator_names)
+        # a disaggregated plan may leave GPUs idle: DistTrain's x + y + z <= N (disttrain.md §3.1),
+        # Cornstarch's device budget (cornstarch.md §2.6); every other placement fills them
+        n = self.scenario.cluster.num_gpus
+        plan.resolve(self.scenario.arch.layer_counts(), None if plan.placement == "disaggregated" else n,
+                     generators=self.scenario.arch.generator_names)
+        if plan.world_size > n:
+            raise PlanError(f"plan needs {plan.world_size} ranks; the cluster has {n} GPUs")
+        return plan
 
     def estimate(self, plan: Plan) -> Estimate:
         """`loom.planner.estimate.estimate`, unpriced over the GPU's memory."""
@@ -449,7 +593,9 @@ def techniques(c: Candidate) -> list[str]:
     if given:  # the search's own candidates lost to it
         out.append("the scenario's own plan (played as a candidate; the search's space found nothing faster)")
     others = [m for m in plan.modules if m.name != LLM]
-    if plan.placement == "disaggregated" and all(
+    if plan.placement == "disaggregated" and any(m.num_stages > 1 for m in others):
+        out.append("Cornstarch's loosely-coupled modality parallelism (each encoder its own pipeline depth)")
+    elif plan.placement == "disaggregated" and all(
             (m.tensor_parallel, m.data_parallel, m.num_stages) == (llm.tensor_parallel, llm.data_parallel, 1)
             for m in others):
         out.append("Megatron-LM's MLLM layout (encoders and generators as extra stages at the LLM's TP and DP)")
