@@ -128,7 +128,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg = load_train_config(args)
     check_before_launch(cfg, args.dry_run)
     if resume is not None:  # another model's checkpoint is refused here, before any process starts
-        check_compatible(resume, CheckpointMeta.read(resume), expected_shapes(cfg))
+        meta = CheckpointMeta.read(resume)
+        if meta.step > cfg.run.steps:
+            raise CliError(f"run.steps = {cfg.run.steps}: the run resumes from {resume}, after step {meta.step}; "
+                           f"set run.steps to {meta.step} or more")
+        check_compatible(resume, meta, expected_shapes(cfg))
     run_dir = claim_run_dir(cfg, args.overwrite, args.dry_run, resume=resume is not None)
     config_path = run_dir / "config.toml"
     world = cfg.plan.world_size
@@ -162,6 +166,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     env.setdefault("OMP_NUM_THREADS", "1")
     roles = {r: "{} stage {} replica {}".format(*cfg.plan.role_of(r)) for r in range(world)}
     outcome = Supervisor(cmd, run_dir, world, env, roles, steps=cfg.run.steps).run()
-    print(outcome.message or f"loom: completed; run dir {run_dir} (logs in {run_dir / LOGS})",
+    message = outcome.message
+    last = latest_checkpoint(run_dir)
+    if outcome.returncode and last is not None:  # still one line
+        message += f"; last checkpoint {last.name}: continue with loom train --resume {run_dir}"
+    print(message or f"loom: completed; run dir {run_dir} (logs in {run_dir / LOGS})",
           file=sys.stderr if outcome.returncode else sys.stdout, flush=True)
     return outcome.returncode
