@@ -29,7 +29,8 @@ from loom.cli import main
 from loom.plan.plan import LLM, Plan
 from loom.planner.estimate import TokenWindows, estimate, expected_max
 from loom.planner.partition import loosely_coupled_search, partition
-from loom.planner.search import SearchSpace, _layouts, _loosely_coupled, _microbatches, _Pricer, search
+from loom.planner.search import (SearchSpace, _layouts, _loosely_coupled, _microbatches, _Pricer, _strategy_layouts,
+                                 search)
 from loom.schedule.generators import build_schedule
 from loom.schedule.validate import validate_schedule
 from loom.sim.bubble_fill import fill_bubbles
@@ -443,10 +444,10 @@ def test_cornstarch_layouts_are_priced_by_the_search_and_switched_off_by_the_sea
 
     off = load_scenario(small_path, [*HEAVY_ENCODER, "search.cornstarch=0"])
     assert SearchSpace().cornstarch > 0 and SearchSpace.from_table(off.search).cornstarch == 0
-    on = list(_layouts(heavy, space))
-    without = list(_layouts(off, SearchSpace.from_table(off.search)))
-    assert any(p.spec("vision").num_stages > 1 for p in on)
-    assert not any(p.spec("vision").num_stages > 1 for p in without) and len(without) < len(on)
+    on = [strategy for strategy, _ in _strategy_layouts(heavy, space)]
+    without = [strategy for strategy, _ in _strategy_layouts(off, SearchSpace.from_table(off.search))]
+    assert "cornstarch" in on and "cornstarch" not in without and len(without) < len(on)
+    assert {c.strategy for c in deep} >= {"cornstarch"}
     with pytest.raises(ScenarioError, match=re.escape("search.cornstarch")):
         load_scenario(small_path, ["search.cornstarch=-1"])
 

@@ -15,8 +15,9 @@ SHOWN_ESTIMATES = 8  # estimated-only rows printed below the played ones
 
 
 # What a profile can price on this machine: layers timed at TP = CP = 1 and whole (no selective
-# recompute); every placement, schedule, microbatch size and ZeRO stage as on a cluster.
-LOCAL_SPACE = {"tensor_parallel": (1,), "context_parallel": (1,), "recompute": ("none", "full")}
+# recompute); every placement, schedule, microbatch size and ZeRO stage as on a cluster, but
+# Entrain's macro planning, which sizes modules with the analytic (GPU datasheet) model.
+LOCAL_SPACE = {"tensor_parallel": (1,), "context_parallel": (1,), "recompute": ("none", "full"), "entrain": 0}
 
 
 def cmd_search(args: argparse.Namespace) -> int:

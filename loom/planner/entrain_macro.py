@@ -552,7 +552,8 @@ class ScenarioPricing:
         plan = Plan(specs, num_microbatches=max(num_microbatches, gpn)).resolve(
             sc.arch.layer_counts(), generators=sc.arch.generator_names)
         cluster = Cluster(sc.cluster.gpu, num_gpus=nodes * gpn, gpus_per_node=gpn)
-        return AnalyticCostModel(sc.arch, plan, cluster, dtype_bytes=DTYPE_BYTES[sc.dtype], efficiency=sc.efficiency)
+        return AnalyticCostModel(sc.arch, plan, cluster, dtype_bytes=DTYPE_BYTES[sc.dtype], efficiency=sc.efficiency,
+                                 tp_comm_overlap=sc.tp_comm_overlap)
 
     def costs(self, name: str, tp: int, cp: int) -> list[float]:
         """Per layer of ``name``, forward + backward seconds of the mean microbatch at ``(tp, cp)``."""

@@ -68,6 +68,7 @@ class SearchSpace:
     schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")  # interleaved: 1F1B with 2 chunks
     orchestrations: int = 4  # DistTrain's fastest layouts taken as disaggregated candidates
     cornstarch: int = 2  # Cornstarch's fastest loosely-coupled layouts per (TP, CP, DP) taken likewise; 0: none
+    entrain: int = 4  # Entrain's fastest macro-plan configurations (`loom.planner.entrain_macro`) likewise; 0: none
     policies: tuple[str, ...] = ("none",)
     simulate_top: int = 4  # plans simulated at least (`_play`)
     simulate_budget: int = 24_000  # and more while their units x microbatches per pipeline sum below this
@@ -108,6 +109,7 @@ class Candidate:
     simulated: SimResult | None = None
     policy: str = "none"
     batch_flops: float = 0.0  # the global batch's model FLOPs (an MFU for estimated rows)
+    strategy: str = ""  # which strategy proposed the layout (`STRATEGIES`); "given": the scenario's own plan
 
     @property
     def iteration_time(self) -> float:
@@ -137,7 +139,7 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
     priced: list[Candidate] = []
     least = math.inf  # the least memory a pruned layout needs
     count = pruned = 0
-    for layout in _layouts(scenario, space, pricer):
+    for strategy, layout in _strategy_layouts(scenario, space, pricer):
         # under a token budget the budget cuts the batch: one microbatch count per layout
         for samples in space.microbatch_samples[:1] if scenario.microbatch_tokens else space.microbatch_samples:
             mb = _microbatches(scenario, layout, samples, pricer)
@@ -160,7 +162,8 @@ def search(scenario: Scenario, space: SearchSpace = SearchSpace()) -> SearchResu
                             least = min(least, est.peak_memory)
                             pruned += 1
                             continue
-                        priced.append(Candidate(_layout_label(plan), plan, est, batch_flops=pricer.batch_flops))
+                        priced.append(Candidate(_layout_label(plan), plan, est, batch_flops=pricer.batch_flops,
+                                                strategy=strategy))
                         zeros = zeros[:zeros.index(zero)]  # a higher ZeRO stage only adds communication
                         break
                     if not zeros:
@@ -199,7 +202,7 @@ def _play_given(scenario: Scenario, pricer: "_Pricer", space: SearchSpace, capac
     for name, plan in scenario.plans.items():
         plan = plan.resolve(scenario.arch.layer_counts(), generators=scenario.arch.generator_names)
         est = estimate(plan, scenario.cost_model(plan), pricer.mean(plan.num_microbatches))
-        given.append(Candidate(f"{_layout_label(plan)} [the scenario's plans.{name}]", plan, est,
+        given.append(Candidate(f"{_layout_label(plan)} [the scenario's plans.{name}]", plan, est, strategy="given",
                                batch_flops=pricer.batch_flops))
     return _play(scenario, given, dataclasses.replace(space, simulate_budget=0), capacity, limit=len(given))
 
@@ -242,7 +245,7 @@ def all_plans(scenario: Scenario, space: SearchSpace = SearchSpace()) -> Iterato
     dominance rule (the lowest fitting ZeRO stage per recompute mode): the brute force the
     search is checked against (``benchmarks/plan_search.py``, ``search_regret``)."""
     pricer = _Pricer(scenario)
-    for layout in _layouts(scenario, space, pricer):
+    for strategy, layout in _strategy_layouts(scenario, space, pricer):
         for samples in space.microbatch_samples[:1] if scenario.microbatch_tokens else space.microbatch_samples:
             mb = _microbatches(scenario, layout, samples, pricer)
             if mb is None:
@@ -260,10 +263,40 @@ def all_plans(scenario: Scenario, space: SearchSpace = SearchSpace()) -> Iterato
 
 
 # ---- the layouts --------------------------------------------------------------------------------
+# What proposed a layout, in the papers' words (`techniques` names the winner's)
+STRATEGIES = {
+    "megatron": "Megatron-LM layout",
+    "megatron-mllm": "Megatron-LM's MLLM layout (encoders and generators as extra stages at the LLM's TP and DP)",
+    "optimus": "Optimus (colocated encoders, bubble fill)",
+    "cornstarch": "Cornstarch's loosely-coupled modality parallelism (each encoder its own pipeline depth)",
+    "disttrain": "DistTrain's orchestration (each module its own GPUs and degrees)",
+    "entrain": "Entrain's macro planning (GPUs per module in proportion to their work, each module its own degrees)",
+}
+
+
 def _layouts(scenario: Scenario, space: SearchSpace, pricer: "_Pricer | None" = None) -> Iterator[Plan]:
     """Plan templates: placement, each module's TP, CP, DP and stage count (module docstring);
     ZeRO, recompute, microbatches, schedule and boundaries are filled in later. ``pricer``
     (the search's own, to share its caches) ranks Cornstarch's candidates."""
+    return (layout for _, layout in _strategy_layouts(scenario, space, pricer))
+
+
+def _strategy_layouts(scenario: Scenario, space: SearchSpace,
+                      pricer: "_Pricer | None" = None) -> Iterator[tuple[str, Plan]]:
+    """`_layouts` with the strategy that proposed each (a key of `STRATEGIES`); a layout two
+    strategies propose is priced once, under the first."""
+    seen: set[tuple] = set()
+    for strategy, layout in _proposals(scenario, space, pricer):
+        key = (layout.placement, layout.bubble_fill, tuple(
+            (m.name, m.data_parallel, m.tensor_parallel, m.context_parallel, m.num_stages) for m in layout.modules))
+        if key not in seen:
+            seen.add(key)
+            yield strategy, layout
+
+
+def _proposals(scenario: Scenario, space: SearchSpace, pricer: "_Pricer | None") -> Iterator[tuple[str, Plan]]:
+    from loom.planner.entrain_macro import entrain_layouts
+
     arch, cluster = scenario.arch, scenario.cluster
     n, layers = cluster.num_gpus, arch.layer_counts()
     others = arch.encoder_names + arch.generator_names
@@ -279,7 +312,7 @@ def _layouts(scenario: Scenario, space: SearchSpace, pricer: "_Pricer | None" = 
                 if placement == "colocated" and (cp > 1 or not arch.encoder_names):
                     continue
                 if placement == "disaggregated":
-                    yield from _megatron_layouts(scenario, tp, cp)
+                    yield from (("megatron-mllm", p) for p in _megatron_layouts(scenario, tp, cp))
                     continue
                 for pp in _divisors(n // (tp * cp)) if n % (tp * cp) == 0 else []:
                     dp = n // (tp * cp * pp)
@@ -289,12 +322,14 @@ def _layouts(scenario: Scenario, space: SearchSpace, pricer: "_Pricer | None" = 
                     encoders = [ModuleSpec(e, data_parallel=units if placement == "colocated" else dp, tensor_parallel=tp)
                                 for e in arch.encoder_names]
                     llm = ModuleSpec(LLM, data_parallel=dp, num_stages=pp, tensor_parallel=tp, context_parallel=cp)
-                    yield Plan([*encoders, llm], placement=placement,
-                               bubble_fill="optimus" if placement == "colocated" else "none")
+                    yield ("optimus" if placement == "colocated" else "megatron",
+                           Plan([*encoders, llm], placement=placement,
+                                bubble_fill="optimus" if placement == "colocated" else "none"))
     if "disaggregated" in space.placements and arch.encoder_names and space.cornstarch:
-        yield from _cornstarch_layouts(scenario, space, pricer or _Pricer(scenario))
+        yield from (("cornstarch", p) for p in _cornstarch_layouts(scenario, space, pricer or _Pricer(scenario)))
     if "disaggregated" in space.placements and others and space.orchestrations:
-        yield from _orchestrated_layouts(scenario, space)
+        yield from (("disttrain", p) for p in _orchestrated_layouts(scenario, space))
+    yield from (("entrain", p) for p in entrain_layouts(scenario, space, space.entrain))
 
 
 def _megatron_layouts(scenario: Scenario, tp: int, cp: int) -> Iterator[Plan]:
@@ -592,17 +627,10 @@ def techniques(c: Candidate) -> list[str]:
     given = "[the scenario's plans." in c.layout
     if given:  # the search's own candidates lost to it
         out.append("the scenario's own plan (played as a candidate; the search's space found nothing faster)")
-    others = [m for m in plan.modules if m.name != LLM]
-    if plan.placement == "disaggregated" and any(m.num_stages > 1 for m in others):
-        out.append("Cornstarch's loosely-coupled modality parallelism (each encoder its own pipeline depth)")
-    elif plan.placement == "disaggregated" and all(
-            (m.tensor_parallel, m.data_parallel, m.num_stages) == (llm.tensor_parallel, llm.data_parallel, 1)
-            for m in others):
-        out.append("Megatron-LM's MLLM layout (encoders and generators as extra stages at the LLM's TP and DP)")
-    else:
-        out.append({"first_stage": "Megatron-LM layout" + (" (encoders in the first stage)" if plan.encoder_names else ""),
-                    "colocated": "Optimus (colocated encoders, bubble fill)",
-                    "disaggregated": "DistTrain's orchestration (each module its own GPUs and degrees)"}[plan.placement])
+    if c.strategy == "megatron":
+        out.append(STRATEGIES["megatron"] + (" (encoders in the first stage)" if plan.encoder_names else ""))
+    elif c.strategy in STRATEGIES:
+        out.append(STRATEGIES[c.strategy])
     if llm.virtual_stages > 1:
         out.append(f"interleaved 1F1B ({llm.virtual_stages} chunks)")
     if plan.schedule == "zb-h1":

@@ -381,14 +381,15 @@ def _schema() -> dict[str, Any]:
         # the planner's space (`loom.planner.search.SearchSpace`, which checks the choices)
         "search": {"placements": list[str], "tensor_parallel": list[int], "context_parallel": list[int],
                    "zero_stages": list[int], "recompute": list[str], "microbatch_samples": list[int],
-                   "schedules": list[str], "orchestrations": int, "cornstarch": int, "policies": list[str],
+                   "schedules": list[str], "orchestrations": int, "cornstarch": int, "entrain": int, "policies": list[str],
                    "simulate_top": int, "simulate_budget": int},
         "plans": dict[str, dict],
     }
 
 
 # whole numbers that may be 0 (the others are sizes and counts, at least 1)
-_ZERO_OK = {"data.seed", "parallel.zero_stage", "search.orchestrations", "search.cornstarch", "data.microbatch_tokens"}
+_ZERO_OK = {"data.seed", "parallel.zero_stage", "search.orchestrations", "search.cornstarch", "search.entrain",
+            "data.microbatch_tokens"}
 _CHOICES = {"data.llm_batching": ("packed", "padded"), "parallel.zero_stage": (0, 1, 2, 3),
             "parallel.recompute": RECOMPUTE_MODES, "run.dtype": tuple(DTYPE_BYTES)}
 
