@@ -39,6 +39,7 @@ from loom.planner.entrain_macro import (
 )
 from loom.planner.search import SearchSpace, _Pricer
 from loom.sim.scenario import load_scenario
+from tests.test_search import SMALL as SEARCH_SMALL
 
 
 # ---- eq. C.5 ---------------------------------------------------------------------------------
@@ -326,24 +327,7 @@ def test_configuration_search_refuses_when_nothing_is_valid():
 
 
 # ---- on a scenario ---------------------------------------------------------------------------
-SMALL = """\
-name = "small"
-
-[model]
-llm = "llama3-8b"
-encoders = { vision = "vit-h-14" }
-projector = "mlp"
-
-[cluster]
-gpu = "H100"
-num_gpus = 16
-gpus_per_node = 8
-
-[data]
-mix = "llava"
-seed = 0
-global_batch_size = 64
-"""
+SMALL = SEARCH_SMALL.split("\n[search]")[0]  # tests/test_search.py's scenario without its narrowed space
 
 SPACE = SearchSpace(tensor_parallel=(1, 2, 4), microbatch_samples=(2, 4))
 
