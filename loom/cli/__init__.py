@@ -17,7 +17,8 @@ machine,
     python -m torch.distributed.run --standalone --nproc-per-node <plan world size> \\
         -m loom.train.main --config runs/<name>/config.toml --run-dir runs/<name>
 
-under a supervisor (`loom.train.launch`): Ctrl-C or SIGTERM stops every worker within seconds,
+under a supervisor (`loom.train.launch`): Ctrl-C stops every worker within seconds, SIGTERM
+after a checkpoint at the next step boundary (``loom train --resume runs/<name>`` continues it),
 a failing rank ends the run with one line naming it, and ``runs/<name>/status`` says how the
 run ended (`loom.train.status`); per-rank logs are in ``runs/<name>/logs/``. With
 ``--dry-run`` it stops after the checks, writes ``config.toml`` into a free run directory and
