@@ -58,7 +58,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -71,8 +71,18 @@ from loom.plan.plan import LLM, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
 from loom.planner.partition import partition
 from loom.sim.scenario import Scenario
 
-if TYPE_CHECKING:
-    from loom.planner.search import SearchSpace
+
+
+class SpaceChoices(Protocol):
+    """What Entrain's planner reads of the search's space (`loom.planner.search.SearchSpace`,
+    which imports this module: a protocol keeps the import one way)."""
+
+    placements: tuple[str, ...]
+    tensor_parallel: tuple[int, ...]
+    context_parallel: tuple[int, ...]
+    microbatch_samples: tuple[int, ...]
+    recompute: tuple[str, ...]
+    zero_stages: tuple[int, ...]
 
 # (tensor_parallel, context_parallel) of a component
 Parallel = tuple[int, int]
@@ -613,7 +623,7 @@ class MacroPlan:
     configurations: list[Configuration] = field(default_factory=list)
 
 
-def _parallel_options(scenario: Scenario, space: "SearchSpace") -> dict[str, tuple[Parallel, ...]]:
+def _parallel_options(scenario: Scenario, space: SpaceChoices) -> dict[str, tuple[Parallel, ...]]:
     """Per component its allowed ``(TP, CP)``: TP of the space within a node dividing every
     block's heads; CP of the space for the LLM, 1 for an encoder (loom runs no encoder CP)."""
     out = {}
@@ -626,7 +636,7 @@ def _parallel_options(scenario: Scenario, space: "SearchSpace") -> dict[str, tup
     return out
 
 
-def scenario_macro_plan(scenario: Scenario, space: "SearchSpace", keep: int = 4, *, alpha: float = 0.05,
+def scenario_macro_plan(scenario: Scenario, space: SpaceChoices, keep: int = 4, *, alpha: float = 0.05,
                         p_error: float = 0.05, seed: int = 0, samples: int | None = None,
                         spread: int = 0) -> MacroPlan:
     """Algorithms 2 and 3 on a scenario: per-sample workloads of a pool of its samples
@@ -695,7 +705,7 @@ def configuration_plan(config: Configuration) -> Plan:
                 placement="disaggregated")
 
 
-def entrain_layouts(scenario: Scenario, space: "SearchSpace", keep: int) -> Iterator[Plan]:
+def entrain_layouts(scenario: Scenario, space: SpaceChoices, keep: int) -> Iterator[Plan]:
     """Entrain's ``keep`` fastest configurations (`scenario_macro_plan`) as plan templates for
     loom's search (`configuration_plan`). Yields nothing for a model with generators or no
     encoder, a space without the ``disaggregated`` placement, or when nothing fits."""

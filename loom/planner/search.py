@@ -45,6 +45,7 @@ import numpy as np
 
 from loom.cost.model import Workload
 from loom.plan.plan import LLM, PLACEMENTS, RECOMPUTE_MODES, ModuleSpec, Plan, PlanError
+from loom.planner.entrain_macro import entrain_layouts
 from loom.planner.estimate import BUBBLE_SHARE, Estimate, TokenWindows, estimate, expected_max
 from loom.planner.partition import SearchCandidate, loosely_coupled_search, partition
 from loom.sim.result import SimResult
@@ -295,8 +296,6 @@ def _strategy_layouts(scenario: Scenario, space: SearchSpace,
 
 
 def _proposals(scenario: Scenario, space: SearchSpace, pricer: "_Pricer | None") -> Iterator[tuple[str, Plan]]:
-    from loom.planner.entrain_macro import entrain_layouts
-
     arch, cluster = scenario.arch, scenario.cluster
     n, layers = cluster.num_gpus, arch.layer_counts()
     others = arch.encoder_names + arch.generator_names
