@@ -4,7 +4,8 @@ A Hugging Face causal LM with the Llama layout
 
     model.embed_tokens, model.layers[i], model.norm, model.rotary_emb, lm_head
 
-(Llama, and Mistral / Qwen2 which share it) is exposed as the layer list
+(Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma, Gemma2, Gemma3's text model: `SUPPORTED_MODEL_TYPES`)
+is exposed as the layer list
 
     "model.embed_tokens" (embedding), "model.layers.0" .. (block), "model.norm" (norm),
     "lm_head" (head)
@@ -14,14 +15,25 @@ names. ``context()`` rebuilds, from the raw inputs alone, what ``LlamaModel.forw
 before its decoder loop: position ids, the rotary ``position_embeddings`` (from the model's own
 ``rotary_emb``) and the attention mask(s), made by the installed transformers' own mask
 functions so that every attention implementation (sdpa, eager, flash, ...) gets the argument it
-expects. Dispatch is by structure, not by class, and transformers is imported lazily so loom
-works without it.
+expects. Dispatch is by structure, then checked against the families whose forward the adapter
+reproduces (a model whose forward does anything else is refused, never run silently
+different); transformers is imported lazily so loom works without it.
+
+What each family's ``ForCausalLM.forward`` does beyond the decoder loop, and where the layer
+list does it: Gemma's embedding scale (``sqrt(hidden_size)``) lives in its
+``*ScaledWordEmbedding`` module, so the embedding layer runs it (its non-persistent
+``embed_scale`` buffer is recomputed on materialisation); Gemma2 / Gemma3's final logit
+softcap (``final_logit_softcapping``) is applied by the head layer; their attention softcap and
+sliding windows are inside the HF decoder layers, which the blocks call unmodified; Gemma3's
+per-layer-type rotary tables (local and global ``rope_parameters``) are built per attention type
+in ``context()``.
 """
 
 from __future__ import annotations
 
 import inspect
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +43,58 @@ from loom.model.layers import Layer, decoder_layers
 
 FULL_ATTENTION = "full_attention"
 SLIDING_ATTENTION = "sliding_attention"
+
+# ``config.model_type`` of the families whose causal-LM forward the adapter reproduces (each
+# has a test cutting it into 2 stages: tests/test_hf_families.py).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3_text")
+
+
+def check_supported_config(config: Any) -> None:
+    """Refuse (``ValueError``) a config whose model the adapter does not reproduce exactly."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r} has no loom layer adapter; supported causal LMs: "
+                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ValueError(f"{model_type}: use_bidirectional_attention=True is not reproduced by loom's causal masks; "
+                         "set it to false")
+
+
+def load_config(path: str | Path) -> Any:
+    """The Hugging Face config of ``path`` (a model directory or its ``config.json``), checked
+    with `check_supported_config`. ``ValueError`` naming the path otherwise."""
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{str(path)!r} does not exist; give a model directory or its config.json")
+    source = p if p.is_dir() else p.parent
+    if not (source / "config.json").is_file() or (p.is_file() and p.name != "config.json"):
+        raise ValueError(f"{str(path)!r} is not a model directory with a config.json (nor such a file)")
+    try:
+        config = AutoConfig.from_pretrained(str(source))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"{str(path)!r}: transformers cannot read its config.json ({e})") from e
+    check_supported_config(config)
+    return config
+
+
+def causal_lm_from_config(config: Any) -> nn.Module:
+    """An HF causal LM built from ``config`` on the meta device, in fp32 (loom's master
+    weights): its layers get values on materialisation (`loom.model.materialise`)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if not has_llama_layout(model):
+        raise ValueError(f"{type(model).__name__} does not have the Llama layout loom adapts")
+    return model
+
+
+def safetensors_files(path: str | Path) -> list[Path]:
+    """The ``*.safetensors`` files of a model directory (or of a ``config.json``'s directory)."""
+    p = Path(path)
+    return sorted((p if p.is_dir() else p.parent).glob("*.safetensors"))
 
 
 def has_llama_layout(module: nn.Module) -> bool:
@@ -56,8 +120,8 @@ def has_llama_layout(module: nn.Module) -> bool:
 def adapter_for(module: nn.Module) -> HFCausalLMAdapter | None:
     """The layer adapter for a supported Hugging Face model, or None when ``module`` is not one.
 
-    Raises ``ValueError`` for a supported layout that cannot be cut into stages (tied
-    embeddings).
+    Raises ``ValueError`` for a Llama layout whose forward the adapter does not reproduce
+    (another ``model_type``, tied embeddings).
     """
     if has_llama_layout(module):
         return HFCausalLMAdapter(module)
@@ -91,6 +155,7 @@ class HFCausalLMAdapter:
                 "model.norm, model.rotary_emb, lm_head)"
             )
         config = model.config
+        check_supported_config(config)
         head_weight = model.lm_head.weight
         embed_weight = model.model.embed_tokens.weight
         if head_weight is embed_weight or getattr(config, "tie_word_embeddings", False):
@@ -107,14 +172,23 @@ class HFCausalLMAdapter:
         num_blocks = getattr(config, "num_hidden_layers", len(model.model.layers))
         self.blocks = list(model.model.layers[:num_blocks])
         self.attention_types = [_attention_type(config, i) for i in range(len(self.blocks))]
+        # Gemma3: one rotary table per attention type (local and global rope_parameters)
+        self.rotary_per_type = "layer_type" in inspect.signature(model.model.rotary_emb.forward).parameters
+        # Gemma2 / Gemma3: logits = cap * tanh(logits / cap), in ForCausalLM.forward after lm_head
+        self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers())
 
     def layers(self) -> list[Layer]:
-        return decoder_layers(self.model.model, self.model.lm_head, self.blocks,
-                              lambda i, block: partial(self._run_block, block, self.attention_types[i]))
+        layers = decoder_layers(self.model.model, self.model.lm_head, self.blocks,
+                                lambda i, block: partial(self._run_block, block, self.attention_types[i]))
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            head = layers[-1]
+            layers[-1] = Layer(head.name, head.module, partial(_softcapped, head.forward, cap), kind="head")
+        return layers
 
     def init_layer_weights(self, module: nn.Module) -> None:
         """The model's own ``_init_weights`` over ``module``'s submodules, children first as
@@ -129,7 +203,10 @@ class HFCausalLMAdapter:
         module from its config on the CPU: the constructor is what computes them in every
         transformers version."""
         for sub in module.modules():
-            if "RotaryEmbedding" in type(sub).__name__ and hasattr(sub, "inv_freq"):
+            # Gemma's *ScaledWordEmbedding: the sqrt(hidden_size) factor is a non-persistent buffer
+            if hasattr(sub, "scalar_embed_scale") and isinstance(getattr(sub, "embed_scale", None), torch.Tensor):
+                sub.embed_scale.fill_(sub.scalar_embed_scale)
+            if "RotaryEmbedding" in type(sub).__name__ and any(n.endswith("inv_freq") for n, _ in sub.named_buffers()):
                 with torch.device("cpu"):
                     fresh = type(sub)(sub.config)
                 for name, buffer in fresh.named_buffers(recurse=False):
@@ -143,7 +220,7 @@ class HFCausalLMAdapter:
             x,
             attention_mask=ctx["attention_masks"][attention_type],
             position_ids=ctx["position_ids"],
-            position_embeddings=ctx["position_embeddings"],
+            position_embeddings=ctx["position_embeddings"][attention_type],
         )
         # transformers < 5 returns a tuple (hidden_states, ...); 5.x returns the tensor.
         return out[0] if isinstance(out, tuple) else out
@@ -171,8 +248,13 @@ class HFCausalLMAdapter:
         # tables and the masks; a zero-stride stand-in avoids running the embedding here.
         dtype = self.model.model.embed_tokens.weight.dtype
         like_embeds = torch.zeros((), dtype=dtype, device=device).expand(batch, length, self.hidden_size)
+        rotary = self.model.model.rotary_emb
         with torch.no_grad():
-            cos, sin = self.model.model.rotary_emb(like_embeds, position_ids)
+            if self.rotary_per_type:
+                tables = {kind: rotary(like_embeds, position_ids, kind) for kind in sorted(set(self.attention_types))}
+            else:
+                shared = rotary(like_embeds, position_ids)
+                tables = {kind: shared for kind in set(self.attention_types)}
 
         masks = {
             kind: self._attention_mask(kind, like_embeds, padding_mask, position_ids)
@@ -181,7 +263,7 @@ class HFCausalLMAdapter:
         return {
             "input_ids": input_ids,
             "position_ids": position_ids,
-            "position_embeddings": (cos, sin),
+            "position_embeddings": tables,  # attention type -> (cos, sin)
             "attention_masks": masks,
         }
 
@@ -207,7 +289,8 @@ class HFCausalLMAdapter:
         params = inspect.signature(factory).parameters
         # The factory's argument names moved between versions (input_embeds -> inputs_embeds,
         # cache_position dropped); pass what this version takes.
-        kwargs: dict[str, Any] = {"config": self.config, "attention_mask": padding_mask, "past_key_values": None}
+        kwargs: dict[str, Any] = {"config": self.config, "attention_mask": padding_mask,
+                                  "cache" if "cache" in params else "past_key_values": None}
         kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = like_embeds
         if "cache_position" in params:
             kwargs["cache_position"] = torch.arange(like_embeds.shape[1], device=like_embeds.device)
@@ -232,3 +315,8 @@ class HFCausalLMAdapter:
             allowed = allowed & padding_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
         mask = torch.zeros(batch, 1, length, length, dtype=dtype, device=device)
         return mask.masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+def _softcapped(head: Any, cap: float, x: torch.Tensor, ctx: dict[str, Any]) -> torch.Tensor:
+    """The head's logits through Gemma2 / Gemma3's final softcap, as their ``ForCausalLM.forward``."""
+    return torch.tanh(head(x, ctx) / cap) * cap
