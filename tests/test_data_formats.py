@@ -1,0 +1,197 @@
+"""Real data formats: LLaVA-style JSON with PNG / WAV files and WebDataset tar shards, written
+from the demo set (`loom.data.write_demo`), read back (`loom.data.llava`, `loom.data.webdataset`),
+with metadata from file headers and one-line errors for bad input."""
+
+import dataclasses
+import io
+import json
+import shutil
+import tarfile
+
+import pytest
+import torch
+
+from loom.data.collate import collate, count_tokens
+from loom.data.demo import DemoConfig, DemoDataset
+from loom.data.llava import LlavaSource, conversation_text
+from loom.data.media import DataError, quantise_audio, quantise_image
+from loom.data.webdataset import WebDatasetSource
+from loom.data.write_demo import conversations, write_demo
+from loom.model.zoo import AudioConfig, AudioEncoder, VisionConfig, VisionEncoder
+
+NUM_SAMPLES = 64
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return DemoDataset(DemoConfig(num_samples=NUM_SAMPLES, seed=3))
+
+
+@pytest.fixture(scope="module")
+def written(demo, tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo_formats")
+    return out, write_demo(demo, out, "both", samples_per_shard=16)
+
+
+def sources(demo, written):
+    out, w = written
+    return [LlavaSource(w.llava, demo.tokenizer), WebDatasetSource(out / "shards", demo.tokenizer)]
+
+
+def test_write_demo_lays_out_both_formats(written):
+    out, w = written
+    assert w.llava == out / "train.json" and w.num_samples == NUM_SAMPLES
+    assert [p.name for p in w.shards] == [f"shard-00000{k}.tar" for k in range(4)]
+    records = json.loads(w.llava.read_text())
+    assert len(records) == NUM_SAMPLES and {"id", "conversations"} <= set(records[0])
+    with tarfile.open(w.shards[0]) as tar:
+        assert tar.getnames()[0] == "0000000.json"
+
+
+@pytest.mark.parametrize("fmt", ["llava", "webdataset"])
+def test_formats_yield_the_demo_samples(demo, written, fmt):
+    """Every sample: the demo's metadata and text, and its pixels and waveforms at the formats'
+    8-bit / 16-bit levels, bit for bit; metadata from headers alone equals the decoded one."""
+    src = sources(demo, written)[["llava", "webdataset"].index(fmt)]
+    assert len(src) == NUM_SAMPLES
+    kinds = set()
+    for i in range(NUM_SAMPLES):
+        want, got = demo[i], src[i]
+        kinds.add(demo.kind(i))
+        assert src.meta(i) == got.meta == want.meta, i
+        assert got.text == want.text
+        got.check_payload()
+        assert len(got.images) == len(want.images) and len(got.audios) == len(want.audios)
+        for a, b in zip(want.images, got.images):
+            assert b.dtype == torch.float32 and torch.equal(quantise_image(a), b)
+            assert (quantise_image(a) - a).abs().max() <= 0.5 / 255 + 1e-7
+        for a, b in zip(want.audios, got.audios):
+            assert b.dtype == torch.float32 and torch.equal(quantise_audio(a), b)
+    assert kinds == {"text", "image", "multi_image", "audio", "image_audio"}
+
+
+def test_header_token_counts_equal_the_decoded_samples(demo, written):
+    """The token counts `count_tokens` derives from header metadata equal the collated rows of
+    the decoded samples, for every sample (both formats)."""
+    counts = {"vision": VisionEncoder(VisionConfig()).num_tokens, "audio": AudioEncoder(AudioConfig()).num_tokens}
+    for src in sources(demo, written):
+        for i in range(NUM_SAMPLES):
+            n = count_tokens(src.meta(i), counts)
+            batch = collate([src[i]], demo.tokenizer, counts)
+            assert batch.input_ids.shape[1] == n["llm"], i
+            assert sum(counts["vision"](m) for m in src[i].meta.images) == n["vision"]
+
+
+def test_conversations_round_trip_the_text():
+    text = "<audio> a low tone . <image> one shape : a red square ."
+    turns = conversations(text)
+    assert [t["from"] for t in turns] == ["human", "gpt", "human", "gpt"]
+    assert conversation_text([t["value"] for t in turns]) == text
+    assert conversation_text(["<image>\nWhat is it?", "A cat.<image>x"]) == "<image> What is it? A cat. <image> x"
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small(tmp_path):
+    """A fresh 8-sample set to break."""
+    ds = DemoDataset(DemoConfig(num_samples=8, seed=3))
+    return ds, write_demo(ds, tmp_path, "both", samples_per_shard=4), tmp_path
+
+
+def _first_with(ds, field):
+    return next(i for i in range(len(ds)) if getattr(ds.meta(i), field))
+
+
+def _one_line_error(fn, *needles):
+    with pytest.raises(DataError) as e:
+        fn()
+    msg = str(e.value)
+    assert "\n" not in msg
+    for needle in needles:
+        assert needle in msg, msg
+    return msg
+
+
+def test_missing_media_file_names_file_and_sample(small):
+    ds, w, out = small
+    i = _first_with(ds, "images")
+    rec = json.loads(w.llava.read_text())[i]
+    ref = rec["image"] if isinstance(rec["image"], str) else rec["image"][0]
+    (out / ref).unlink()
+    src = LlavaSource(w.llava, ds.tokenizer)
+    for fn in (lambda: src.meta(i), lambda: src[i]):
+        _one_line_error(fn, str(out / ref), "is missing", f"sample {i}", repr(rec["id"]), "train.json entry",
+                        'data.on_error = "skip"')
+
+
+def test_truncated_png_fails_on_decode_naming_it(small):
+    ds, w, out = small
+    i = _first_with(ds, "images")
+    rec = json.loads(w.llava.read_text())[i]
+    ref = rec["image"] if isinstance(rec["image"], str) else rec["image"][0]
+    data = (out / ref).read_bytes()
+    (out / ref).write_bytes(data[: len(data) // 2])
+    src = LlavaSource(w.llava, ds.tokenizer)
+    assert src.meta(i) == ds.meta(i)  # the header is intact: metadata still reads
+    _one_line_error(lambda: src[i], str(out / ref), "does not decode", f"sample {i}", repr(rec["id"]))
+
+
+def test_corrupt_wav_header_names_it(small):
+    ds, w, out = small
+    i = _first_with(ds, "audios")
+    rec = json.loads(w.llava.read_text())[i]
+    ref = rec["audio"] if isinstance(rec["audio"], str) else rec["audio"][0]
+    (out / ref).write_bytes(b"not a wav file at all")
+    src = LlavaSource(w.llava, ds.tokenizer)
+    _one_line_error(lambda: src.meta(i), str(out / ref), "audio header", f"sample {i}")
+
+
+def test_more_image_markers_than_images_names_the_sample(small):
+    ds, w, out = small
+    records = json.loads(w.llava.read_text())
+    i = _first_with(ds, "images")
+    records[i]["conversations"][0]["value"] += " <image>"
+    w.llava.write_text(json.dumps(records))
+    src = LlavaSource(w.llava, ds.tokenizer)
+    n = len(ds.meta(i).images)
+    for fn in (lambda: src.meta(i), lambda: src[i]):
+        _one_line_error(fn, f"sample {i}", repr(records[i]["id"]), f"{n + 1} <image> markers but {n} image files")
+
+
+def test_webdataset_missing_and_truncated_members(small):
+    ds, w, out = small
+    i = _first_with(ds, "images")
+    shard = w.shards[i // 4]
+    key = f"{i:07d}"
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    broken = out / "broken"
+    broken.mkdir()
+    with tarfile.open(broken / shard.name, "w") as tar:  # the first image truncated
+        for m, data in members:
+            if m.name == f"{key}.0.png":
+                data = data[: len(data) // 2]
+                m.size = len(data)
+            tar.addfile(m, io.BytesIO(data))
+    src = WebDatasetSource(broken, ds.tokenizer)
+    j = i % 4
+    assert src.meta(j) == dataclasses.replace(ds.meta(i), sample_id=j)  # the header is intact
+    _one_line_error(lambda: src[j], f"{shard.name}:{key}.0.png", "does not decode", f"sample {j}")
+    shutil.rmtree(broken)
+    broken.mkdir()
+    with tarfile.open(broken / shard.name, "w") as tar:  # the first image gone
+        for m, data in members:
+            if m.name != f"{key}.0.png":
+                tar.addfile(m, io.BytesIO(data))
+    src = WebDatasetSource(broken, ds.tokenizer)
+    for fn in (lambda: src.meta(j), lambda: src[j]):
+        _one_line_error(fn, f"{shard.name}:{key}.0.png is missing", f"sample {j}", f"key {key}")
+
+
+def test_bad_files_and_paths_name_them(tmp_path, demo):
+    _one_line_error(lambda: LlavaSource(tmp_path / "nope.json", demo.tokenizer), "nope.json", "data.path")
+    (tmp_path / "bad.json").write_text("[{")
+    _one_line_error(lambda: LlavaSource(tmp_path / "bad.json", demo.tokenizer), "bad.json", "not valid JSON")
+    _one_line_error(lambda: WebDatasetSource(tmp_path / "none", demo.tokenizer), "no .tar shards", "data.path")
