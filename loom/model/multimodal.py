@@ -40,8 +40,9 @@ from loom.model.adapter import adapter_for
 from loom.model.generator import ModalityGenerator
 from loom.model.layers import Layer, prefixed, run_layers
 from loom.model.projector import make_projector, projector_kind, width_of
-from loom.model.materialise import (SeededInit, check_untied, is_meta, materialise, materialise_module,
+from loom.model.materialise import (LayerInit, SeededInit, check_untied, is_meta, materialise, materialise_module,
                                     reset_buffers, reset_parameters)
+from loom.model.weights import PretrainedInit, SafetensorsWeights
 
 if TYPE_CHECKING:  # loom.model sits above loom.data (docs/architecture.md layers): types only
     from loom.data.sample import AudioMeta, Batch, ImageMeta
@@ -148,6 +149,8 @@ class MultimodalModel(nn.Module):
         self.llm = llm
         self.generators = nn.ModuleDict(generators)
         self.placeholder_ids = dict(placeholder_ids)
+        # module name -> its checkpoint: layers materialise from it instead of a seed (the LLM only)
+        self.pretrained: dict[str, SafetensorsWeights] = {}
         self.generation_ids = {n: generation_ids[n] for n in generators}
         llm_width = getattr(llm, "hidden_size", None) or llm.config.hidden_size
         for enc in self.encoders.values():
@@ -262,14 +265,18 @@ class MultimodalModel(nn.Module):
         return SeededInit(self.init_seed, key, index, getattr(owner, "init_layer_weights", reset_parameters),
                           getattr(owner, "init_layer_buffers", reset_buffers))
 
-    def layer_init(self, name: str, index: int) -> SeededInit:
+    def layer_init(self, name: str, index: int) -> LayerInit:
         """The seeded initialisation of layer ``index`` of module ``name`` by its model's own
-        init (the LLM's or the encoder's adapter; a projector is a plain module)."""
+        init (the LLM's or the encoder's adapter; a projector is a plain module), or, for an LLM
+        with a checkpoint in `pretrained`, the layer's tensors read from it by name."""
         count = len(self.module_layers(name))
         if not 0 <= index < count:
             raise IndexError(f"module {name!r} has {count} layers; no layer {index}")
         if name == "llm":
             owner: Any = adapter_for(self.llm)
+            if "llm" in self.pretrained:
+                return PretrainedInit(self.pretrained["llm"], owner.layers()[index].name,
+                                      getattr(owner, "init_layer_buffers", reset_buffers))
         elif name in self.generators:  # the projector, then the generator's layers
             owner = adapter_for(self.generators[name].generator) if index > 0 else None
         else:  # the encoder's layers, then the projector

@@ -30,9 +30,12 @@ from loom.train.config import ConfigError, ModelConfig, TrainConfig
 def build_model(
     cfg: ModelConfig, tokenizer: Tokenizer, seed: int = 0, *, device: torch.device | str = "cpu"
 ) -> MultimodalModel:
-    """The tiny-zoo `MultimodalModel` described by ``cfg``, its layers initialised from
+    """The tiny-zoo `MultimodalModel` described by ``cfg`` (the LLM a Hugging Face one when
+    ``cfg.llm.hf`` is set, with its checkpoint's weights when it has safetensors), its layers initialised from
     ``seed`` (one derived seed per layer) on ``device``. ``device="meta"`` allocates nothing:
     a pipeline rank then materialises its own stage (`ParallelEngine.create`)."""
+    hf_dir = getattr(cfg.llm, "hf", "")  # a zoo LlamaConfig (no hf field) is accepted too
+    llm = _hf_llm(hf_dir, tokenizer) if hf_dir else None
     llm_cfg = cfg.llm
     if llm_cfg.vocab_size < tokenizer.vocab_size:
         llm_cfg = dataclasses.replace(llm_cfg, vocab_size=tokenizer.vocab_size)
@@ -51,12 +54,20 @@ def build_model(
                                                     loss_weight=cfg.generator_loss_weight)
         model = MultimodalModel(
             encoders,
-            LlamaForCausalLM(llm_cfg),
+            llm if llm is not None else LlamaForCausalLM(llm_cfg),
             placeholder_ids={name: tokenizer.token_id(MODALITIES[name][0]) for name in encoders},
             generators=generators,
             generation_ids={name: tokenizer.token_id(GEN_IMAGE_MARKER) for name in generators},
         )
     model.init_seed = seed
+    if llm is not None:
+        from loom.model.hf import safetensors_files
+        from loom.model.weights import SafetensorsWeights
+
+        files = safetensors_files(hf_dir)
+        if files:  # pretrained: each rank reads only its stages' tensors when it materialises them
+            tied = {"lm_head.weight": "model.embed_tokens.weight"} if llm.config.tie_word_embeddings else {}
+            model.pretrained["llm"] = SafetensorsWeights(files, aliases=tied)
     if cfg.freeze:
         try:
             model.freeze(*cfg.freeze)
@@ -66,6 +77,23 @@ def build_model(
         for name in model.module_names:
             model.materialise(name, device)
     return model
+
+
+def _hf_llm(path: str, tokenizer: Tokenizer) -> torch.nn.Module:
+    """The Hugging Face causal LM ``model.llm.hf`` names, on the meta device; its vocabulary must
+    hold the tokenizer's ids."""
+    from loom.model.hf import causal_lm_from_config, load_config
+
+    try:
+        config = load_config(path)
+    except ValueError as e:
+        raise ConfigError(f"model.llm.hf = {path!r}: {e}; point it at a local Hugging Face model directory "
+                          "of a supported family, or remove it to use the zoo Llama") from e
+    if config.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(f"model.llm.hf = {path!r}: its vocab_size ({config.vocab_size}) is smaller than the "
+                          f"tokenizer's ({tokenizer.vocab_size} ids); use a model with at least "
+                          f"{tokenizer.vocab_size} embeddings")
+    return causal_lm_from_config(config)
 
 
 def token_counters(model: MultimodalModel) -> dict[str, Callable]:

@@ -51,10 +51,20 @@ class RunConfig:
 
 
 @dataclass
+class LLMConfig(LlamaConfig):
+    """``[model.llm]``: the zoo Llama's fields, or ``hf`` naming a Hugging Face model (a local
+    directory or its ``config.json``; `loom.model.hf.SUPPORTED_MODEL_TYPES`), built from its
+    config and initialised from its ``*.safetensors`` when the directory has them (else from the
+    run seed by the model's own init). With ``hf`` set the zoo fields are ignored."""
+
+    hf: str = ""
+
+
+@dataclass
 class ModelConfig:
     vision: VisionConfig | None = field(default_factory=VisionConfig)
     audio: AudioConfig | None = field(default_factory=AudioConfig)
-    llm: LlamaConfig = field(default_factory=LlamaConfig)
+    llm: LLMConfig = field(default_factory=LLMConfig)
     projector: str = "mlp"  # "linear" | "mlp" (the output projector of a generator too)
     freeze: list[str] = field(default_factory=list)  # parts: "vision", "vision.encoder", "llm", "image.projector", ...
     # an image generator after the LLM (DistTrain's output projector + generator), the module
@@ -184,7 +194,7 @@ class TrainConfig:
                     f"of them (an encoder set to none in [model] has no module to place; the generator is "
                     f"'image', with a [model.generator] table)"
                 )
-        shapes = {"llm": self.model.llm, "vision": self.model.vision, "audio": self.model.audio}
+        shapes = {"llm": self.hf_llm_config() or self.model.llm, "vision": self.model.vision, "audio": self.model.audio}
         for m in self.plan.modules:  # TP degrees against heads and widths (loom.runtime.tensor_parallel)
             if isinstance(m.tensor_parallel, int) and m.tensor_parallel > 1 and shapes.get(m.name) is not None:
                 try:
@@ -196,6 +206,25 @@ class TrainConfig:
         except BalanceError as e:
             raise ConfigError(str(e)) from e
         return self
+
+    def hf_llm_config(self) -> Any:
+        """The Hugging Face config ``model.llm.hf`` names (None when unset); a one-line
+        `ConfigError` naming the field when it is missing or not a supported causal LM."""
+        path = self.model.llm.hf
+        if not path:
+            return None
+        from loom.model.hf import load_config
+
+        try:
+            config = load_config(path)
+        except ImportError as e:
+            raise ConfigError(f"model.llm.hf = {path!r}: needs transformers ({e}); pip install transformers") from e
+        except ValueError as e:
+            raise ConfigError(f"model.llm.hf = {path!r}: {e}; point it at a local Hugging Face model directory "
+                              "of a supported family, or remove it to use the zoo Llama") from e
+        _require(not self.data.pack_sequences, "data.pack_sequences", True, "packed rows need the zoo Llama's "
+                 "per-sample attention, and model.llm.hf runs the model's own", "set data.pack_sequences = false")
+        return config
 
     def check_launch(self, ranks_per_launch_node: int | None = None) -> "TrainConfig":
         """What a launch needs beyond valid values, checked by `loom train` (``--dry-run``
