@@ -195,3 +195,85 @@ def test_bad_files_and_paths_name_them(tmp_path, demo):
     (tmp_path / "bad.json").write_text("[{")
     _one_line_error(lambda: LlavaSource(tmp_path / "bad.json", demo.tokenizer), "bad.json", "not valid JSON")
     _one_line_error(lambda: WebDatasetSource(tmp_path / "none", demo.tokenizer), "no .tar shards", "data.path")
+
+
+# ---- data.on_error, the dispatcher and `loom train` ---------------------------------------------
+
+
+def _loader(source, tokenizer, on_error):
+    """A `Dispatcher` reduced to what `_load` (its loader shard's reading) uses: no process group."""
+    from loom.runtime.dispatch import Dispatcher
+
+    d = Dispatcher.__new__(Dispatcher)
+    d.rank, d.dataset, d.tokenizer, d.generations, d.on_error = 0, source, tokenizer, {}, on_error
+    return d
+
+
+def test_on_error_raise_names_the_file_and_skip_replaces_by_the_next_index(small):
+    ds, w, out = small
+    i = _first_with(ds, "images")
+    rec = json.loads(w.llava.read_text())[i]
+    ref = rec["image"] if isinstance(rec["image"], str) else rec["image"][0]
+    (out / ref).unlink()
+    src = LlavaSource(w.llava, ds.tokenizer)
+    samples, ids, error, skipped = _loader(src, ds.tokenizer, "raise")._load([i, 0], [0, 1])
+    assert samples == [] and skipped == [] and "\n" not in error
+    assert f"dataset index {i}" in error and str(out / ref) in error and "is missing" in error
+    samples, ids, error, skipped = _loader(src, ds.tokenizer, "skip")._load([i, 0], [0, 1])
+    assert error is None and [s.meta.sample_id for s in samples] == [(i + 1) % len(src), 0]
+    assert len(skipped) == 1 and str(out / ref) in skipped[0] and f"dataset index {i}" in skipped[0]
+    assert [len(t) for t in ids] == [s.meta.text_tokens for s in samples]
+    # every index failing: "skip" gives up with an error instead of looping
+    for f in (out / "images").iterdir():
+        f.unlink()
+    (out / "train.json").write_text(json.dumps([rec] * 70))
+    src = LlavaSource(w.llava, ds.tokenizer)
+    samples, ids, error, skipped = _loader(src, ds.tokenizer, "skip")._load([0], [0])
+    assert "gave up after 64" in error and len(skipped) == 64
+
+
+def test_data_config_fields_are_checked():
+    from loom.train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="data.source"):
+        load_config(None, ['data.source="parquet"']).check()
+    with pytest.raises(ConfigError, match="data.path"):
+        load_config(None, ['data.source="llava"']).check()
+    with pytest.raises(ConfigError, match="data.on_error"):
+        load_config(None, ['data.on_error="ignore"']).check()
+
+
+@pytest.mark.multiprocess
+def test_train_on_llava_files_skipping_a_broken_sample(tmp_path):
+    """`loom data write-demo`, then 2 steps of `loom train` on the LLaVA file with one sample of
+    the first global batch broken and data.on_error = "skip": the run completes, each skip is a
+    line naming the file in a rank's log, and metrics.jsonl's skipped_samples add up to them."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from loom.data.sampler import GlobalBatchSampler
+
+    def loom(*args):
+        return subprocess.run([sys.executable, "-m", "loom.cli", *args], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=600)
+
+    data = tmp_path / "data"
+    got = loom("data", "write-demo", "--out", str(data), "--num-samples", "32", "--format", "llava")
+    assert got.returncode == 0 and "data.path=" in got.stdout, got.stderr
+    records = json.loads((data / "train.json").read_text())
+    first = GlobalBatchSampler(32, 8, seed=0).batch(0)
+    broken = next(i for i in first if "image" in records[i])
+    ref = records[broken]["image"] if isinstance(records[broken]["image"], str) else records[broken]["image"][0]
+    (data / ref).unlink()
+    tiny = ["model.vision.hidden_size=32", "model.audio.hidden_size=32", "model.llm.hidden_size=32",
+            "model.llm.intermediate_size=64", "data.global_batch_size=8"]
+    got = loom("train", "run.steps=2", "run.name=t", f"run.out_dir={tmp_path}", *tiny, 'data.source="llava"',
+               f"data.path={data / 'train.json'}", 'data.on_error="skip"')
+    assert got.returncode == 0, got.stdout + got.stderr
+    rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    logged = [line for log in sorted(Path(tmp_path / "t" / "logs").glob("rank*.log"))
+              for line in log.read_text().splitlines() if line.startswith("loom: skipped")]
+    assert [r["step"] for r in rows] == [0, 1] and all(r["loss"] > 0 for r in rows)
+    assert sum(r["skipped_samples"] for r in rows) == len(logged) >= 1
+    assert all(str(data / ref) in line for line in logged)

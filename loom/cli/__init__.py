@@ -8,6 +8,8 @@
     loom simulate [--config SCENARIO] [--compare] [--json] [--policy NAME,...] [dotted.key=value ...]
                                                                     simulate plans at cluster scale
     loom bench [--list | --all | NAME ...]                          run benchmarks, regenerate results
+    loom data write-demo --out DIR [--format llava|webdataset|both] [--num-samples N]
+                                                                    write the demo set as files
 
 ``loom train`` checks the configuration, the plan against the model and everything else that
 depends only on the config *before* starting any process, claims ``runs/<name>/`` (a reused
@@ -42,6 +44,7 @@ import sys
 from loom.balance.config import BalanceError
 from loom.cli.bench import cmd_bench
 from loom.cli.common import DEFAULT_CONFIG, CliError
+from loom.cli.data import cmd_data
 from loom.cli.plan import cmd_plan
 from loom.cli.profile import cmd_profile
 from loom.cli.simulate import DEFAULT_SCENARIO, cmd_simulate
@@ -148,6 +151,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the benchmarks")
     p.add_argument("--all", action="store_true", help="run every benchmark")
     p.set_defaults(fn=cmd_bench)
+
+    p = sub.add_parser("data", help="write the demo set as LLaVA-style JSON + PNG/WAV files and WebDataset shards")
+    p.add_argument("action", choices=["write-demo"], help="write-demo: the demo set ([data.demo]) as files")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the files go (created if needed)")
+    p.add_argument("--format", default="both", help="llava, webdataset or both (default)")
+    p.add_argument("--num-samples", type=int, default=None, metavar="N",
+                   help="samples to write (default: the config's data.demo.num_samples)")
+    p.add_argument("--samples-per-shard", type=int, default=1000, metavar="N", help="samples per WebDataset shard")
+    p.add_argument("--config", default=None, help=f"its [data.demo] table (default: configs/{DEFAULT_CONFIG.name})")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. data.demo.seed=1")
+    p.set_defaults(fn=cmd_data)
     return ap
 
 

@@ -23,7 +23,13 @@ of their sample (OrchMLLM's rearrangement composition), and their gradients back
 same edges, transposed (`loom.runtime.executor`, `loom.runtime.rows`).
 
 A payload that disagrees with its metadata fails on *every* rank with the same message (the
-error travels with the gathered metadata), so no rank is left waiting in a collective.
+error travels with the gathered metadata), so no rank is left waiting in a collective. With
+``on_error = "skip"`` (``data.on_error``) a sample that fails to load (a missing or corrupt file,
+a bad record, a payload that contradicts its metadata) is replaced by the next dataset index
+that loads: the global batch keeps its size, the replacement is a pure function of the data
+(whichever rank loads the position finds the same one), and the loss normalisation counts the
+replacement's targets, as the gathered metadata does. Each skip is logged on the loading rank
+(stderr: its ``logs/rank<R>.log``) and counted (`Dispatched.skipped`).
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+import sys
 
 import numpy as np
 import torch
@@ -55,9 +63,16 @@ class DispatchError(ValueError):
 
 
 class SampleSource(Protocol):
-    """What the dispatcher reads: ``source[i]`` is a `Sample` with its payload."""
+    """What the dispatcher reads: ``source[i]`` is a `Sample` with its payload; ``len(source)``
+    its samples (``on_error = "skip"`` wraps around to index 0)."""
 
     def __getitem__(self, index: int) -> Sample: ...
+
+    def __len__(self) -> int: ...
+
+
+ON_ERROR = ("raise", "skip")
+MAX_SKIPS = 64  # consecutive failing indices before "skip" gives up: the data is broken, not a sample
 
 
 @dataclass
@@ -72,6 +87,8 @@ class Dispatched:
     costs: SampleCosts  # per-sample costs the policy balanced
     # per generator, its items in the whole global batch (its loss normalisation)
     num_generations: dict[str, int] = field(default_factory=dict)
+    # with on_error = "skip": what this rank skipped while loading its shard, one line each
+    skipped: list[str] = field(default_factory=list)
     _metas: list[SampleMeta] | None = field(default=None, repr=False)
 
     @property
@@ -121,6 +138,7 @@ class Dispatcher:
         pack: bool = False,
         generations: Generations | None = None,
         microbatch_tokens: int = 0,
+        on_error: str = "raise",
     ):
         self.plan, self.dataset, self.tokenizer = plan, dataset, tokenizer
         self.token_counts, self.arch, self.balance = token_counts, arch, balance.check(plan.module_names)
@@ -129,6 +147,9 @@ class Dispatcher:
         self.microbatch_tokens = microbatch_tokens  # data.microbatch_tokens: a token budget per microbatch
         # per generator of the model, what collation needs of it (`loom.train.build.generation_specs`)
         self.generations = dict(generations or {})
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error = {on_error!r}: use one of {ON_ERROR}")
+        self.on_error = on_error  # data.on_error: "skip" replaces a sample that fails to load (`_load`)
         missing = [g for g in plan.generator_names if g not in self.generations]
         if missing:
             raise ValueError(f"the plan has generators {missing} but the Dispatcher got no GenerationSpec for them: "
@@ -153,7 +174,7 @@ class Dispatcher:
         ``step`` (a generator's noise seeds depend on it: `loom.data.collate.generation_seed`)."""
         shards = loader_shards(len(indices), self.world_size)
         mine = shards[self.rank]
-        samples, text_ids, error = self._load(indices, mine)
+        samples, text_ids, error, skipped = self._load(indices, mine)
         meta = all_gather_metadata([s.meta for s in samples], error, len(indices), self.device, self.group)
         errors = meta.errors()
         if errors:
@@ -169,7 +190,8 @@ class Dispatcher:
         num_targets = (int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size
                        - meta.generation_code.size - meta.num_samples)
         num_generations = {g: int((meta.generation_code == GENERATOR_NAMES.index(g)).sum()) for g in self.generations}
-        return Dispatched(layout, rows, batches, num_targets, meta, costs, num_generations=num_generations)
+        return Dispatched(layout, rows, batches, num_targets, meta, costs, num_generations=num_generations,
+                          skipped=skipped)
 
     def _check_shared_slots(self, layout: BatchLayout) -> None:
         """An encoder inside the LLM's first stage (``first_stage``) runs slot ``j`` with the
@@ -185,24 +207,44 @@ class Dispatcher:
                     f"{self.plan.placement!r} an encoder runs each LLM microbatch's own samples; set "
                     f"balance.default = 'none' and name no balance.policy")
 
-    def _load(self, indices: Sequence[int], mine: list[int]) -> tuple[list[Sample], list[list[int]], str | None]:
-        samples, ids = [], []
+    def _load(self, indices: Sequence[int],
+              mine: list[int]) -> tuple[list[Sample], list[list[int]], str | None, list[str]]:
+        """This rank's samples and their text ids, the first error (``None`` if none) and, with
+        ``on_error = "skip"``, a line per skipped index (each replaced by the next index that
+        loads, wrapping around; `MAX_SKIPS` failures in a row are an error)."""
+        samples, ids, skipped = [], [], []
         for p in mine:
-            try:
-                sample = self.dataset[indices[p]]
-                sample.check_payload()
-                check_generations(sample.meta, self.generations)  # a generator the model has, of its size
-                text = self.tokenizer.encode(sample.text)
-                if len(text) != sample.meta.text_tokens:
-                    raise ValueError(
-                        f"sample {sample.meta.sample_id}: the text has {len(text)} token ids but meta.text_tokens "
-                        f"says {sample.meta.text_tokens}; regenerate the sample's metadata"
-                    )
-            except (ValueError, KeyError, IndexError, OSError) as e:
-                return samples, ids, f"rank {self.rank}, global batch position {p} (dataset index {indices[p]}): {e}"
+            index = indices[p]
+            for attempt in range(MAX_SKIPS + 1):
+                try:
+                    sample, text = self._load_one(index)
+                    break
+                except (ValueError, KeyError, IndexError, OSError) as e:
+                    where = f"rank {self.rank}, global batch position {p} (dataset index {index})"
+                    if self.on_error != "skip":
+                        return samples, ids, f"{where}: {e}", skipped
+                    if attempt == MAX_SKIPS:
+                        return samples, ids, (f"{where}: {e}; data.on_error = 'skip' gave up after {MAX_SKIPS} failing "
+                                              f"samples in a row from dataset index {indices[p]}: check the data"), skipped
+                    skipped.append(f"{where}: {' '.join(str(e).split())}")
+                    print(f"loom: skipped {skipped[-1]}", file=sys.stderr, flush=True)
+                    index = (index + 1) % len(self.dataset)
             samples.append(sample)
             ids.append(text)
-        return samples, ids, None
+        return samples, ids, None, skipped
+
+    def _load_one(self, index: int) -> tuple[Sample, list[int]]:
+        """Sample ``index`` with its payload checked against its metadata, and its text ids."""
+        sample = self.dataset[index]
+        sample.check_payload()
+        check_generations(sample.meta, self.generations)  # a generator the model has, of its size
+        text = self.tokenizer.encode(sample.text)
+        if len(text) != sample.meta.text_tokens:
+            raise ValueError(
+                f"sample {sample.meta.sample_id}: the text has {len(text)} token ids but meta.text_tokens "
+                f"says {sample.meta.text_tokens}; regenerate the sample's metadata"
+            )
+        return sample, text
 
     # ---- token rows per sample ----------------------------------------------------------------
     def _encoder_rows(self, meta: MetadataArrays) -> tuple[dict[str, list[int]], dict[str, list[int]]]:

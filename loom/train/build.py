@@ -15,6 +15,9 @@ import torch
 
 from loom.data.collate import MODALITIES, GenerationSpec, target_count
 from loom.data.demo import DemoDataset
+from loom.data.llava import LlavaSource, RecordSource
+from loom.data.media import DataError
+from loom.data.webdataset import WebDatasetSource
 from loom.data.sample import SampleMeta
 from loom.data.tokenizer import GEN_IMAGE_MARKER, Tokenizer
 from loom.cost.model import Workload
@@ -111,12 +114,21 @@ def num_targets(meta: SampleMeta) -> int:
     return target_count(meta)
 
 
-def build_data(cfg: TrainConfig) -> tuple[Tokenizer, DemoDataset]:
+def build_data(cfg: TrainConfig) -> tuple[Tokenizer, DemoDataset | RecordSource]:
     """The demo tokenizer (with the ``<gen_image>`` marker when the model has a generator) and
-    dataset."""
+    the samples of ``data.source``: the demo dataset, a LLaVA-style JSON file or WebDataset
+    shards (a `ConfigError` naming ``data.path`` when they cannot be read)."""
     extra = [GEN_IMAGE_MARKER] if cfg.model.generator is not None else []
     tokenizer = Tokenizer(extra_tokens=extra)
-    return tokenizer, DemoDataset(cfg.data.demo, tokenizer=tokenizer)
+    data = cfg.data
+    if data.source == "demo":
+        return tokenizer, DemoDataset(data.demo, tokenizer=tokenizer)
+    try:
+        if data.source == "llava":
+            return tokenizer, LlavaSource(data.path, tokenizer, root=data.root or None)
+        return tokenizer, WebDatasetSource(data.path, tokenizer)
+    except DataError as e:
+        raise ConfigError(f"data.path = {data.path!r}: {e}") from e
 
 
 def mean_workloads(cfg: TrainConfig, model: MultimodalModel, dataset: DemoDataset,

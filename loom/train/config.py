@@ -30,6 +30,8 @@ from loom.runtime.tensor_parallel import check_tp_degree
 from loom.runtime.context_parallel import check_context_parallel
 from loom.runtime.zero import check_zero
 
+DATA_SOURCES = ("demo", "llava", "webdataset")  # data.source
+
 __all__ = ["ConfigError", "TrainConfig", "config_to_toml", "load_config", "parse_override", "typed_value"]
 
 
@@ -84,6 +86,15 @@ class DataConfig:
     # data-parallel round (`loom.schedule.layout.token_budget_sizes`); 0: plan.num_microbatches
     # microbatches of equal sample counts
     microbatch_tokens: int = 0
+    # where samples come from: "demo" (generated, [data.demo]), "llava" (a LLaVA-style JSON or
+    # JSON Lines file) or "webdataset" (tar shards); `loom data write-demo` writes the demo set in
+    # both file formats (docs/data.md, "File formats")
+    source: str = "demo"
+    path: str = ""  # llava: the JSON file; webdataset: a .tar shard, a directory of them or a glob pattern
+    root: str = ""  # llava: the directory media paths are relative to (default: the JSON file's)
+    # a sample that fails to load (a missing or corrupt file, a bad record): "raise" stops the run
+    # naming it; "skip" loads the next index in its place, logs it and counts it in metrics.jsonl
+    on_error: str = "raise"
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -154,6 +165,17 @@ class TrainConfig:
                               f"set both to the same size")
         _require(self.data.global_batch_size >= 1, "data.global_batch_size", self.data.global_batch_size,
                  "must be at least 1", "use a positive number of samples per step")
+        data = self.data
+        _require(data.source in DATA_SOURCES, "data.source", data.source, "unknown source",
+                 "choose 'demo', 'llava' (a LLaVA-style JSON file) or 'webdataset' (tar shards)")
+        _require(data.source == "demo" or data.path.strip() != "", "data.path", data.path,
+                 f"data.source = {data.source!r} reads files", "set data.path to the JSON file (llava) or the shards "
+                 "(webdataset); `loom data write-demo --out DIR` writes both from the demo set")
+        _require(data.source == "demo" or not (gen is not None or data.demo.mix.get("generate", 0)), "data.source",
+                 data.source, "the file formats carry no generation targets", 'use data.source = "demo" with a '
+                 "[model.generator]")
+        _require(data.on_error in ("raise", "skip"), "data.on_error", data.on_error, "unknown choice",
+                 "choose 'raise' (stop at a bad sample) or 'skip' (replace it by the next index, logged and counted)")
         _require(self.data.microbatch_tokens >= 0, "data.microbatch_tokens", self.data.microbatch_tokens,
                  "is a token budget per microbatch", "use 0 (plan.num_microbatches equal microbatches) or a positive "
                  "budget such as 4096")

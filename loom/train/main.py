@@ -128,6 +128,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
             }
             if len(done.losses) > 1:  # generators: each loss term on its own ("loss" is their sum)
                 row.update({f"loss_{m}": round(v, 6) for m, v in done.losses.items()})
+            if cfg.data.on_error == "skip":  # samples replaced while loading (each named in logs/rank<R>.log)
+                row["skipped_samples"] = done.skipped_samples
             if done.result.grad_norm is not None:  # optim.max_grad_norm > 0: the pre-clip global norm
                 row["grad_norm"] = round(done.result.grad_norm, 6)
             metrics.write(json.dumps(row) + "\n")

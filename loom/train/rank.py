@@ -80,6 +80,7 @@ class RankStep:
     dispatch_s: float
     engine_s: float
     total_s: float
+    skipped_samples: int = 0  # samples the ranks skipped and replaced while loading (data.on_error = "skip")
 
 
 @dataclass
@@ -113,11 +114,13 @@ class RankRun:
         if self.scheduler is not None:
             self.scheduler.step()
         terms = [LLM, *self.cfg.plan.generator_names]
-        loss = torch.tensor([result.module_losses.get(m, 0.0) for m in terms], dtype=torch.float64)
+        # the skip count rides along: one all-reduce for both
+        loss = torch.tensor([*(result.module_losses.get(m, 0.0) for m in terms), len(got.skipped)], dtype=torch.float64)
         dist.all_reduce(loss)  # only the LLM's and the generators' last stages contribute
-        losses = dict(zip(terms, loss.tolist()))
+        *summed, skipped = loss.tolist()
+        losses = dict(zip(terms, summed))
         return RankStep(step, indices, got, result, sum(losses.values()), losses, t1 - t0, t2 - t1,
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, skipped_samples=round(skipped))
 
     def close(self) -> None:
         """End the runtime's communication (`ParallelEngine.close`) before the process group goes."""
@@ -144,7 +147,7 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch, cfg.balance, device,
                             pack=cfg.data.pack_sequences, generations=generation_specs(model),
-                            microbatch_tokens=cfg.data.microbatch_tokens)
+                            microbatch_tokens=cfg.data.microbatch_tokens, on_error=cfg.data.on_error)
     return RankRun(cfg, device, tokenizer, dataset, engine, dispatcher, sampler, scheduler, counters)
 
 
