@@ -190,6 +190,25 @@ def test_webdataset_missing_and_truncated_members(small):
         _one_line_error(fn, f"{shard.name}:{key}.0.png is missing", f"sample {j}", f"key {key}")
 
 
+def test_json_lines_and_shard_files_read_alike(demo, written, tmp_path):
+    out, w = written
+    lines = tmp_path / "train.jsonl"
+    lines.write_text("\n".join(json.dumps(r) for r in json.loads(w.llava.read_text())) + "\n")
+    a, b = LlavaSource(lines, demo.tokenizer, root=out), LlavaSource(w.llava, demo.tokenizer)
+    one = WebDatasetSource(w.shards[1], demo.tokenizer)  # a single shard: its 16 samples, from index 0
+    for i in (0, 5, 17, 63):
+        assert a.meta(i) == b.meta(i) and a[i].text == b[i].text
+    assert len(one) == 16 and one[0].text == demo[16].text
+
+
+def test_compressed_shards_are_refused_naming_them(demo, written, tmp_path):
+    import gzip
+
+    (tmp_path / "s.tar").write_bytes(gzip.compress(written[1].shards[0].read_bytes()))
+    _one_line_error(lambda: WebDatasetSource(tmp_path / "s.tar", demo.tokenizer), "s.tar",
+                    "not an uncompressed tar", "decompress")
+
+
 def test_bad_files_and_paths_name_them(tmp_path, demo):
     _one_line_error(lambda: LlavaSource(tmp_path / "nope.json", demo.tokenizer), "nope.json", "data.path")
     (tmp_path / "bad.json").write_text("[{")
@@ -200,12 +219,13 @@ def test_bad_files_and_paths_name_them(tmp_path, demo):
 # ---- data.on_error, the dispatcher and `loom train` ---------------------------------------------
 
 
-def _loader(source, tokenizer, on_error):
+def _loader(source, tokenizer, on_error, counts=None):
     """A `Dispatcher` reduced to what `_load` (its loader shard's reading) uses: no process group."""
     from loom.runtime.dispatch import Dispatcher
 
     d = Dispatcher.__new__(Dispatcher)
     d.rank, d.dataset, d.tokenizer, d.generations, d.on_error = 0, source, tokenizer, {}, on_error
+    d._counts = dict(counts or {})
     return d
 
 
@@ -223,6 +243,18 @@ def test_on_error_raise_names_the_file_and_skip_replaces_by_the_next_index(small
     assert error is None and [s.meta.sample_id for s in samples] == [(i + 1) % len(src), 0]
     assert len(skipped) == 1 and str(out / ref) in skipped[0] and f"dataset index {i}" in skipped[0]
     assert [len(t) for t in ids] == [s.meta.text_tokens for s in samples]
+    # an image the vision encoder refuses (a side its patch size does not divide) fails as its sample
+    from PIL import Image
+
+    j = next(k for k in range(len(src)) if k != i and ds.meta(k).images)
+    rec_j = json.loads(w.llava.read_text())[j]
+    ref_j = rec_j["image"] if isinstance(rec_j["image"], str) else rec_j["image"][0]
+    Image.new("RGB", (20, 16)).save(out / ref_j)
+    counts = {"vision": VisionEncoder(VisionConfig()).num_tokens}
+    samples, ids, error, skipped = _loader(src, ds.tokenizer, "raise", counts)._load([j], [0])
+    assert f"dataset index {j}" in error and "multiples of the patch size" in error
+    samples, ids, error, skipped = _loader(src, ds.tokenizer, "skip", counts)._load([j], [0])
+    assert error is None and samples[0].meta.sample_id != j and len(skipped) == 1
     # every index failing: "skip" gives up with an error instead of looping
     for f in (out / "images").iterdir():
         f.unlink()

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol, TypeVar
@@ -161,15 +161,6 @@ class RecordSource:
         except DataError as e:
             raise DataError(f"sample {rec.index} (id {rec.id!r}, {self._where(rec.index)}): {e}; replace the file "
                             f"{SKIP_HINT}") from e
-
-    def check_all(self) -> Iterator[tuple[int, str]]:
-        """``(index, error)`` of every sample whose record or files are bad (each decoded once):
-        a data check before a run."""
-        for i in range(len(self)):
-            try:
-                self[i]
-            except DataError as e:
-                yield i, str(e)
 
 
 def _missing(path: Path) -> DataError:

@@ -117,6 +117,9 @@ class WebDatasetSource(RecordSource):
                         if not group:
                             self.keys.append((s, key))
                         group[ext] = MemberRef(s, m.offset_data, m.size)
+            except tarfile.ReadError as e:  # "r:" refuses a compressed tar with this
+                raise DataError(f"WebDataset shard {shard} is not an uncompressed tar ({' '.join(str(e).split())}); "
+                                f"samples are read by offset, so decompress it (e.g. gunzip) or replace it") from e
             except (tarfile.TarError, OSError) as e:
                 raise DataError(f"WebDataset shard {shard} cannot be indexed ({' '.join(str(e).split())}); replace "
                                 f"the shard or drop it from data.path") from e

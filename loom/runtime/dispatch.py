@@ -25,7 +25,7 @@ same edges, transposed (`loom.runtime.executor`, `loom.runtime.rows`).
 A payload that disagrees with its metadata fails on *every* rank with the same message (the
 error travels with the gathered metadata), so no rank is left waiting in a collective. With
 ``on_error = "skip"`` (``data.on_error``) a sample that fails to load (a missing or corrupt file,
-a bad record, a payload that contradicts its metadata) is replaced by the next dataset index
+a bad record, a payload that contradicts its metadata, an item its encoder refuses) is replaced by the next dataset index
 that loads: the global batch keeps its size, the replacement is a pure function of the data
 (whichever rank loads the position finds the same one), and the loss normalisation counts the
 replacement's targets, as the gathered metadata does. Each skip is logged on the loading rank
@@ -238,6 +238,9 @@ class Dispatcher:
         sample = self.dataset[index]
         sample.check_payload()
         check_generations(sample.meta, self.generations)  # a generator the model has, of its size
+        for encoder, count in self._counts.items():  # an item its encoder refuses (an image side the patch
+            for item in getattr(sample.meta, SAMPLE_FIELDS[encoder]):  # does not divide) fails as its sample
+                item_token_count(encoder, count, item, sample.meta.sample_id)
         text = self.tokenizer.encode(sample.text)
         if len(text) != sample.meta.text_tokens:
             raise ValueError(
