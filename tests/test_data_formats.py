@@ -264,6 +264,25 @@ def test_on_error_raise_names_the_file_and_skip_replaces_by_the_next_index(small
     assert "gave up after 64" in error and len(skipped) == 64
 
 
+def test_write_demo_command_refuses_bad_flags_in_one_line(tmp_path, capsys):
+    from loom.cli import main
+
+    (tmp_path / "file").write_text("")
+    for flags, needle in ((["--format", "tar"], "--format tar"), (["--num-samples", "0"], "--num-samples 0"),
+                          (["--samples-per-shard", "0"], "--samples-per-shard 0")):
+        assert main(["data", "write-demo", "--out", str(tmp_path / "d"), *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("loom: error: ") and needle in err and err.count("\n") == 1
+    assert main(["data", "write-demo", "--out", str(tmp_path / "file")]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["data", "write-demo", "--out", str(tmp_path / "d"), "--num-samples", "3", "--format", "webdataset",
+                 "data.demo.seed=5"]) == 0
+    assert "data.source=\"webdataset\"" in capsys.readouterr().out
+    src = WebDatasetSource(tmp_path / "d" / "shards", DemoDataset(DemoConfig(num_samples=3, seed=5)).tokenizer)
+    assert src[2].text == DemoDataset(DemoConfig(num_samples=3, seed=5))[2].text
+    assert not (tmp_path / "d" / "train.json").exists()
+
+
 def test_data_config_fields_are_checked():
     from loom.train.config import ConfigError, load_config
 

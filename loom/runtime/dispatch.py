@@ -25,10 +25,10 @@ same edges, transposed (`loom.runtime.executor`, `loom.runtime.rows`).
 A payload that disagrees with its metadata fails on *every* rank with the same message (the
 error travels with the gathered metadata), so no rank is left waiting in a collective. With
 ``on_error = "skip"`` (``data.on_error``) a sample that fails to load (a missing or corrupt file,
-a bad record, a payload that contradicts its metadata, an item its encoder refuses) is replaced by the next dataset index
-that loads: the global batch keeps its size, the replacement is a pure function of the data
-(whichever rank loads the position finds the same one), and the loss normalisation counts the
-replacement's targets, as the gathered metadata does. Each skip is logged on the loading rank
+a bad record, a payload that contradicts its metadata, an item its encoder refuses) is replaced
+by the next dataset index that loads: the global batch keeps its size, the replacement is a pure
+function of the data (whichever rank loads the position finds the same one), and the loss
+normalisation counts the replacement's targets, as the gathered metadata does. Each skip is logged on the loading rank
 (stderr: its ``logs/rank<R>.log``) and counted (`Dispatched.skipped`).
 """
 
