@@ -121,7 +121,9 @@ def adapter_for(module: nn.Module) -> HFCausalLMAdapter | None:
     """The layer adapter for a supported Hugging Face model, or None when ``module`` is not one.
 
     Raises ``ValueError`` for a Llama layout whose forward the adapter does not reproduce
-    (another ``model_type``, tied embeddings).
+    (another ``model_type``). Tied embeddings are kept: ``model.embed_tokens`` and ``lm_head``
+    then share their weight, which `loom.model.multimodal.MultimodalModel` materialises and
+    places on stages as a tie (`Tie`).
     """
     if has_llama_layout(module):
         return HFCausalLMAdapter(module)
@@ -156,14 +158,6 @@ class HFCausalLMAdapter:
             )
         config = model.config
         check_supported_config(config)
-        head_weight = model.lm_head.weight
-        embed_weight = model.model.embed_tokens.weight
-        if head_weight is embed_weight or getattr(config, "tie_word_embeddings", False):
-            raise ValueError(
-                f"{type(model).__name__} ties lm_head to model.embed_tokens; tied weights cannot be cut "
-                "across pipeline stages: set tie_word_embeddings=False in its config (when loading a "
-                "checkpoint with tied weights, copy model.embed_tokens.weight into lm_head.weight)"
-            )
         self.model = model
         self.config = config
         self.hidden_size: int = config.hidden_size

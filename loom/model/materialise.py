@@ -114,18 +114,45 @@ def materialise(layer: Layer, device: torch.device | str, init: LayerInit) -> No
     materialise_module(layer.module, device, init)
 
 
-def check_untied(layers: dict[str, list[Layer]]) -> None:
-    """Refuse parameters shared between layers (tied embeddings): layers are materialised, and
-    placed on pipeline stages, one at a time, which would silently untie them."""
+@dataclass(frozen=True)
+class Tie:
+    """One parameter shared by two layers of a module (tied input and output embeddings):
+    ``first`` / ``second`` are (layer index, parameter name inside the layer's module). A tie
+    stays one tensor where a process holds both layers; where they sit on different pipeline
+    stages each stage holds a copy, initialised equal, whose gradients the runtime sums
+    (`loom.runtime.tied`), as Megatron-LM's embedding group does."""
+
+    module: str
+    first: tuple[int, str]
+    second: tuple[int, str]
+
+
+def find_ties(module: str, layers: list[Layer]) -> list[Tie]:
+    """The parameters shared between layers of one module, each as a `Tie` (first holder first)."""
+    seen: dict[int, tuple[int, str]] = {}
+    ties = []
+    for index, layer in enumerate(layers):
+        for name, p in layer.module.named_parameters(remove_duplicate=False):
+            if id(p) in seen and seen[id(p)][0] != index:
+                ties.append(Tie(module, seen[id(p)], (index, name)))
+            seen.setdefault(id(p), (index, name))
+    return ties
+
+
+def check_untied(layers: dict[str, list[Layer]], ties: list[Tie] = ()) -> None:
+    """Refuse parameters shared between layers (tied weights) other than the declared ``ties``
+    (which `MultimodalModel.materialise` keeps equal): layers are materialised, and placed on
+    pipeline stages, one at a time, which would silently untie them."""
+    allowed = {(t.module, t.second) for t in ties}
     owner: dict[int, str] = {}
     for module, module_layers in layers.items():
-        for layer in module_layers:
+        for index, layer in enumerate(module_layers):
             for name, p in layer.module.named_parameters():
                 here = f"{module}: {layer.name}.{name}"
-                if id(p) in owner:
+                if id(p) in owner and (module, (index, name)) not in allowed:
                     raise ValueError(
                         f"parameter {here} is the same tensor as {owner[id(p)]} (tied weights); layers are "
                         "materialised and placed on stages one at a time: untie them (e.g. "
                         "tie_word_embeddings=False) and copy the shared values into both"
                     )
-                owner[id(p)] = here
+                owner.setdefault(id(p), here)

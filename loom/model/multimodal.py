@@ -30,6 +30,7 @@ Freezing is ``requires_grad`` and nothing else (docs/architecture.md principle 3
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -40,8 +41,8 @@ from loom.model.adapter import adapter_for
 from loom.model.generator import ModalityGenerator
 from loom.model.layers import Layer, prefixed, run_layers
 from loom.model.projector import make_projector, projector_kind, width_of
-from loom.model.materialise import (LayerInit, SeededInit, check_untied, is_meta, materialise, materialise_module,
-                                    reset_buffers, reset_parameters)
+from loom.model.materialise import (LayerInit, SeededInit, Tie, check_untied, find_ties, is_meta, materialise,
+                                    materialise_module, reset_buffers, reset_parameters)
 from loom.model.weights import PretrainedInit, SafetensorsWeights
 
 if TYPE_CHECKING:  # loom.model sits above loom.data (docs/architecture.md layers): types only
@@ -157,6 +158,9 @@ class MultimodalModel(nn.Module):
             enc.build_projector(llm_width)
         for gen in self.generators.values():
             gen.build_projector(llm_width)
+        # tied input and output embeddings of the LLM (`materialise` keeps them equal; across
+        # pipeline stages the runtime sums their gradients: loom.runtime.tied)
+        self.ties: list[Tie] = find_ties("llm", self.module_layers("llm"))
 
     @property
     def module_names(self) -> list[str]:
@@ -296,15 +300,19 @@ class MultimodalModel(nn.Module):
         ``device``: layers still on the meta device are allocated and initialised one at a time
         (`layer_init`), layers that already hold values are moved. Nothing else is touched, so a
         pipeline rank never allocates another stage."""
-        check_untied({n: self.module_layers(n) for n in self.module_names})
+        check_untied({n: self.module_layers(n) for n in self.module_names}, self.ties)
         layers = self.module_layers(name)
         end = len(layers) if end is None else end
         for index in range(start, end):
             layer = layers[index]
             if is_meta(layer.module):
                 materialise(layer, device, self.layer_init(name, index))
+                for tie in self.ties:  # a tie's second holder starts from the first's values
+                    if tie.module == name and tie.second[0] == index:
+                        self._copy_tied(tie, layers)
             else:
                 layer.module.to(device)
+        self._retie(name, layers)
         owner = adapter_for(self.llm) if name == "llm" else adapter_for(
             self.generators[name].generator if name in self.generators else self.encoders[name].encoder)
         for path, module in self.context_modules(name).items():
@@ -312,6 +320,31 @@ class MultimodalModel(nn.Module):
                 materialise_module(module, device, self._init_of(owner, f"{name}/{path}", 0))
             else:
                 module.to(device)
+
+    def _copy_tied(self, tie: Tie, layers: list[Layer]) -> None:
+        """Give the second holder of ``tie`` the first holder's values: read from it when this
+        process holds it, else computed by the first layer's own init on a scratch copy (a
+        pipeline stage that holds the head but not the embedding)."""
+        (i, a), (j, b) = tie.first, tie.second
+        source = layers[i].module.get_parameter(a)
+        if source.is_meta:
+            scratch = copy.deepcopy(layers[i].module)
+            materialise_module(scratch, "cpu", self.layer_init(tie.module, i))
+            source = scratch.get_parameter(a)
+        with torch.no_grad():
+            layers[j].module.get_parameter(b).copy_(source)
+
+    def _retie(self, name: str, layers: list[Layer]) -> None:
+        """Share one tensor again between a tie's two holders once both hold values on the same
+        device here (materialising allocates each layer's parameters on its own)."""
+        for tie in self.ties:
+            (i, a), (j, b) = tie.first, tie.second
+            if tie.module != name:
+                continue
+            first, second = layers[i].module.get_parameter(a), layers[j].module.get_parameter(b)
+            if first is not second and not first.is_meta and not second.is_meta and first.device == second.device:
+                owner, _, attr = b.rpartition(".")
+                setattr(layers[j].module.get_submodule(owner) if owner else layers[j].module, attr, first)
 
     def module_context(self, name: str, batch: "Batch", context_parallel: Any = None) -> dict[str, Any]:
         """Everything module ``name``'s layers need from the microbatch besides the activation.

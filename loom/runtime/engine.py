@@ -26,6 +26,7 @@ from loom.runtime.mesh import (build_hybrid_meshes, build_meshes, build_replica_
 from loom.runtime.rows import RowMap
 from loom.runtime.stage import Stage, build_stages, trainable_stages
 from loom.runtime.tensor_parallel import check_tp_degree, layer_sharder, module_config
+from loom.runtime.tied import tied_copies
 from loom.runtime.unit import UnitPlace
 from loom.runtime.zero import apply_zero, check_zero, zero_optimizer
 from loom.schedule.generators import build_schedule
@@ -98,8 +99,9 @@ class ParallelEngine:
         optimizer = optimizer_factory(params) if optimizer_factory is not None and params else None
         if optimizer is not None and plan.spec(stage.module).zero_stage == 1:
             optimizer = zero_optimizer(optimizer, params, dp_group)
+        tied = tied_copies(model, plan, rank, stages)  # tied embeddings across stages (loom.runtime.tied)
         executor = PipelineExecutor(model, plan, stages, rank, device, groups, trainable, optimizer, max_grad_norm,
-                                    precision, unit, zero)
+                                    precision, unit, zero, tied)
         return cls(plan, schedule, stages, executor, optimizer, trainable, meshes=meshes)
 
     @property

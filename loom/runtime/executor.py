@@ -61,6 +61,7 @@ from loom.runtime.rows import RowMap
 from loom.runtime.split_backward import WeightPass, backward_input, backward_weight, fsdp_defer, fsdp_reduce
 from loom.runtime.stage import Stage, move_batch
 from loom.runtime.unit import UnitPlace, local_tensor, settle_gradients, sync_gradients
+from loom.runtime.tied import TiedCopy, sync_tied
 from loom.runtime.zero import ZeroStage
 from loom.schedule.generators import backward_flow
 from loom.schedule.ir import BACKWARDS, Action, ActionKind, Schedule
@@ -179,6 +180,7 @@ class PipelineExecutor:
         precision: Precision | None = None,
         unit: UnitPlace | None = None,
         zero: ZeroStage | None = None,
+        tied: list[TiedCopy] | None = None,
     ):
         self.model, self.plan = model, plan
         # the stages this rank hosts (one, or its chunks under virtual stages); they share the
@@ -193,6 +195,7 @@ class PipelineExecutor:
         self.unit = unit if unit is not None else UnitPlace.of(plan, rank)
         self.zero = zero  # ZeRO 2/3: FSDP reduces the stage's gradients in its last backward
         self.dp_groups = dp_groups
+        self.tied = list(tied or [])  # tied embeddings across stages: gradients summed before the step
         self.needs_backward, self.grad_edges = backward_flow(plan, trainable)
         self.edge_ids = _edge_ids(plan)
         self.generators = set(plan.generator_names)
@@ -580,6 +583,7 @@ class PipelineExecutor:
         # one optimizer holds every hosted stage's parameters: it steps at the last stage's share
         if i != it.plan.last_step:
             return
+        sync_tied(self.tied)  # tied copies on other stages: the pair's gradient sum (loom.runtime.tied)
         settle_gradients(self._trainable_parameters())  # TP gradients in their parameters' placements
         if self.max_grad_norm > 0:
             it.grad_norm = self._clip_gradients()
@@ -699,8 +703,10 @@ class PipelineExecutor:
         else:
             # a stage's replicas hold the same gradients after the sync: count its first one only
             # (a colocated encoder's replicas sit on every LLM unit, not only on other LLM replicas)
+            # and a tie across stages once, through its first holder's copy (loom.runtime.tied)
+            twins = {id(c.param) for c in self.tied if not c.counts_in_norm}
             first = [p for st in self.stages.values() if st.replica == 0 for p in st.trainable_parameters()
-                     if p.grad is not None]
+                     if p.grad is not None and id(p) not in twins]
             local = self.unit.grad_norm_sq(first).to(self.device)
         dist.all_reduce(local)
         norm = local.sqrt()

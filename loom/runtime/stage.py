@@ -41,7 +41,8 @@ class Stage:
         return {f"{l.name}.{n}": p for l in self.layers for n, p in l.module.named_parameters()}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        return [p for p in self.named_parameters().values() if p.requires_grad]
+        # a tie held whole by the stage (tied embeddings on one stage) is one parameter, listed once
+        return list({id(p): p for p in self.named_parameters().values() if p.requires_grad}.values())
 
 
 def stage_layers(model: MultimodalModel, plan: Plan, module: str, stage: int) -> list[Layer]:
