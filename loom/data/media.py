@@ -41,7 +41,8 @@ def image_size(file: BinaryIO, name: str) -> tuple[int, int]:
     try:
         with Image.open(file) as im:
             width, height = im.size
-    except (OSError, ValueError, SyntaxError) as e:  # Pillow's UnidentifiedImageError is an OSError
+    # Pillow's UnidentifiedImageError is an OSError; DecompressionBombError guards absurd sizes
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise DataError(f"image file {name} has no readable image header ({_one_line(e)})") from e
     return height, width
 
@@ -52,7 +53,7 @@ def decode_image(file: BinaryIO, name: str) -> torch.Tensor:
         with Image.open(file) as im:
             im.load()  # decodes every pixel: a truncated or corrupt stream fails here
             rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError, SyntaxError) as e:
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as e:
         raise DataError(f"image file {name} does not decode ({_one_line(e)})") from e
     return _image_from_uint8(rgb.transpose(2, 0, 1))
 
