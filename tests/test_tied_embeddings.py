@@ -112,3 +112,22 @@ def test_unpaired_parallelism_is_refused():
         plan = Plan([spec], num_microbatches=2).resolve({"llm": 5}, 4)
         with pytest.raises(PlanError, match="tie_word_embeddings"):
             tied_copies(_model(), plan, 0, [])
+
+
+def test_the_cost_model_prices_the_pair_all_reduce():
+    from loom.cost.analytic import AnalyticCostModel
+    from loom.cost.arch_from_model import arch_from_model
+    from loom.cost.hardware import Cluster
+
+    arch = arch_from_model(_model())  # checks every layer's parameter count: the tied head counts 0
+    head = arch.module("llm").layers[-1]
+    assert head.tied and head.params == 0 and head.stored_params == 64 * 32
+
+    def cost(stages: int) -> AnalyticCostModel:
+        plan = Plan([ModuleSpec("llm", num_stages=stages)], num_microbatches=2).resolve({"llm": 5}, stages)
+        return AnalyticCostModel(arch, plan, Cluster("H100", 8))
+
+    two = cost(2)
+    assert two.tie_sync_time("llm", 0) == two.tie_sync_time("llm", 1) > 0
+    assert two.grad_sync_time("llm", 1) == pytest.approx(two.tie_sync_time("llm", 1))  # no data parallelism
+    assert cost(1).tie_sync_time("llm", 0) == 0

@@ -496,7 +496,19 @@ class AnalyticCostModel(CostModel):
             inside += comm.all_reduce_time(nbytes / g.shards, g.replicas, g.replicate_link)
         if module in self._generators and g.tp > 1:  # each TP rank's share of the images: summed over the group first
             inside += comm.all_reduce_time(nbytes, g.tp, g.tp_link)
-        return inside
+        return inside + self.tie_sync_time(module, stage)
+
+    def tie_sync_time(self, module: str, stage: int) -> float:
+        """Tied embeddings on different stages (`loom.runtime.tied`, Megatron-LM's embedding
+        group): the tied copy's fp32 gradient all-reduced between the LLM's first stage (the
+        embedding) and its last (the head), 2 ranks over the link between them; 0 elsewhere."""
+        head = self.arch.module(LLM).layers[-1] if module == LLM else None
+        last = self.plan.spec(LLM).num_stages - 1 if module == LLM else 0
+        if head is None or head.kind != "head" or not head.tied or not head.trainable or last == 0 \
+                or stage not in (0, last):
+            return 0.0
+        link = self._link(self.plan.unit_of(LLM, 0, 0), self.plan.unit_of(LLM, last, 0))
+        return comm.all_reduce_time(head.vocab * head.hidden * MASTER_BYTES, 2, link)
 
     def clip_time(self) -> float:
         """Gradient clipping's norm (``optim.max_grad_norm`` > 0, `loom.runtime.executor`): one

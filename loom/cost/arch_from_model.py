@@ -118,7 +118,8 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
         if name == LLM:
             llm = model.llm
             config = llm.config
-            for layer in model.module_layers(name):
+            tied_heads = {t.second[0] for t in model.ties}  # a head tied to the embedding (loom.runtime.tied)
+            for index, layer in enumerate(model.module_layers(name)):
                 trainable = _trainable(layer.module)
                 if layer.kind == "embedding":
                     layers.append(LayerArch(layer.name, "embedding", layer.module.embedding_dim, trainable,
@@ -130,7 +131,7 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
                     layers.append(LayerArch(layer.name, "norm", layers[-1].hidden, trainable, norm=norm))
                 elif layer.kind == "head":
                     layers.append(LayerArch(layer.name, "head", layer.module.in_features, trainable,
-                                            vocab=layer.module.out_features))
+                                            vocab=layer.module.out_features, tied=index in tied_heads))
                 else:
                     raise TypeError(f"{layer.name}: LLM layer kind {layer.kind!r} has no cost description")
             module = ModuleArch(name, "llm", tuple(layers))
@@ -155,10 +156,12 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
                     layers.append(_encoder_layer_arch(layer, encoder))
             module = ModuleArch(name, kind, tuple(layers), **extra)
         for arch_layer, layer in zip(module.layers, model.module_layers(name)):
-            if arch_layer.params != _numel(layer.module):
+            # a tied head's weight is the embedding's: counted there (LayerArch.params)
+            shared = arch_layer.vocab * arch_layer.hidden if arch_layer.kind == "head" and arch_layer.tied else 0
+            if arch_layer.params != _numel(layer.module) - shared:
                 raise ValueError(
                     f"{layer.name}: the cost description counts {arch_layer.params} parameters but the module "
-                    f"has {_numel(layer.module)}; its architecture is not one arch_from_model understands"
+                    f"has {_numel(layer.module) - shared}; its architecture is not one arch_from_model understands"
                 )
         modules[name] = module
     return ModelArch(modules)
