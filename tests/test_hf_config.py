@@ -68,6 +68,16 @@ def test_weights_load_per_layer_by_name(tmp_path):
     assert staged.llm.model.layers[0].mlp.up_proj.weight.is_meta
 
 
+def test_tied_checkpoint_gives_a_head_only_stage_the_embedding(tmp_path):
+    saved = save_llama(tmp_path, tie_word_embeddings=True)  # the safetensors hold the embedding only
+    staged = build_model(model_config(tmp_path), Tokenizer(), seed=0, device="meta")
+    staged.materialise("llm", "cpu", 3, 5)  # norm and head: a last stage
+    assert staged.llm.model.embed_tokens.weight.is_meta
+    assert torch.equal(staged.llm.lm_head.weight, saved.model.embed_tokens.weight)
+    whole = build_model(model_config(tmp_path), Tokenizer(), seed=0, device="cpu")
+    assert whole.llm.lm_head.weight is whole.llm.model.embed_tokens.weight
+
+
 def test_config_only_directory_is_seeded_by_the_models_init(tmp_path):
     save_llama(tmp_path, weights=False)
     cfg = model_config(tmp_path / "config.json")  # the config file itself works too
@@ -94,7 +104,7 @@ def test_refusals_name_the_field_and_the_fix(tmp_path):
 
 @pytest.mark.multiprocess
 def test_loom_train_with_an_hf_llama(tmp_path):
-    save_llama(tmp_path / "llama")
+    save_llama(tmp_path / "llama", tie_word_embeddings=True)  # tied: summed across the 2 stages
     config = tmp_path / "text.toml"
     config.write_text(f"""
 [run]
