@@ -216,6 +216,64 @@ def test_bad_files_and_paths_name_them(tmp_path, demo):
     _one_line_error(lambda: WebDatasetSource(tmp_path / "none", demo.tokenizer), "no .tar shards", "data.path")
 
 
+# ---- a Hugging Face tokenizer (data.tokenizer) ---------------------------------------------------
+
+
+def save_word_tokenizer(path):
+    """A Hugging Face word-level tokenizer over the demo's words, with BOS / EOS and no modality
+    markers (HFTokenizer adds them), saved to ``path`` as `AutoTokenizer` loads it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from loom.data.demo_words import demo_vocabulary
+
+    words = ["[UNK]", "<s>", "</s>", *demo_vocabulary()]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>",
+                            eos_token="</s>").save_pretrained(str(path))
+    return path, len(words)
+
+
+def test_hf_tokenizer_keeps_markers_whole_and_wraps_the_text(tmp_path):
+    from loom.data.hf_tokenizer import HFTokenizer
+
+    path, n = save_word_tokenizer(tmp_path / "tok")
+    tok = HFTokenizer(path, extra_tokens=["<gen_image>"])
+    assert tok.vocab_size == n + 3 and [tok.token_id(m) for m in ("<image>", "<audio>", "<gen_image>")] == [n, n + 1, n + 2]
+    ids = tok.encode("<image> one shape : a red square .")
+    assert ids[:2] == [1, n] and ids[-1] == 2 and len(ids) == 10 and 0 not in ids  # <s> <image> ... </s>, no [UNK]
+    assert tok.encode("<image>one") == [1, n, tok.token_id("one"), 2] and tok.encode("cat") == [1, 0, 2]
+    assert tok.pad_id == 2 and tok.decode(ids) == "<s> <image> one shape : a red square . </s>"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="does not load with AutoTokenizer"):
+        HFTokenizer(tmp_path / "empty")
+
+
+def test_sources_count_tokens_with_an_hf_tokenizer(demo, written, tmp_path):
+    from loom.data.hf_tokenizer import HFTokenizer
+
+    out, w = written
+    tok = HFTokenizer(save_word_tokenizer(tmp_path / "tok")[0])
+    counts = {"vision": VisionEncoder(VisionConfig()).num_tokens, "audio": AudioEncoder(AudioConfig()).num_tokens}
+    for src in (LlavaSource(w.llava, tok), WebDatasetSource(out / "shards", tok)):
+        for i in range(0, NUM_SAMPLES - 1, 3):
+            sample = src[i]
+            assert src.meta(i) == sample.meta and sample.meta.text_tokens == len(tok.encode(sample.text))
+            batch = collate([sample, src[i + 1]], tok, counts)
+            assert batch.input_ids.shape[1] == max(count_tokens(src.meta(k), counts)["llm"] for k in (i, i + 1))
+            assert batch.num_targets == sum(s.meta.text_tokens - len(s.meta.images) - len(s.meta.audios) - 1
+                                            for s in (sample, src[i + 1]))
+
+
+def test_bad_tokenizer_directory_names_data_tokenizer(tmp_path):
+    from loom.train.build import build_data
+    from loom.train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data.tokenizer = .*nope.*does not exist"):
+        build_data(load_config(None, [f"data.tokenizer={tmp_path / 'nope'}"]))
+
+
 # ---- data.on_error, the dispatcher and `loom train` ---------------------------------------------
 
 
@@ -295,10 +353,11 @@ def test_data_config_fields_are_checked():
 
 
 @pytest.mark.multiprocess
-def test_train_on_llava_files_skipping_a_broken_sample(tmp_path):
-    """`loom data write-demo`, then 2 steps of `loom train` on the LLaVA file with one sample of
-    the first global batch broken and data.on_error = "skip": the run completes, each skip is a
-    line naming the file in a rank's log, and metrics.jsonl's skipped_samples add up to them."""
+def test_train_on_llava_files_with_an_hf_tokenizer_skipping_a_broken_sample(tmp_path):
+    """`loom data write-demo`, then 2 steps of `loom train` on the LLaVA file, with a Hugging Face
+    tokenizer (data.tokenizer), one sample of the first global batch broken and data.on_error =
+    "skip": the run completes, each skip is a line naming the file in a rank's log, and
+    metrics.jsonl's skipped_samples add up to them."""
     import subprocess
     import sys
     from pathlib import Path
@@ -320,7 +379,8 @@ def test_train_on_llava_files_skipping_a_broken_sample(tmp_path):
     tiny = ["model.vision.hidden_size=32", "model.audio.hidden_size=32", "model.llm.hidden_size=32",
             "model.llm.intermediate_size=64", "data.global_batch_size=8"]
     got = loom("train", "run.steps=2", "run.name=t", f"run.out_dir={tmp_path}", *tiny, 'data.source="llava"',
-               f"data.path={data / 'train.json'}", 'data.on_error="skip"')
+               f"data.path={data / 'train.json'}", 'data.on_error="skip"',
+               f"data.tokenizer={save_word_tokenizer(tmp_path / 'tok')[0]}")
     assert got.returncode == 0, got.stdout + got.stderr
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     logged = [line for log in sorted(Path(tmp_path / "t" / "logs").glob("rank*.log"))

@@ -15,6 +15,7 @@ import torch
 
 from loom.data.collate import MODALITIES, GenerationSpec, target_count
 from loom.data.demo import DemoDataset
+from loom.data.hf_tokenizer import HFTokenizer
 from loom.data.llava import LlavaSource, RecordSource
 from loom.data.media import DataError
 from loom.data.webdataset import WebDatasetSource
@@ -114,13 +115,20 @@ def num_targets(meta: SampleMeta) -> int:
     return target_count(meta)
 
 
-def build_data(cfg: TrainConfig) -> tuple[Tokenizer, DemoDataset | RecordSource]:
-    """The demo tokenizer (with the ``<gen_image>`` marker when the model has a generator) and
-    the samples of ``data.source``: the demo dataset, a LLaVA-style JSON file or WebDataset
-    shards (a `ConfigError` naming ``data.path`` when they cannot be read)."""
+def build_data(cfg: TrainConfig) -> tuple[Tokenizer | HFTokenizer, DemoDataset | RecordSource]:
+    """The tokenizer (the demo's word tokenizer, or the Hugging Face one of ``data.tokenizer``;
+    with the ``<gen_image>`` marker when the model has a generator) and the samples of
+    ``data.source``: the demo dataset, a LLaVA-style JSON file or WebDataset shards (a
+    `ConfigError` naming ``data.tokenizer`` / ``data.path`` when they cannot be read)."""
     extra = [GEN_IMAGE_MARKER] if cfg.model.generator is not None else []
-    tokenizer = Tokenizer(extra_tokens=extra)
     data = cfg.data
+    if data.tokenizer:  # a Hugging Face tokenizer (loom.data.hf_tokenizer)
+        try:
+            tokenizer = HFTokenizer(data.tokenizer, extra_tokens=extra)
+        except ValueError as e:
+            raise ConfigError(f"data.tokenizer = {data.tokenizer!r}: {e}") from e
+    else:
+        tokenizer = Tokenizer(extra_tokens=extra)
     if data.source == "demo":
         return tokenizer, DemoDataset(data.demo, tokenizer=tokenizer)
     try:

@@ -95,6 +95,9 @@ class DataConfig:
     # a sample that fails to load (a missing or corrupt file, a bad record): "raise" stops the run
     # naming it; "skip" loads the next index in its place, logs it and counts it in metrics.jsonl
     on_error: str = "raise"
+    # a local Hugging Face tokenizer directory (AutoTokenizer, local files only; markers it lacks
+    # are added as special tokens, `loom.data.hf_tokenizer`); "": the demo's word tokenizer
+    tokenizer: str = ""
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
