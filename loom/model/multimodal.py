@@ -160,7 +160,11 @@ class MultimodalModel(nn.Module):
             gen.build_projector(llm_width)
         # tied input and output embeddings of the LLM (`materialise` keeps them equal; across
         # pipeline stages the runtime sums their gradients: loom.runtime.tied)
-        self.ties: list[Tie] = find_ties("llm", self.module_layers("llm"))
+        # (found now, while the model is whole: materialising and staging allocate layers apart)
+        try:
+            self.ties: list[Tie] = find_ties("llm", self.module_layers("llm"))
+        except TypeError:  # an LLM without a layer adapter: refused when its layers are asked for
+            self.ties = []
 
     @property
     def module_names(self) -> list[str]:
