@@ -100,6 +100,10 @@ def test_refusals_name_the_field_and_the_fix(tmp_path):
         build_model(model_config(small), Tokenizer(), device="meta")
     with pytest.raises(ConfigError, match="data.pack_sequences"):
         load_config(ROOT / "configs/demo.toml", [f'model.llm.hf="{small}"', "data.pack_sequences=true"])
+    tied = tmp_path / "tied"
+    save_llama(tied, weights=False, tie_word_embeddings=True)
+    with pytest.raises(ConfigError, match=r"plan.modules.llm.tensor_parallel = 2: model.llm.hf ties its embeddings"):
+        load_config(ROOT / "configs/demo.toml", [f'model.llm.hf="{tied}"', "plan.modules.llm.tensor_parallel=2"])
 
 
 @pytest.mark.multiprocess

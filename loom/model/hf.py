@@ -67,10 +67,10 @@ def load_config(path: str | Path) -> Any:
 
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{str(path)!r} does not exist; give a model directory or its config.json")
+        raise ValueError(f"{str(path)!r} does not exist")
     source = p if p.is_dir() else p.parent
     if not (source / "config.json").is_file() or (p.is_file() and p.name != "config.json"):
-        raise ValueError(f"{str(path)!r} is not a model directory with a config.json (nor such a file)")
+        raise ValueError(f"{str(path)!r} is neither a model directory with a config.json nor a config.json")
     try:
         config = AutoConfig.from_pretrained(str(source))
     except (OSError, ValueError, KeyError) as e:

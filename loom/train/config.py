@@ -249,6 +249,14 @@ class TrainConfig:
                               "of a supported family, or remove it to use the zoo Llama") from e
         _require(not self.data.pack_sequences, "data.pack_sequences", True, "packed rows need the zoo Llama's "
                  "per-sample attention, and model.llm.hf runs the model's own", "set data.pack_sequences = false")
+        llm = next((m for m in self.plan.modules if m.name == "llm"), None)
+        if getattr(config, "tie_word_embeddings", False) and llm is not None and llm.num_stages > 1:
+            for name in ("tensor_parallel", "context_parallel", "zero_stage"):  # loom.runtime.tied's limits
+                value = getattr(llm, name)
+                _require(not isinstance(value, int) or value <= (0 if name == "zero_stage" else 1),
+                         f"plan.modules.llm.{name}", value, f"model.llm.hf ties its embeddings (tie_word_embeddings), "
+                         f"and loom sums tied copies across pipeline stages without it yet",
+                         f"set {name} = {0 if name == 'zero_stage' else 1}, or use one LLM stage")
         return config
 
     def check_launch(self, ranks_per_launch_node: int | None = None) -> "TrainConfig":
