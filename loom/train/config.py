@@ -254,8 +254,8 @@ class TrainConfig:
             for name in ("tensor_parallel", "context_parallel", "zero_stage"):  # loom.runtime.tied's limits
                 value = getattr(llm, name)
                 _require(not isinstance(value, int) or value <= (0 if name == "zero_stage" else 1),
-                         f"plan.modules.llm.{name}", value, f"model.llm.hf ties its embeddings (tie_word_embeddings), "
-                         f"and loom sums tied copies across pipeline stages without it yet",
+                         f"plan.modules.llm.{name}", value, "model.llm.hf ties its embeddings (tie_word_embeddings), "
+                         "and loom sums tied copies across pipeline stages without it yet",
                          f"set {name} = {0 if name == 'zero_stage' else 1}, or use one LLM stage")
         return config
 
