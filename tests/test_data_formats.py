@@ -219,19 +219,29 @@ def test_bad_files_and_paths_name_them(tmp_path, demo):
 # ---- a Hugging Face tokenizer (data.tokenizer) ---------------------------------------------------
 
 
-def save_word_tokenizer(path):
-    """A Hugging Face word-level tokenizer over the demo's words, with BOS / EOS and no modality
-    markers (HFTokenizer adds them), saved to ``path`` as `AutoTokenizer` loads it."""
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+CHAT_SPECIALS = ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"]
+
+
+def save_word_tokenizer(path, chat=False):
+    """A Hugging Face word-level tokenizer over the demo's words (and a few question words), with
+    BOS / EOS and no modality markers (HFTokenizer adds them), saved to ``path`` as
+    `AutoTokenizer` loads it; with ``chat``, also `CHAT_TEMPLATE` and its special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     from loom.data.demo_words import demo_vocabulary
 
-    words = ["[UNK]", "<s>", "</s>", *demo_vocabulary()]
+    words = ["[UNK]", "<s>", "</s>", *demo_vocabulary(), "what", "it", "?"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>",
-                            eos_token="</s>").save_pretrained(str(path))
+    if chat:
+        tok.add_special_tokens(CHAT_SPECIALS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(path))
     return path, len(words)
 
 
@@ -264,6 +274,57 @@ def test_sources_count_tokens_with_an_hf_tokenizer(demo, written, tmp_path):
             assert batch.input_ids.shape[1] == max(count_tokens(src.meta(k), counts)["llm"] for k in (i, i + 1))
             assert batch.num_targets == sum(s.meta.text_tokens - len(s.meta.images) - len(s.meta.audios) - 1
                                             for s in (sample, src[i + 1]))
+
+
+def test_chat_template_puts_the_loss_on_assistant_turns_only(tmp_path):
+    """A hand-built example: one user turn with an image, one assistant turn; only the assistant
+    turn's tokens (and its end-of-turn token) are labels, and the metadata counts exactly them."""
+    from loom.data.hf_tokenizer import HFTokenizer
+    from loom.data.media import encode_png
+
+    tok = HFTokenizer(save_word_tokenizer(tmp_path / "tok", chat=True)[0], chat=True)
+    (tmp_path / "cat.png").write_bytes(encode_png(torch.rand(3, 16, 16)))
+    (tmp_path / "chat.json").write_text(json.dumps([{"id": "x", "image": "cat.png", "conversations": [
+        {"from": "human", "value": "<image> what is it ?"}, {"from": "gpt", "value": "one shape : a red square ."}]}]))
+    src = LlavaSource(tmp_path / "chat.json", tok, chat=True)
+    sample = src[0]
+    assert sample.text == "<|user|> <image> what is it ? <|end|> <|assistant|> one shape : a red square . <|end|> "
+    assert src.meta(0) == sample.meta and sample.meta.target_tokens == 8 and sample.meta.segments == (
+        "text", "image", "text")
+    counts = {"vision": VisionEncoder(VisionConfig()).num_tokens}  # a 16 x 16 image: 4 placeholders
+    batch = collate([sample], tok, counts)
+    t = tok.token_id
+    U, A, END, P = t("<|user|>"), t("<|assistant|>"), t("<|end|>"), t("<image>")
+    answer = [t(w) for w in "one shape : a red square .".split()]
+    assert batch.input_ids[0].tolist() == [U, P, P, P, P, t("what"), t("is"), t("it"), t("?"), END, A, *answer, END]
+    assert batch.labels[0].tolist() == [-100] * 10 + [*answer, END, -100]
+    assert batch.num_targets == 8 == count_tokens(sample.meta, counts)["llm"] - 11  # 19 positions, 8 targets
+    from loom.data.collate import target_count
+
+    assert target_count(sample.meta) == 8
+    # the dispatcher's path: flagged ids through collate_ids give the same labels
+    samples, ids, error, skipped = _loader(src, tok, "raise", counts)._load([0], [0])
+    assert error is None and sum(i < 0 for i in ids[0]) == 8  # the user turn and the assistant prompt
+    from loom.data.collate import collate_ids
+
+    assert torch.equal(collate_ids([sample.meta], ids, tok, counts)[1], batch.labels)
+    # a role the template does not know, and a tokenizer without a template
+    (tmp_path / "bad.json").write_text(json.dumps([{"id": "y", "conversations": [{"from": "robot", "value": "a"}]}]))
+    _one_line_error(lambda: LlavaSource(tmp_path / "bad.json", tok, chat=True).meta(0), "sample 0", "'robot'",
+                    "no chat role")
+    with pytest.raises(ValueError, match="has no chat template"):
+        HFTokenizer(save_word_tokenizer(tmp_path / "plain")[0], chat=True)
+
+
+def test_chat_metadata_survives_the_gather_codec():
+    from loom.cost.workload import MetadataArrays
+    from loom.data.sample import ImageMeta, SampleMeta
+
+    metas = [SampleMeta(0, 12, (ImageMeta(16, 16),), (), ("text", "image", "text"), (), 5), SampleMeta(1, 7)]
+    arrays = MetadataArrays.from_flat(MetadataArrays.from_metas(metas).to_flat())
+    assert arrays.metas() == metas and arrays.meta(0).target_tokens == 5 and arrays.meta(1).target_tokens is None
+    parts = [MetadataArrays.from_metas(metas[:1]).to_flat(), MetadataArrays.from_metas(metas[1:]).to_flat()]
+    assert MetadataArrays.from_gathered(parts).metas() == metas
 
 
 def test_bad_tokenizer_directory_names_data_tokenizer(tmp_path):
@@ -350,14 +411,19 @@ def test_data_config_fields_are_checked():
         load_config(None, ['data.source="llava"']).check()
     with pytest.raises(ConfigError, match="data.on_error"):
         load_config(None, ['data.on_error="ignore"']).check()
+    with pytest.raises(ConfigError, match="data.chat_template"):
+        load_config(None, ["data.chat_template=true", 'data.source="llava"', "data.path=x.json"]).check()
 
 
 @pytest.mark.multiprocess
-def test_train_on_llava_files_with_an_hf_tokenizer_skipping_a_broken_sample(tmp_path):
+def test_train_on_llava_chats_with_an_hf_tokenizer_skipping_a_broken_sample(tmp_path):
     """`loom data write-demo`, then 2 steps of `loom train` on the LLaVA file, with a Hugging Face
-    tokenizer (data.tokenizer), one sample of the first global batch broken and data.on_error =
-    "skip": the run completes, each skip is a line naming the file in a rank's log, and
-    metrics.jsonl's skipped_samples add up to them."""
+    tokenizer and its chat template (data.tokenizer, data.chat_template), one sample of the first
+    global batch broken and data.on_error = "skip": the run completes, each skip is a line naming
+    the file in a rank's log, metrics.jsonl's skipped_samples add up to them, and the loss
+    normaliser is the assistant turns' tokens of the batch as loaded (the replacement's)."""
+    from loom.data.hf_tokenizer import HFTokenizer
+
     import subprocess
     import sys
     from pathlib import Path
@@ -380,7 +446,7 @@ def test_train_on_llava_files_with_an_hf_tokenizer_skipping_a_broken_sample(tmp_
             "model.llm.intermediate_size=64", "data.global_batch_size=8"]
     got = loom("train", "run.steps=2", "run.name=t", f"run.out_dir={tmp_path}", *tiny, 'data.source="llava"',
                f"data.path={data / 'train.json'}", 'data.on_error="skip"',
-               f"data.tokenizer={save_word_tokenizer(tmp_path / 'tok')[0]}")
+               f"data.tokenizer={save_word_tokenizer(tmp_path / 'tok', chat=True)[0]}", "data.chat_template=true")
     assert got.returncode == 0, got.stdout + got.stderr
     rows = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
     logged = [line for log in sorted(Path(tmp_path / "t" / "logs").glob("rank*.log"))
@@ -388,3 +454,6 @@ def test_train_on_llava_files_with_an_hf_tokenizer_skipping_a_broken_sample(tmp_
     assert [r["step"] for r in rows] == [0, 1] and all(r["loss"] > 0 for r in rows)
     assert sum(r["skipped_samples"] for r in rows) == len(logged) >= 1
     assert all(str(data / ref) in line for line in logged)
+    src = LlavaSource(data / "train.json", HFTokenizer(tmp_path / "tok", chat=True), chat=True)
+    loaded = [(i + 1) % 32 if i == broken else i for i in first]
+    assert rows[0]["target_tokens"] == sum(src.meta(i).target_tokens for i in loaded)

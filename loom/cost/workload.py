@@ -93,13 +93,14 @@ _GENERATOR_CODE = {name: code for code, name in enumerate(GENERATOR_NAMES)}
 
 # A rank's row (`MetadataArrays.to_flat`): a header ``[samples, images, audios, segments, error
 # bytes, generations]``; per sample, field after field: ``sample_id``, ``text_tokens``,
-# ``image_count``, ``audio_count``, ``segment_count``, ``generation_count``; then ``(height,
+# ``image_count``, ``audio_count``, ``segment_count``, ``generation_count``, ``target_tokens``
+# (-1: the default count, `SampleMeta.target_tokens` None); then ``(height,
 # width)`` per image, ``(num_samples, sample_rate)`` per audio clip, one code per segment, the
 # payload error's UTF-8 bytes and ``(height, width, generator code)`` per generation request.
 # Each per-sample field is a run of the row, so `from_gathered` copies it out of the gathered
 # table for every rank at once (a strided slice when the ranks' sample counts agree).
 HEADER = 6
-PER_SAMPLE = 6
+PER_SAMPLE = 7
 # ints per sample of the dispatcher's first all-gather round: the per-sample fields and room for
 # a few items and segments (a LLaVA-like sample with one image takes 10); a larger share (many
 # items, a long error message) takes a second round
@@ -179,8 +180,9 @@ class MetadataArrays:
     ``audio_rate`` each clip's length and sample rate, ``segment_code`` each segment as an index
     of `SEGMENT_NAMES`, ``generation_hw`` / ``generation_code`` each requested image's size and
     generator (an index of `GENERATOR_NAMES`). ``error_bytes`` holds the UTF-8 bytes of payload
-    errors, ``error_owner`` the part (rank) each byte came from. ``image_owner`` /
-    ``audio_owner`` / ``segment_owner`` (each item's sample) are derived."""
+    errors, ``error_owner`` the part (rank) each byte came from. ``target_tokens[s]`` is
+    `SampleMeta.target_tokens`, -1 for ``None``. ``image_owner`` / ``audio_owner`` /
+    ``segment_owner`` (each item's sample) are derived."""
 
     sample_id: np.ndarray
     text_tokens: np.ndarray
@@ -196,6 +198,11 @@ class MetadataArrays:
     generation_count: np.ndarray
     generation_hw: np.ndarray  # (generations, 2)
     generation_code: np.ndarray
+    target_tokens: np.ndarray | None = None  # per sample; None: -1 for every sample
+
+    def __post_init__(self) -> None:
+        if self.target_tokens is None:  # frozen: set once, here
+            object.__setattr__(self, "target_tokens", np.full(self.text_tokens.shape[0], -1, dtype=np.int64))
 
     @property
     def num_samples(self) -> int:
@@ -265,7 +272,8 @@ class MetadataArrays:
             per_sample(len(m.audios) for m in metas), clip_a[:, 0].copy(), clip_a[:, 1].copy(),
             per_sample(len(m.segments) for m in metas), np.asarray(codes, dtype=np.int64),
             np.zeros(err.size, dtype=np.int64), err,
-            per_sample(len(m.generations) for m in metas), gen_a[:, :2].copy(), gen_a[:, 2].copy())
+            per_sample(len(m.generations) for m in metas), gen_a[:, :2].copy(), gen_a[:, 2].copy(),
+            per_sample(-1 if m.target_tokens is None else m.target_tokens for m in metas))
 
     def to_flat(self) -> np.ndarray:
         """One int64 row (see `HEADER`): what a rank contributes to the metadata all-gather
@@ -276,7 +284,7 @@ class MetadataArrays:
         gens = np.concatenate([self.generation_hw, self.generation_code[:, None]], axis=1)
         return np.concatenate([
             np.array(head, dtype=np.int64), self.sample_id, self.text_tokens, self.image_count, self.audio_count,
-            self.segment_count, self.generation_count, self.image_hw.reshape(-1), clips.reshape(-1),
+            self.segment_count, self.generation_count, self.target_tokens, self.image_hw.reshape(-1), clips.reshape(-1),
             self.segment_code, self.error_bytes, gens.reshape(-1)]).astype(np.int64, copy=False)
 
     @staticmethod
@@ -316,13 +324,13 @@ class MetadataArrays:
         n, i, a, s, e, g = head
         if (n == n[0]).all() and n[0] > 0:  # every rank sent as many samples: each field is a strided slice
             fields = table[:, HEADER:HEADER + PER_SAMPLE * int(n[0])].reshape(ranks, PER_SAMPLE, int(n[0]))
-            sample_id, text, image_count, audio_count, segment_count, generation_count = (
+            sample_id, text, image_count, audio_count, segment_count, generation_count, targets = (
                 fields[:, k, :].reshape(-1) for k in range(PER_SAMPLE))
             counts = (image_count, audio_count, segment_count, generation_count)
             row_starts = np.arange(0, ranks * int(n[0]), int(n[0]))
             per_row = np.stack([np.add.reduceat(c, row_starts) for c in counts], axis=1)
         else:
-            sample_id, text, image_count, audio_count, segment_count, generation_count = (
+            sample_id, text, image_count, audio_count, segment_count, generation_count, targets = (
                 _block(table, HEADER + k * n, HEADER + (k + 1) * n) for k in range(PER_SAMPLE))
             counts = (image_count, audio_count, segment_count, generation_count)
             last = np.cumsum(n)
@@ -347,7 +355,7 @@ class MetadataArrays:
                                 f"({GENERATOR_NAMES}); build each row with MetadataArrays.to_flat")
         return MetadataArrays(sample_id, text, image_count, hw, audio_count, clips[:, 0].copy(), clips[:, 1].copy(),
                               segment_count, codes, np.repeat(np.arange(ranks, dtype=np.int64), e), err,
-                              generation_count, gens[:, :2].copy(), gens[:, 2].copy())
+                              generation_count, gens[:, :2].copy(), gens[:, 2].copy(), targets)
 
     @staticmethod
     def concat(parts: Sequence["MetadataArrays"]) -> "MetadataArrays":
@@ -365,7 +373,7 @@ class MetadataArrays:
             cat([np.full(p.error_bytes.size, k, dtype=np.int64) for k, p in enumerate(parts)]),
             cat([p.error_bytes for p in parts]), cat([p.generation_count for p in parts]),
             cat([p.generation_hw.reshape(-1) for p in parts]).reshape(-1, 2),
-            cat([p.generation_code for p in parts]))
+            cat([p.generation_code for p in parts]), cat([p.target_tokens for p in parts]))
 
     def errors(self) -> dict[int, str]:
         """The payload error messages, by the part (rank) that sent them."""
@@ -384,8 +392,9 @@ class MetadataArrays:
         ib, ab, sb = (b.tolist() for b in self.bounds)
         gb = self.generation_bounds.tolist()
         return [SampleMeta(sid, text, tuple(images[ib[k]:ib[k + 1]]), tuple(audios[ab[k]:ab[k + 1]]),
-                           tuple(names[sb[k]:sb[k + 1]]), tuple(gens[gb[k]:gb[k + 1]]))
-                for k, (sid, text) in enumerate(zip(self.sample_id.tolist(), self.text_tokens.tolist()))]
+                           tuple(names[sb[k]:sb[k + 1]]), tuple(gens[gb[k]:gb[k + 1]]), None if t < 0 else t)
+                for k, (sid, text, t) in enumerate(zip(self.sample_id.tolist(), self.text_tokens.tolist(),
+                                                       self.target_tokens.tolist()))]
 
     def _generations(self, rows: slice) -> list[GenerationMeta]:
         return [GenerationMeta(GENERATOR_NAMES[c], h, w)
@@ -403,7 +412,8 @@ class MetadataArrays:
                           tuple(AudioMeta(k, r) for k, r in zip(self.audio_samples[a].tolist(),
                                                                 self.audio_rate[a].tolist())),
                           tuple(SEGMENT_NAMES[c] for c in self.segment_code[g].tolist()),
-                          tuple(self._generations(slice(int(gb[s]), int(gb[s + 1])))))
+                          tuple(self._generations(slice(int(gb[s]), int(gb[s + 1])))),
+                          None if self.target_tokens[s] < 0 else int(self.target_tokens[s]))
 
 
 @dataclass(frozen=True)

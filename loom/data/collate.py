@@ -143,8 +143,29 @@ def target_count(meta: SampleMeta) -> int:
     """Target tokens of a sample from metadata alone: every text token after BOS predicts
     the next text token except where that is a modality marker (expanded to placeholders,
     never targets) or a generation marker (likewise) and at the last position: `collate`'s
-    label rule."""
+    label rule. A sample whose loss covers only some tokens (``meta.target_tokens``, a chat's
+    assistant turns) counts those."""
+    if meta.target_tokens is not None:
+        return meta.target_tokens
     return meta.text_tokens - len(meta.images) - len(meta.audios) - len(meta.generations) - 1
+
+
+def flagged_ids(tokenizer: Any, text: str, target_spans: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """The ids of ``text`` as collation takes them: ``tokenizer.encode(text)``, or with
+    ``target_spans`` (`Sample.target_spans`) each token that does not start inside a span as
+    ``~id`` (negative): not a target, so the label of the position before it is -100. The flag
+    travels with the ids (the dispatcher moves them as they are) and `collate_ids` clears it."""
+    if target_spans is None:
+        return tokenizer.encode(text)
+    ids, starts = tokenizer.encode_offsets(text)
+    return [i if any(a <= s < b for a, b in target_spans) else ~i for i, s in zip(ids, starts)]
+
+
+def flagged_target_count(ids: Sequence[int], marker_ids: Sequence[int]) -> int:
+    """Targets of `flagged_ids` output with target spans: tokens after the first that are flagged as
+    targets and are not markers (placeholders are never targets): ``SampleMeta.target_tokens``."""
+    markers = set(marker_ids)
+    return sum(1 for i in ids[1:] if i >= 0 and i not in markers)
 
 
 def collate(
@@ -189,7 +210,7 @@ def collate(
     all_ids: list[list[int]] = []
     for sample in samples:
         sample.check_payload()
-        all_ids.append(tokenizer.encode(sample.text))
+        all_ids.append(flagged_ids(tokenizer, sample.text, sample.target_spans))
         for encoder, inputs in modality_inputs.items():
             inputs[MODALITIES[encoder][1]].extend(getattr(sample, SAMPLE_FIELDS[encoder]))
     input_ids, labels, segments = collate_ids(
@@ -237,6 +258,9 @@ def collate_ids(
     rows_in = [ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64) for ids in text_ids]
     lengths = np.array([r.size for r in rows_in], dtype=np.int64)
     flat = np.concatenate(rows_in).astype(np.int64, copy=False)
+    not_target = flat < 0  # `flagged_ids` marks tokens outside a sample's target spans as ~id
+    if not_target.any():
+        flat = np.where(not_target, ~flat, flat)
     starts = np.cumsum(lengths) - lengths
     is_marker = {enc: flat == marker[enc] for enc in MODALITIES}
     num_markers = {enc: _row_sums(m, starts, lengths).tolist() for enc, m in is_marker.items()}
@@ -285,7 +309,7 @@ def collate_ids(
             repeats[mask] = generations[g].cond_tokens
             is_placeholder |= mask
     expanded = np.repeat(ids, repeats)
-    placeholder_at = np.repeat(is_placeholder, repeats)
+    placeholder_at = np.repeat(is_placeholder | not_target, repeats)  # neither is a next-token target
     row_lengths = _row_sums(repeats, starts, lengths)
     row_ends = np.cumsum(row_lengths)
     # Next-token targets. Placeholders are masked by position, not by id, so a placeholder id that

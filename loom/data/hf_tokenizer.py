@@ -8,6 +8,11 @@ one), ``token_id``, ``has``, ``vocab_size``, ``pad_id``, ``decode``. The modalit
 since collation expands each marker id into its item's placeholders: markers the tokenizer
 lacks are added as special tokens (after its vocabulary, so its own ids stay; the model's
 embedding table must then hold ``vocab_size`` ids).
+
+With ``chat`` (``data.chat_template``) a record's conversation is rendered with the tokenizer's
+chat template (`render_chat`), which places its own special tokens, so `encode` adds none; the
+assistant turns' character spans (each from after the template's generation prompt through its
+end-of-turn text) become the sample's `Sample.target_spans`: the loss covers them only.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ class HFTokenizer:
     """The Hugging Face tokenizer in the local directory ``path`` (see the module docstring);
     a one-line ``ValueError`` naming the directory when it cannot be loaded."""
 
-    def __init__(self, path: str | Path, extra_tokens: Iterable[str] = ()) -> None:
+    def __init__(self, path: str | Path, extra_tokens: Iterable[str] = (), chat: bool = False) -> None:
         try:
             from transformers import AutoTokenizer
         except ImportError as e:
@@ -40,8 +45,12 @@ class HFTokenizer:
         missing = [m for m in dict.fromkeys([IMAGE_MARKER, AUDIO_MARKER, *extra_tokens]) if m not in vocab]
         if missing:  # special: never split, never normalised
             tok.add_tokens(missing, special_tokens=True)
+        if chat and not getattr(tok, "chat_template", None):
+            raise ValueError(f"tokenizer directory {path} has no chat template; use a tokenizer with one, or set "
+                             "data.chat_template = false")
         self.path = Path(path)
         self.hf = tok
+        self.chat = chat
         self._vocab = tok.get_vocab()
         for marker in (IMAGE_MARKER, AUDIO_MARKER, *extra_tokens):
             ids = tok.encode(marker, add_special_tokens=False)
@@ -84,12 +93,47 @@ class HFTokenizer:
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         """The ids of ``text``; with ``add_special`` wrapped in BOS ... EOS (each where the
-        tokenizer has one)."""
-        ids = list(self.hf.encode(text, add_special_tokens=False))
-        if add_special:
-            ids = ([self.bos_id] if self.bos_id is not None else []) + ids + (
-                [self.eos_id] if self.eos_id is not None else [])
-        return ids
+        tokenizer has one; never with ``chat``, whose template renders its own)."""
+        return self.encode_offsets(text, add_special)[0]
+
+    def encode_offsets(self, text: str, add_special: bool = True) -> tuple[list[int], list[int]]:
+        """`encode`'s ids and each one's first character in ``text`` (-1 for BOS, ``len(text)``
+        for EOS: inside no span)."""
+        try:
+            enc = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError as e:
+            raise ValueError(f"tokenizer {self.path}: character offsets need a fast tokenizer "
+                             f"(tokenizer.json); {e}") from e
+        ids, starts = list(enc["input_ids"]), [int(a) for a, _ in enc["offset_mapping"]]
+        if add_special and not self.chat:
+            if self.bos_id is not None:
+                ids, starts = [self.bos_id, *ids], [-1, *starts]
+            if self.eos_id is not None:
+                ids, starts = [*ids, self.eos_id], [*starts, len(text)]
+        return ids, starts
+
+    def render_chat(self, turns: Sequence[tuple[str, str]]) -> tuple[str, tuple[tuple[int, int], ...]]:
+        """``turns`` (``(role, content)``, roles ``user`` / ``assistant`` / ``system``) rendered with
+        the chat template, and the character spans of the assistant turns. A ``ValueError`` when
+        the template does not render the conversation's beginnings as prefixes of the whole (the
+        spans would be wrong)."""
+        messages = [{"role": role, "content": content} for role, content in turns]
+
+        def render(upto: int, prompt: bool = False) -> str:
+            return self.hf.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
+
+        text = render(len(messages))
+        spans = []
+        for k, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            before, through = (render(k, prompt=True) if k else ""), render(k + 1)
+            if not (text.startswith(through) and through.startswith(before)):
+                raise ValueError(f"the chat template of {self.path} does not render turn {k}'s beginning as a prefix "
+                                 "of the whole conversation, so its assistant turns cannot be found; use a template "
+                                 "that renders turns in order, or set data.chat_template = false")
+            spans.append((len(before), len(through)))
+        return text, tuple(spans)
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -50,6 +50,9 @@ class SampleMeta:
     "text")``; ``text_tokens`` counts the tokenizer's ids for the text alone (with BOS/EOS,
     one id per modality placeholder *before* expansion). ``generations`` are the images the
     sample asks generators to make (one generation marker each in the text, in order).
+    ``target_tokens`` is how many of its text tokens the loss predicts when only some are
+    targets (the assistant turns of a chat, `Sample.target_spans`); ``None``: every token after
+    the first but the markers (`loom.data.collate.target_count`).
     """
 
     sample_id: int
@@ -58,6 +61,7 @@ class SampleMeta:
     audios: tuple[AudioMeta, ...] = ()
     segments: tuple[str, ...] = ()
     generations: tuple[GenerationMeta, ...] = ()
+    target_tokens: int | None = None
 
 
 @dataclass
@@ -67,7 +71,9 @@ class Sample:
     ``text`` carries one ``<image>`` / ``<audio>`` marker per item, in the order of
     ``images`` / ``audios``, and one generation marker (``<gen_image>``) per entry of
     ``targets``. Images and targets are float32 ``[3, H, W]`` in [0, 1]; audio clips are
-    float32 ``[num_samples]`` in [-1, 1].
+    float32 ``[num_samples]`` in [-1, 1]. ``target_spans`` (character ranges of ``text``, e.g. a
+    chat's assistant turns) restricts the loss to the tokens that start inside them; ``None``:
+    every text token is a target (`loom.data.collate.flagged_ids`).
     """
 
     meta: SampleMeta
@@ -75,6 +81,7 @@ class Sample:
     images: list[torch.Tensor] = field(default_factory=list)
     audios: list[torch.Tensor] = field(default_factory=list)
     targets: list[torch.Tensor] = field(default_factory=list)
+    target_spans: tuple[tuple[int, int], ...] | None = None
 
     def check_payload(self) -> None:
         """Raise ``ValueError`` naming the field when the payload disagrees with the metadata."""

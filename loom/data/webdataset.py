@@ -101,8 +101,8 @@ def split_key(name: str) -> tuple[str, str]:
 class WebDatasetSource(RecordSource):
     """Samples of WebDataset-style tar shards (see the module's docstring)."""
 
-    def __init__(self, path: str | Path, tokenizer: TextTokenizer) -> None:
-        super().__init__(tokenizer)
+    def __init__(self, path: str | Path, tokenizer: TextTokenizer, chat: bool = False) -> None:
+        super().__init__(tokenizer, chat)
         self.shards = shard_paths(path)
         self.keys: list[tuple[int, str]] = []  # sample index -> (shard, key)
         self.members: dict[tuple[int, str], dict[str, MemberRef]] = {}

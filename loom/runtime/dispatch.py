@@ -50,7 +50,7 @@ from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_
 from loom.cost.arch import ModelArch
 from loom.cost.workload import GENERATOR_NAMES, MetadataArrays, per_sample_sum
 from loom.data.collate import (MODALITIES, SAMPLE_FIELDS, Generations, TokenCounts, check_generations, collate_ids,
-                               generation_seed, item_token_count)
+                               flagged_ids, generation_seed, item_token_count)
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
 from loom.data.tokenizer import Tokenizer
 from loom.plan.plan import LLM, Plan
@@ -186,9 +186,10 @@ class Dispatcher:
         rows = RowMap(layout, tokens, items)
         received = self._exchange(layout, meta, costs.payload_bytes, mine, samples, text_ids)
         batches = self._microbatches(layout, meta, received, step)
-        # `loom.data.collate.target_count` summed: every text token after BOS but the markers (and requests)
-        num_targets = (int(meta.text_tokens.sum()) - meta.image_hw.shape[0] - meta.audio_samples.size
-                       - meta.generation_code.size - meta.num_samples)
+        # `loom.data.collate.target_count` summed: every text token after BOS but the markers (and requests),
+        # or a sample's own count where its loss covers only some tokens (a chat's assistant turns)
+        default = meta.text_tokens - meta.image_count - meta.audio_count - meta.generation_count - 1
+        num_targets = int(np.where(meta.target_tokens >= 0, meta.target_tokens, default).sum())
         num_generations = {g: int((meta.generation_code == GENERATOR_NAMES.index(g)).sum()) for g in self.generations}
         return Dispatched(layout, rows, batches, num_targets, meta, costs, num_generations=num_generations,
                           skipped=skipped)
@@ -241,7 +242,7 @@ class Dispatcher:
         for encoder, count in self._counts.items():  # an item its encoder refuses (an image side the patch
             for item in getattr(sample.meta, SAMPLE_FIELDS[encoder]):  # does not divide) fails as its sample
                 item_token_count(encoder, count, item, sample.meta.sample_id)
-        text = self.tokenizer.encode(sample.text)
+        text = flagged_ids(self.tokenizer, sample.text, sample.target_spans)  # targets flagged (a chat's turns)
         if len(text) != sample.meta.text_tokens:
             raise ValueError(
                 f"sample {sample.meta.sample_id}: the text has {len(text)} token ids but meta.text_tokens "

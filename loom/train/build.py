@@ -124,7 +124,7 @@ def build_data(cfg: TrainConfig) -> tuple[Tokenizer | HFTokenizer, DemoDataset |
     data = cfg.data
     if data.tokenizer:  # a Hugging Face tokenizer (loom.data.hf_tokenizer)
         try:
-            tokenizer = HFTokenizer(data.tokenizer, extra_tokens=extra)
+            tokenizer = HFTokenizer(data.tokenizer, extra_tokens=extra, chat=data.chat_template)
         except ValueError as e:
             raise ConfigError(f"data.tokenizer = {data.tokenizer!r}: {e}") from e
     else:
@@ -133,8 +133,8 @@ def build_data(cfg: TrainConfig) -> tuple[Tokenizer | HFTokenizer, DemoDataset |
         return tokenizer, DemoDataset(data.demo, tokenizer=tokenizer)
     try:
         if data.source == "llava":
-            return tokenizer, LlavaSource(data.path, tokenizer, root=data.root or None)
-        return tokenizer, WebDatasetSource(data.path, tokenizer)
+            return tokenizer, LlavaSource(data.path, tokenizer, root=data.root or None, chat=data.chat_template)
+        return tokenizer, WebDatasetSource(data.path, tokenizer, chat=data.chat_template)
     except DataError as e:
         raise ConfigError(f"data.path = {data.path!r}: {e}") from e
 

@@ -98,6 +98,9 @@ class DataConfig:
     # a local Hugging Face tokenizer directory (AutoTokenizer, local files only; markers it lacks
     # are added as special tokens, `loom.data.hf_tokenizer`); "": the demo's word tokenizer
     tokenizer: str = ""
+    # render each LLaVA / WebDataset conversation with data.tokenizer's chat template and put the
+    # loss on the assistant turns only (docs/data.md, "Chat templates")
+    chat_template: bool = False
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -177,6 +180,10 @@ class TrainConfig:
         _require(data.source == "demo" or not (gen is not None or data.demo.mix.get("generate", 0)), "data.source",
                  data.source, "the file formats carry no generation targets", 'use data.source = "demo" with a '
                  "[model.generator]")
+        _require(not data.chat_template or (data.tokenizer and data.source != "demo"), "data.chat_template", True,
+                 "a chat template renders the conversations of data.source llava / webdataset with a Hugging Face "
+                 "tokenizer", "set data.tokenizer to its directory and data.source to llava or webdataset, or "
+                 "data.chat_template = false")
         _require(data.on_error in ("raise", "skip"), "data.on_error", data.on_error, "unknown choice",
                  "choose 'raise' (stop at a bad sample) or 'skip' (replace it by the next index, logged and counted)")
         _require(self.data.microbatch_tokens >= 0, "data.microbatch_tokens", self.data.microbatch_tokens,
