@@ -242,7 +242,7 @@ class TrainConfig:
     def hf_llm_config(self) -> Any:
         """The Hugging Face config ``model.llm.hf`` names (None when unset); a one-line
         `ConfigError` naming the field when it is missing or not a supported causal LM."""
-        path = self.model.llm.hf
+        path = getattr(self.model.llm, "hf", "")  # a zoo LlamaConfig (no hf field) is accepted too
         if not path:
             return None
         from loom.model.hf import load_config
