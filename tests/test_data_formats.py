@@ -104,6 +104,13 @@ def _first_with(ds, field):
     return next(i for i in range(len(ds)) if getattr(ds.meta(i), field))
 
 
+def _first_media(ds, w, field: str, key: str) -> tuple[int, dict, str]:
+    """The first sample with ``field`` items: its index, its LLaVA record and its first ``key`` file."""
+    i = _first_with(ds, field)
+    rec = json.loads(w.llava.read_text())[i]
+    return i, rec, rec[key] if isinstance(rec[key], str) else rec[key][0]
+
+
 def _one_line_error(fn, *needles):
     with pytest.raises(DataError) as e:
         fn()
@@ -116,9 +123,7 @@ def _one_line_error(fn, *needles):
 
 def test_missing_media_file_names_file_and_sample(small):
     ds, w, out = small
-    i = _first_with(ds, "images")
-    rec = json.loads(w.llava.read_text())[i]
-    ref = rec["image"] if isinstance(rec["image"], str) else rec["image"][0]
+    i, rec, ref = _first_media(ds, w, "images", "image")
     (out / ref).unlink()
     src = LlavaSource(w.llava, ds.tokenizer)
     for fn in (lambda: src.meta(i), lambda: src[i]):
@@ -128,9 +133,7 @@ def test_missing_media_file_names_file_and_sample(small):
 
 def test_truncated_png_fails_on_decode_naming_it(small):
     ds, w, out = small
-    i = _first_with(ds, "images")
-    rec = json.loads(w.llava.read_text())[i]
-    ref = rec["image"] if isinstance(rec["image"], str) else rec["image"][0]
+    i, rec, ref = _first_media(ds, w, "images", "image")
     data = (out / ref).read_bytes()
     (out / ref).write_bytes(data[: len(data) // 2])
     src = LlavaSource(w.llava, ds.tokenizer)
@@ -140,9 +143,7 @@ def test_truncated_png_fails_on_decode_naming_it(small):
 
 def test_corrupt_wav_header_names_it(small):
     ds, w, out = small
-    i = _first_with(ds, "audios")
-    rec = json.loads(w.llava.read_text())[i]
-    ref = rec["audio"] if isinstance(rec["audio"], str) else rec["audio"][0]
+    i, rec, ref = _first_media(ds, w, "audios", "audio")
     (out / ref).write_bytes(b"not a wav file at all")
     src = LlavaSource(w.llava, ds.tokenizer)
     _one_line_error(lambda: src.meta(i), str(out / ref), "audio header", f"sample {i}")
@@ -350,9 +351,7 @@ def _loader(source, tokenizer, on_error, counts=None):
 
 def test_on_error_raise_names_the_file_and_skip_replaces_by_the_next_index(small):
     ds, w, out = small
-    i = _first_with(ds, "images")
-    rec = json.loads(w.llava.read_text())[i]
-    ref = rec["image"] if isinstance(rec["image"], str) else rec["image"][0]
+    i, rec, ref = _first_media(ds, w, "images", "image")
     (out / ref).unlink()
     src = LlavaSource(w.llava, ds.tokenizer)
     samples, ids, error, skipped = _loader(src, ds.tokenizer, "raise")._load([i, 0], [0, 1])
