@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import tomli_w
+
 LLM = "llm"
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # a module mesh's dimension names, outermost first
 SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # zb-h1: zero-bubble (Qi et al.), loom.schedule.generators
@@ -601,19 +603,14 @@ class Plan:
             data = tomllib.load(f)
         return cls.from_dict(data.get("plan", data))
 
+    def to_toml_table(self) -> dict[str, Any]:
+        """The ``[plan]`` table as TOML data: `to_dict` without the unset fields (TOML has no
+        null; an absent ``stage_boundaries`` or ``shard_degree`` reads back as None)."""
+        d = self.to_dict()
+        d["modules"] = [{k: v for k, v in m.items() if v is not None} for m in d["modules"]]
+        return d
+
     def to_toml(self) -> str:
-        lines = ["[plan]", f"num_microbatches = {self.num_microbatches}", f'schedule = "{self.schedule}"',
-                 f'placement = "{self.placement}"', f'bubble_fill = "{self.bubble_fill}"', ""]
-        for m in self.modules:
-            lines += ["[[plan.modules]]", f'name = "{m.name}"', f"data_parallel = {m.data_parallel}",
-                      f"num_stages = {m.num_stages}", f"tensor_parallel = {m.tensor_parallel}",
-                      f"context_parallel = {m.context_parallel}", f"zero_stage = {m.zero_stage}",
-                      f'recompute = "{m.recompute}"']
-            if m.stage_boundaries is not None:
-                lines.append(f"stage_boundaries = {list(m.stage_boundaries)}")
-            if m.shard_degree is not None:
-                lines.append(f"shard_degree = {m.shard_degree}")
-            if m.virtual_stages != 1:
-                lines.append(f"virtual_stages = {m.virtual_stages}")
-            lines.append("")
-        return "\n".join(lines)
+        """The plan as a TOML document with a ``[plan]`` table and ``[[plan.modules]]`` entries
+        (`from_toml` and ``plan = "@file"`` in a run config read it back)."""
+        return tomli_w.dumps({"plan": self.to_toml_table()})

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from loom.balance.config import BalanceConfig, BalanceError, check_balance_config
 from loom.data.demo import DemoConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
@@ -430,40 +432,22 @@ def m_as_dict(m: ModuleSpec) -> dict[str, Any]:
 
 
 def config_to_toml(cfg: TrainConfig) -> str:
-    """The resolved configuration as TOML (written to the run directory)."""
-    lines: list[str] = []
-
-    def emit(prefix: str, obj: Any) -> None:
-        scalars, tables = [], []
-        for f in dataclasses.fields(obj):
-            v = getattr(obj, f.name)
-            if dataclasses.is_dataclass(v):
-                tables.append((f.name, v))
-            elif v is None:
-                scalars.append(f'{f.name} = "none"')
-            else:
-                scalars.append(f"{f.name} = {_toml_value(v)}")
-        lines.append(f"[{prefix}]")
-        lines.extend(scalars)
-        lines.append("")
-        for name, v in tables:
-            emit(f"{prefix}.{name}", v)
-
-    for section in ("run", "model", "data", "optim", "balance"):
-        emit(section, getattr(cfg, section))
-    lines.append(cfg.plan.to_toml())
-    return "\n".join(lines)
+    """The resolved configuration as TOML (written to the run directory), by ``tomli_w``:
+    `load_config` reads it back to an equal `TrainConfig`. TOML has no null, so a None field
+    (an encoder or generator turned off) is written as ``"none"``, which loading reads as None."""
+    data: dict[str, Any] = {s: _toml_data(getattr(cfg, s)) for s in ("run", "model", "data", "optim", "balance")}
+    data["plan"] = cfg.plan.to_toml_table()
+    return tomli_w.dumps(data)
 
 
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+def _toml_data(v: Any) -> Any:
+    """A config value as TOML data: dataclasses as tables, None as ``"none"``, tuples as lists."""
+    if dataclasses.is_dataclass(v):
+        return {f.name: _toml_data(getattr(v, f.name)) for f in dataclasses.fields(v)}
+    if v is None:
+        return "none"
     if isinstance(v, dict):
-        return "{ " + ", ".join(f'"{k}" = {_toml_value(x)}' for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {v!r} as TOML")
+        return {str(k): _toml_data(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_toml_data(x) for x in v]
+    return v
