@@ -22,8 +22,12 @@ def loom(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.mark.multiprocess
 def test_train_writes_the_run_directory(tmp_path):
+    from loom.train.scalars import tensorboard_installed
+
+    board = tensorboard_installed()  # run.tensorboard where the package is (tests/test_tensorboard.py)
     out = loom("train", "--config", str(ROOT / "configs/demo.toml"), "run.steps=4", "run.name=t",
-               f"run.out_dir={tmp_path}", "run.log_every=1", *TINY, cwd=tmp_path)
+               f"run.out_dir={tmp_path}", "run.log_every=1", *TINY, *(["run.tensorboard=true"] if board else []),
+               cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     run = tmp_path / "t"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -31,6 +35,12 @@ def test_train_writes_the_run_directory(tmp_path):
     for r in rows:
         assert {"step", "loss", "samples_per_s", "step_time_s"} <= set(r) and r["loss"] > 0
     assert "step     3/4" in out.stdout
+    if board:  # the rows' numbers as TensorBoard scalars, step by step
+        from test_tensorboard import read_scalars
+
+        got = read_scalars(run / "tensorboard")
+        assert [v for _, v in got["loss"]] == pytest.approx([r["loss"] for r in rows])
+        assert {"lr", "samples_per_s", "step_time_s"} <= set(got)
     cfg = load_config(run / "config.toml")
     assert cfg.run.steps == 4 and cfg.model.llm.hidden_size == 32
     plan = Plan.from_json(run / "plan.json")

@@ -31,6 +31,7 @@ from loom.plan.plan import ModuleSpec, Plan, PlanError
 from loom.runtime.tensor_parallel import check_tp_degree
 from loom.runtime.context_parallel import check_context_parallel
 from loom.runtime.zero import check_zero
+from loom.train import scalars
 
 DATA_SOURCES = ("demo", "llava", "webdataset")  # data.source
 
@@ -52,6 +53,9 @@ class RunConfig:
     # save a checkpoint (loom.train.checkpoint) every N steps, and always after the last step
     # and on SIGTERM; 0: only after the last step and on SIGTERM
     checkpoint_every: int = 0
+    # rank 0 writes each metrics.jsonl row's numbers as TensorBoard scalars to
+    # runs/<name>/tensorboard/ (loom.train.scalars; needs pip install tensorboard)
+    tensorboard: bool = False
 
 
 @dataclass
@@ -275,6 +279,9 @@ class TrainConfig:
         (`check_ranks_per_node`; ``ranks_per_launch_node``: the processes per node of the launch,
         when known). Call after ``plan.resolve``."""
         self.check_ranks_per_node(self.plan.world_size, ranks_per_launch_node)
+        if self.run.tensorboard and not scalars.tensorboard_installed():
+            raise ConfigError("run.tensorboard = true: needs the tensorboard package, which is not installed; "
+                              "pip install tensorboard (or loom[tensorboard]), or set run.tensorboard = false")
         if self.run.device == "cuda":
             import torch
 

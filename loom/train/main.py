@@ -8,7 +8,8 @@ schedule, sampler and `Dispatcher`) and runs `RankRun.step` once per step: the g
 sample indices from the seeded sampler; the dispatcher loads each rank's share, gathers the
 metadata, applies the ``[balance]`` policy and moves every payload to the ranks that run it;
 each rank runs its share of the schedule. The benchmarks call the same two functions.
-Rank 0 writes ``metrics.jsonl``, ``balance.jsonl`` (per step: the policy, the microbatches'
+Rank 0 writes ``metrics.jsonl`` (and, with ``run.tensorboard``, the same numbers as TensorBoard
+scalars in ``tensorboard/``, `loom.train.scalars`), ``balance.jsonl`` (per step: the policy, the microbatches'
 dataset indices per phase, max/mean load across replicas and microbatches) and, at the end,
 ``trace.json`` with every rank's timeline of the last step. Every rank writes its output to
 ``logs/rank<R>.log`` and how it ended to ``logs/rank<R>.exit.json``; rank 0 marks the run
@@ -43,6 +44,7 @@ from loom.train.checkpoint import Checkpointer, truncate_log
 from loom.train.config import TrainConfig, load_config
 from loom.train.launch import SUPERVISOR_ENV, die_with_parent
 from loom.train.rank import build_rank, lr_lambda
+from loom.train.scalars import TensorBoardScalars
 from loom.train.status import LOGS, RankExit, Terminated, classify, write_pid, write_status
 
 
@@ -92,13 +94,15 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
         run.engine.schedule_for(run.engine.identity_layout(cfg.data.global_batch_size)).to_json(run_dir / "schedule.json")
 
     progress = None
-    metrics = balance_log = None
+    metrics = balance_log = board = None
     if rank == 0:
         if resume is not None:  # the steps before the checkpoint stay; later ones run again
             truncate_log(run_dir / "metrics.jsonl", start)
             truncate_log(run_dir / "balance.jsonl", start)
         metrics = open(run_dir / "metrics.jsonl", "a" if resume is not None else "w")
         balance_log = open(run_dir / "balance.jsonl", "a" if resume is not None else "w")
+        if cfg.run.tensorboard:  # the same rows as scalars (loom.train.scalars)
+            board = TensorBoardScalars(run_dir, resume_step=start if resume is not None else None)
         if sys.stdout.isatty():  # a live bar in a terminal; plain log lines in files and CI logs
             from tqdm import tqdm
 
@@ -134,6 +138,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
                 row["grad_norm"] = round(done.result.grad_norm, 6)
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
+            if board is not None:
+                board.write(row)
             balance_log.write(json.dumps({
                 "step": step,
                 "policy": got.layout.policy, "kept_given": got.layout.kept_given, "predicted_gain": got.layout.predicted_gain,
@@ -170,6 +176,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
             progress.close()
         metrics.close()
         balance_log.close()
+        if board is not None:
+            board.close()
         events = [e for per_rank in gathered for e in per_rank]
     if rank == 0 and events:  # no step ran: a resumed run already at its end, or one stopped at once
         t_min = min(e.start_s for e in events)
