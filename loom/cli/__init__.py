@@ -10,6 +10,7 @@
     loom bench [--list | --all | NAME ...]                          run benchmarks, regenerate results
     loom data write-demo --out DIR [--format llava|webdataset|both] [--num-samples N]
                                                                     write the demo set as files
+    loom export RUN_DIR --hf OUT_DIR [--step N] [--overwrite]       a run's checkpoint as a Hugging Face model
 
 ``loom train`` checks the configuration, the plan against the model and everything else that
 depends only on the config *before* starting any process, claims ``runs/<name>/`` (a reused
@@ -45,6 +46,7 @@ from loom.balance.config import BalanceError
 from loom.cli.bench import cmd_bench
 from loom.cli.common import DEFAULT_CONFIG, CliError
 from loom.cli.data import cmd_data
+from loom.cli.export import cmd_export
 from loom.cli.plan import cmd_plan
 from loom.cli.profile import cmd_profile
 from loom.cli.simulate import DEFAULT_SCENARIO, cmd_simulate
@@ -162,6 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help=f"its [data.demo] table (default: configs/{DEFAULT_CONFIG.name})")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. data.demo.seed=1")
     p.set_defaults(fn=cmd_data)
+
+    p = sub.add_parser("export", help="write a run's checkpoint as a Hugging Face model directory")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run (runs/<name>) whose checkpoint to export")
+    p.add_argument("--hf", required=True, metavar="OUT_DIR",
+                   help="where model.safetensors, config.json (and loom_modules.* for encoders) go")
+    p.add_argument("--step", type=int, default=None, metavar="N",
+                   help="export checkpoints/step_N (default: the one checkpoints/latest names)")
+    p.add_argument("--overwrite", action="store_true", help="delete a non-empty OUT_DIR first")
+    p.set_defaults(fn=cmd_export)
     return ap
 
 
