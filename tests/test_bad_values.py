@@ -22,6 +22,9 @@ TRAIN = [
     (["model.llm.num_heads=0"], "model.llm.num_heads = 0"),
     (["model.audio.mlp_ratio=-1.0"], "model.audio.mlp_ratio"),
     (["run.log_every=0"], "run.log_every = 0"),
+    (["run.eval_every=-1"], "run.eval_every = -1"),
+    (["run.eval_every=5"], "run.eval_every = 5"),  # no held-out split
+    (["run.eval_every=5", "data.eval_samples=12"], "data.eval_samples = 12"),  # not whole global batches
     (['run.dtype="fp16"'], "run.dtype = 'fp16'"),
     (["plan.modules.llm.tensor_parallel=3"], "plan.modules['llm'].tensor_parallel = 3 does not divide the attention heads"),
     (["plan.modules.llm.tensor_parallel=4"], "plan.modules['llm'].tensor_parallel = 4 does not divide the key/value heads"),
@@ -170,3 +173,12 @@ class _no_raise:
 def test_out_dir_to_a_directory_is_refused(tmp_path, capsys):
     assert main(["profile", "--config", DEMO, "--out", str(tmp_path)]) == 2
     assert "is a directory" in one_line_error(capsys)
+
+
+def test_tensorboard_without_the_package_is_refused_by_the_dry_run(tmp_path, capsys, monkeypatch):
+    from loom.train import scalars
+
+    monkeypatch.setattr(scalars, "tensorboard_installed", lambda: False)
+    rc = main(["train", "--config", DEMO, "--dry-run", f"run.out_dir={tmp_path}", "run.tensorboard=true"])
+    assert rc == 2
+    assert "pip install tensorboard" in one_line_error(capsys) and not any(tmp_path.iterdir())

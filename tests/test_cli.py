@@ -27,7 +27,7 @@ def test_train_writes_the_run_directory(tmp_path):
     board = tensorboard_installed()  # run.tensorboard where the package is (tests/test_tensorboard.py)
     out = loom("train", "--config", str(ROOT / "configs/demo.toml"), "run.steps=4", "run.name=t",
                f"run.out_dir={tmp_path}", "run.log_every=1", *TINY, *(["run.tensorboard=true"] if board else []),
-               cwd=tmp_path)
+               "run.eval_every=2", "data.eval_samples=8", cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
     run = tmp_path / "t"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -35,12 +35,16 @@ def test_train_writes_the_run_directory(tmp_path):
     for r in rows:
         assert {"step", "loss", "samples_per_s", "step_time_s"} <= set(r) and r["loss"] > 0
     assert "step     3/4" in out.stdout
+    # run.eval_every=2: the held-out split's loss after steps 1 and 3 (the last), in the row and the log
+    assert [r["step"] for r in rows if "eval_loss" in r] == [1, 3] and all(r["eval_loss"] > 0 for r in rows
+                                                                          if "eval_loss" in r)
+    assert "eval_loss" in next(line for line in out.stdout.splitlines() if line.startswith("step     3/4"))
     if board:  # the rows' numbers as TensorBoard scalars, step by step
         from test_tensorboard import read_scalars
 
         got = read_scalars(run / "tensorboard")
         assert [v for _, v in got["loss"]] == pytest.approx([r["loss"] for r in rows])
-        assert {"lr", "samples_per_s", "step_time_s"} <= set(got)
+        assert {"lr", "samples_per_s", "step_time_s"} <= set(got) and [s for s, _ in got["eval_loss"]] == [1, 3]
     cfg = load_config(run / "config.toml")
     assert cfg.run.steps == 4 and cfg.model.llm.hidden_size == 32
     plan = Plan.from_json(run / "plan.json")

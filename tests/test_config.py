@@ -47,6 +47,11 @@ def test_disabling_an_encoder():
     ("[data]\nglobal_batch_size = 2\n", ["global_batch_size = 2", "num_microbatches = 4"]),
     ("[[plan.modules]]\nname = 'video'\n[[plan.modules]]\nname = 'llm'\n", ["'video'", "unknown module name"]),
     ("[run\nsteps = 3\n", ["not valid TOML"]),
+    ("[run]\neval_every = -1\n", ["run.eval_every = -1", "must not be negative"]),
+    ("[run]\neval_every = 5\n", ["run.eval_every = 5", "set data.eval_samples"]),
+    ("[data]\neval_samples = 16\n", ["data.eval_samples = 16", "set run.eval_every"]),
+    ("[run]\neval_every = 5\n[data]\neval_samples = 12\n", ["data.eval_samples = 12", "global_batch_size = 16",
+                                                             "multiple"]),
 ])
 def test_bad_configs_name_the_field(tmp_path, text, words):
     path = tmp_path / "bad.toml"
@@ -81,6 +86,8 @@ device = "cuda"
 log_every = 3
 dtype = "bf16"
 checkpoint_every = 11
+tensorboard = true
+eval_every = 5
 
 [model]
 audio = "none"
@@ -124,6 +131,7 @@ norm_eps = 1e-5
 
 [data]
 global_batch_size = 12
+eval_samples = 24
 pack_sequences = true
 microbatch_tokens = 512
 on_error = "skip"

@@ -2,7 +2,10 @@
 pipeline stages) run `RankRun.step` twice; the losses of both steps and the parameters after
 them equal one process training the same model on the same batches with the run's optimizer
 (AdamW with ``optim.weight_decay`` and betas 0.9/0.95) and LR schedule, so the step holds the
-dispatch, the optimizer and the scheduler exactly once each."""
+dispatch, the optimizer and the scheduler exactly once each. A second run of the same config
+evaluates its held-out split (``data.eval_samples``) before, between and after the steps:
+its evaluation losses equal the one-process model's on that split, and its training equals the
+first run's bit for bit (an evaluation changes no state)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ pytestmark = pytest.mark.multiprocess
 
 WORLD = 2
 STEPS = 2
+EVAL = 8  # data.eval_samples
 
 
 def _config() -> TrainConfig:
@@ -34,7 +38,9 @@ def _config() -> TrainConfig:
     cfg.run = dataclasses.replace(cfg.run, seed=3, steps=4)
     # weight decay and a warmup of 2 steps: a step that left out either would change the second step
     cfg.optim = dataclasses.replace(cfg.optim, lr=1e-2, weight_decay=0.1, warmup_steps=2)
-    cfg.data = dataclasses.replace(cfg.data, global_batch_size=8,
+    # the last 8 samples held out (run.eval_every): the sampler draws from the first 56
+    cfg.run = dataclasses.replace(cfg.run, eval_every=1)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=8, eval_samples=EVAL,
                                    demo=DemoConfig(num_samples=64, seed=3, mix={"text": 1.0}))
     return cfg.check()
 
@@ -44,12 +50,22 @@ def _worker(rank: int, world_size: int, out: str) -> None:
     run = build_rank(cfg, torch.device("cpu"))
     steps = [run.step(i) for i in range(STEPS)]
     group = run.optimizer.param_groups[0] if run.optimizer is not None else {}
+    evaluated = build_rank(cfg, torch.device("cpu"))  # the same run, evaluated around every step
+    evals = [evaluated.evaluate(0)]
+    steps_e = []
+    for i in range(STEPS):
+        steps_e.append(evaluated.step(i))
+        evals.append(evaluated.evaluate(i))
     torch.save({
+        "evals": [e["llm"] for e in evals],
+        "losses_e": [s.loss for s in steps_e],
+        "params_e": {n: p.detach().clone() for n, p in evaluated.engine.stage.named_parameters().items()},
         "losses": [s.loss for s in steps],
         "indices": [[int(i) for i in s.indices] for s in steps],
         "lr": group.get("lr"), "betas": group.get("betas"), "weight_decay": group.get("weight_decay"),
         "params": {n: p.detach().clone() for n, p in run.engine.stage.named_parameters().items()},
     }, Path(out) / f"rank{rank}.pt")
+    evaluated.close()
     run.close()
 
 
@@ -62,7 +78,15 @@ def test_rank_steps_match_one_process_with_the_runs_optimizer_and_schedule(tmp_p
     model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
     optimizer = make_optimizer(cfg.optim)([p for p in model.parameters() if p.requires_grad])
     scheduler = make_lr_scheduler(cfg, optimizer)
-    losses = []
+    held_out = list(range(64 - EVAL, 64))
+    assert not set(held_out) & {i for step in results[0]["indices"] for i in step}, "the split is never trained on"
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            batch = collate([dataset[i] for i in held_out], tokenizer, token_counters(model))
+            return float(model.loss(batch, sum(num_targets(dataset.meta(i)) for i in held_out)))
+
+    losses, evals = [], [evaluate()]
     for indices in results[0]["indices"]:
         batch = collate([dataset[i] for i in indices], tokenizer, token_counters(model))
         loss = model.loss(batch, sum(num_targets(dataset.meta(i)) for i in indices))
@@ -71,11 +95,16 @@ def test_rank_steps_match_one_process_with_the_runs_optimizer_and_schedule(tmp_p
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        evals.append(evaluate())
 
     ref = dict(model.named_parameters())
     seen = set()
     for r, res in enumerate(results):
         assert res["losses"] == pytest.approx(losses, rel=1e-5), f"rank {r}: the global loss of each step"
+        assert res["evals"] == pytest.approx(evals, rel=1e-5), f"rank {r}: the split's mean token loss"
+        assert res["losses_e"] == res["losses"], f"rank {r}: an evaluation changed the training's losses"
+        for name, p in res["params"].items():
+            assert torch.equal(res["params_e"][name], p), f"rank {r} {name}: an evaluation changed the training"
         assert res["betas"] == ADAM_BETAS and res["weight_decay"] == cfg.optim.weight_decay
         assert res["lr"] == pytest.approx(cfg.optim.lr * lr_lambda(cfg)(STEPS)), "one scheduler step per step"
         for name, p in res["params"].items():

@@ -29,7 +29,7 @@ from loom.runtime.tensor_parallel import check_tp_degree, layer_sharder, module_
 from loom.runtime.tied import tied_copies
 from loom.runtime.unit import UnitPlace
 from loom.runtime.zero import apply_zero, check_zero, zero_optimizer
-from loom.schedule.generators import build_schedule
+from loom.schedule.generators import build_schedule, pipeline_stages
 from loom.schedule.ir import Schedule
 from loom.schedule.validate import validate_schedule
 
@@ -50,6 +50,7 @@ class ParallelEngine:
     # passes the simulator's fill, loom.train.build.bubble_filler); validated like the built one
     schedule_transform: Callable[[Schedule, Plan], Schedule] | None = None
     _schedules: dict = field(default_factory=dict, repr=False)
+    _eval_schedules: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def create(
@@ -134,6 +135,39 @@ class ParallelEngine:
             validate_schedule(schedule, plan)
             self._schedules[key] = schedule
         return self._schedules[key]
+
+    def eval_schedule_for(self, layout: BatchLayout) -> Schedule:
+        """The (validated) forward-only schedule of an evaluation under ``layout``: the plan's
+        schedule with every stage counted as frozen, so it holds forwards and their messages
+        only (no backward, gradient sync or optimizer step); no eager warmup or bubble fill,
+        which only reorder a training step's work. Cached apart from the training schedules."""
+        key = layout.key()
+        if key not in self._eval_schedules:
+            if len(self._eval_schedules) >= 64:
+                self._eval_schedules.clear()
+            frozen = {sid: False for sid in pipeline_stages(self.plan)}
+            schedule = build_schedule(self.plan, frozen, layout=layout)
+            validate_schedule(schedule, replace(self.plan, num_microbatches=layout.num_microbatches))
+            self._eval_schedules[key] = schedule
+        return self._eval_schedules[key]
+
+    def evaluate(
+        self,
+        microbatches: dict[int, Batch],
+        num_targets: int,
+        step: int = 0,
+        *,
+        layout: BatchLayout,
+        rows: RowMap | None = None,
+        num_generations: dict[str, int] | None = None,
+    ) -> StepResult:
+        """A forward-only pass of a global batch (arguments as `step`): the losses as training
+        computes them, without autograd, gradients, optimizer or scheduler, so the state of the
+        run is left as it was (an evaluation between two steps does not change the training)."""
+        microbatches = self.executor.unit.share_microbatches(microbatches)
+        with torch.no_grad():
+            return self.executor.run(self.eval_schedule_for(layout), microbatches, num_targets, rows, step,
+                                     exact_timing=False, num_generations=num_generations, forward_only=True)
 
     def identity_layout(self, batch_size: int) -> BatchLayout:
         """The unbalanced layout of a global batch of ``batch_size`` samples: the plan's

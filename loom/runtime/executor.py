@@ -230,6 +230,7 @@ class PipelineExecutor:
         step: int = 0,
         exact_timing: bool = True,
         num_generations: dict[str, int] | None = None,
+        forward_only: bool = False,
     ) -> StepResult:
         """Run this rank's actions of ``schedule`` (built for the iteration's `BatchLayout`).
         ``microbatches`` holds (at least) the microbatches this rank works on, by slot;
@@ -258,7 +259,7 @@ class PipelineExecutor:
                 torch.cuda.synchronize(self.device)
             times.append(start)
             times.append(clock())
-        if self.max_grad_norm > 0 and plan.last_step < 0:  # no optimizer step here: join the norm now
+        if self.max_grad_norm > 0 and plan.last_step < 0 and not forward_only:  # no optimizer step here: join the norm now
             it.grad_norm = self._clip_gradients()
         self.comm.wait_sends()
         self.cp_contexts = it.cp

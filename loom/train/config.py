@@ -56,6 +56,9 @@ class RunConfig:
     # rank 0 writes each metrics.jsonl row's numbers as TensorBoard scalars to
     # runs/<name>/tensorboard/ (loom.train.scalars; needs pip install tensorboard)
     tensorboard: bool = False
+    # every N steps, and after the last, the mean token loss over the held-out split
+    # (data.eval_samples), forward only, as eval_loss in metrics.jsonl and the log; 0: off
+    eval_every: int = 0
 
 
 @dataclass
@@ -107,6 +110,9 @@ class DataConfig:
     # render each LLaVA / WebDataset conversation with data.tokenizer's chat template and put the
     # loss on the assistant turns only (docs/data.md, "Chat templates")
     chat_template: bool = False
+    # the held-out split run.eval_every evaluates: the dataset's last eval_samples indices, which
+    # the training sampler never draws; a multiple of global_batch_size (it runs in global batches)
+    eval_samples: int = 0
     demo: DemoConfig = field(default_factory=DemoConfig)
 
 
@@ -158,6 +164,19 @@ class TrainConfig:
                  "log every N >= 1 steps, e.g. run.log_every=10")
         _require(run.checkpoint_every >= 0, "run.checkpoint_every", run.checkpoint_every, "must not be negative",
                  "use 0 (a checkpoint after the last step only) or a step interval such as 100")
+        _require(run.eval_every >= 0, "run.eval_every", run.eval_every, "must not be negative",
+                 "use 0 (no evaluation) or a step interval such as 100")
+        _require(self.data.eval_samples >= 0, "data.eval_samples", self.data.eval_samples, "must not be negative",
+                 "use 0 (no held-out split) or a multiple of data.global_batch_size")
+        _require(run.eval_every == 0 or self.data.eval_samples > 0, "run.eval_every", run.eval_every,
+                 "evaluation needs a held-out split", "set data.eval_samples (a multiple of data.global_batch_size), "
+                 "or run.eval_every = 0")
+        _require(self.data.eval_samples == 0 or run.eval_every > 0, "data.eval_samples", self.data.eval_samples,
+                 "a held-out split is only evaluated with run.eval_every > 0", "set run.eval_every, or "
+                 "data.eval_samples = 0")
+        _require(self.data.global_batch_size < 1 or self.data.eval_samples % self.data.global_batch_size == 0,
+                 "data.eval_samples", self.data.eval_samples, f"the split is evaluated in global batches of "
+                 f"data.global_batch_size = {self.data.global_batch_size}", "use a multiple of it")
         _require(self.model.projector in ("linear", "mlp"), "model.projector", self.model.projector,
                  "unknown projector", "choose 'linear' or 'mlp'")
         _require(all(isinstance(f, str) and f for f in self.model.freeze), "model.freeze", self.model.freeze,

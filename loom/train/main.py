@@ -11,7 +11,10 @@ each rank runs its share of the schedule. The benchmarks call the same two funct
 Rank 0 writes ``metrics.jsonl`` (and, with ``run.tensorboard``, the same numbers as TensorBoard
 scalars in ``tensorboard/``, `loom.train.scalars`), ``balance.jsonl`` (per step: the policy, the microbatches'
 dataset indices per phase, max/mean load across replicas and microbatches) and, at the end,
-``trace.json`` with every rank's timeline of the last step. Every rank writes its output to
+``trace.json`` with every rank's timeline of the last step. With ``run.eval_every``, every rank
+evaluates the held-out split (``data.eval_samples``, `RankRun.evaluate`: forward only, the state
+untouched) after every ``eval_every``-th step and the last, and its mean loss joins that step's
+row as ``eval_loss``. Every rank writes its output to
 ``logs/rank<R>.log`` and how it ended to ``logs/rank<R>.exit.json``; rank 0 marks the run
 ``completed`` in ``status`` (`loom.train.status`).
 
@@ -121,6 +124,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
         done = run.step(step, exact_timing=step == cfg.run.steps - 1)  # the traced step
         got, loss, step_time = done.dispatched, done.loss, done.total_s
         last_timeline = done.result.timeline
+        evals = None  # run.eval_every: the held-out split's mean losses (every rank takes part)
+        if cfg.run.eval_every and ((step + 1) % cfg.run.eval_every == 0 or step == cfg.run.steps - 1):
+            evals = run.evaluate(step)
         if rank == 0:
             row = {
                 "step": step,
@@ -136,6 +142,10 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
                 row["skipped_samples"] = done.skipped_samples
             if done.result.grad_norm is not None:  # optim.max_grad_norm > 0: the pre-clip global norm
                 row["grad_norm"] = round(done.result.grad_norm, 6)
+            if evals is not None:  # the split's mean token loss (plus each generator's, as "loss" sums them)
+                row["eval_loss"] = round(sum(evals.values()), 6)
+                if len(evals) > 1:
+                    row.update({f"eval_loss_{m}": round(v, 6) for m, v in evals.items()})
             metrics.write(json.dumps(row) + "\n")
             metrics.flush()
             if board is not None:
@@ -149,13 +159,16 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
                 "max_over_mean": load_stats(got.layout, cfg.plan, got.costs),
                 "microbatches": {p: [[done.indices[s] for s in slot] for slot in v] for p, v in got.layout.slots.items()},
             }) + "\n")
+            evaluated = f"  eval_loss {row['eval_loss']:.4f}" if evals is not None else ""
             if progress is not None:
                 progress.set_postfix(loss=f"{loss:.3f}", samples_s=f"{row['samples_per_s']:.1f}")
                 progress.update(1)
-            elif step % cfg.run.log_every == 0 or step == cfg.run.steps - 1:
+                if evals is not None:  # kept above the bar, where a postfix would be overwritten
+                    _say(progress, f"step {step:5d}/{cfg.run.steps}{evaluated}")
+            elif step % cfg.run.log_every == 0 or step == cfg.run.steps - 1 or evals is not None:
                 terms = "".join(f"  {m} {v:.4f}" for m, v in done.losses.items()) if len(done.losses) > 1 else ""
                 print(f"step {step:5d}/{cfg.run.steps}  loss {loss:.4f}{terms}  "
-                      f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step", flush=True)
+                      f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step{evaluated}", flush=True)
         if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
             seconds = checkpointer.save(step + 1)
             if rank == 0:

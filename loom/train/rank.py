@@ -29,7 +29,7 @@ from loom.runtime.dispatch import Dispatched, Dispatcher, SampleSource
 from loom.runtime.engine import ParallelEngine
 from loom.runtime.executor import StepResult
 from loom.train.build import bubble_filler, build_data, build_model, generation_specs, token_counters
-from loom.train.config import OptimConfig, TrainConfig
+from loom.train.config import ConfigError, OptimConfig, TrainConfig
 
 ADAM_BETAS = (0.9, 0.95)  # the usual LLM pre-training betas (Llama 3, torchtitan)
 
@@ -122,6 +122,28 @@ class RankRun:
         return RankStep(step, indices, got, result, sum(losses.values()), losses, t1 - t0, t2 - t1,
                         time.perf_counter() - t0, skipped_samples=round(skipped))
 
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out split (the dataset's last ``data.eval_samples`` indices, in order, in
+        global batches) through the same dispatcher and engine path as training, forward only
+        (`ParallelEngine.evaluate`): per loss term (``"llm"``, each generator) its global mean over
+        the split (tokens for the LLM, items for a generator, weighted as in training), the same on
+        every rank. Leaves the run's state as it was. ``step``: the generators' noise seeds."""
+        size, n = self.cfg.data.global_batch_size, self.cfg.data.eval_samples
+        first = len(self.dataset) - n
+        terms = [LLM, *self.cfg.plan.generator_names]
+        sums = torch.zeros(2 * len(terms), dtype=torch.float64)  # per term: its loss summed, its count
+        for start in range(first, first + n, size):
+            got = self.dispatcher.dispatch(list(range(start, start + size)), step)
+            counts = {LLM: got.num_targets, **got.num_generations}
+            # normalised by 1: each loss term comes back summed over the batch, to be averaged over the split
+            result = self.engine.evaluate(got.batches, 1, step, layout=got.layout, rows=got.rows,
+                                          num_generations={g: 1 for g in got.num_generations})
+            for i, m in enumerate(terms):
+                sums[2 * i] += result.module_losses.get(m, 0.0)
+                sums[2 * i + 1] += counts.get(m, 0) if self.dispatcher.rank == 0 else 0  # counts are global
+        dist.all_reduce(sums)  # only the LLM's and the generators' last stages hold loss sums
+        return {m: float(sums[2 * i] / max(1.0, float(sums[2 * i + 1]))) for i, m in enumerate(terms)}
+
     def close(self) -> None:
         """End the runtime's communication (`ParallelEngine.close`) before the process group goes."""
         self.engine.close()
@@ -144,7 +166,11 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     if cfg.plan.bubble_fill != "none":  # Optimus: decided above the runtime, on the simulator (loom.sim.bubble_fill)
         engine.schedule_transform = bubble_filler(cfg, model, dataset, engine.plan)
     scheduler = make_lr_scheduler(cfg, engine.optimizer) if engine.optimizer is not None else None
-    sampler = GlobalBatchSampler(len(dataset), cfg.data.global_batch_size, seed=cfg.run.seed)
+    held_out = cfg.data.eval_samples  # the dataset's last indices: run.eval_every's split, never trained on
+    if held_out and held_out >= len(dataset):
+        raise ConfigError(f"data.eval_samples = {held_out}: the dataset has {len(dataset)} samples, so none would be "
+                          f"left to train on; hold out fewer (a multiple of data.global_batch_size)")
+    sampler = GlobalBatchSampler(len(dataset) - held_out, cfg.data.global_batch_size, seed=cfg.run.seed)
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch, cfg.balance, device,
                             pack=cfg.data.pack_sequences, generations=generation_specs(model),
                             microbatch_tokens=cfg.data.microbatch_tokens, on_error=cfg.data.on_error)
