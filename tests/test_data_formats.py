@@ -442,7 +442,8 @@ def test_train_on_llava_chats_with_an_hf_tokenizer_skipping_a_broken_sample(tmp_
     ref = records[broken]["image"] if isinstance(records[broken]["image"], str) else records[broken]["image"][0]
     (data / ref).unlink()
     tiny = ["model.vision.hidden_size=32", "model.audio.hidden_size=32", "model.llm.hidden_size=32",
-            "model.llm.intermediate_size=64", "data.global_batch_size=8"]
+            "model.llm.intermediate_size=64", "data.global_batch_size=8",
+            'plan.placement="first_stage"']  # 2 processes: the encoders in the LLM's first stage
     got = loom("train", "run.steps=2", "run.name=t", f"run.out_dir={tmp_path}", *tiny, 'data.source="llava"',
                f"data.path={data / 'train.json'}", 'data.on_error="skip"',
                f"data.tokenizer={save_word_tokenizer(tmp_path / 'tok', chat=True)[0]}", "data.chat_template=true")

@@ -1,4 +1,4 @@
-"""Per-stage initialisation (issue 9 point 2): an 8-stage LLM on 8 gloo processes, built on the
+"""Per-stage initialisation (issue 9 point 2): a 4-stage LLM on 4 gloo processes, built on the
 meta device; each rank materialises its own stage's layers and nothing else, holds exactly its
 stage's share of the parameter bytes, starts from the single-process model's values layer by
 layer, and trains to the reference loss and gradients. The same holds for a Hugging Face LLM
@@ -25,13 +25,13 @@ from reference import assert_matches_reference, identity_step, reference_backwar
 
 pytestmark = pytest.mark.multiprocess
 
-STAGES = 8
+STAGES = 4  # 9 layers over 4 stages: uneven stages; more ranks would only cost start-up time
 GLOBAL_BATCH = 4
 SEED = 11
 
 
 def _config() -> TrainConfig:
-    # 6 blocks + embedding, norm and head: 9 layers over 8 stages
+    # 6 blocks + embedding, norm and head: 9 layers over the stages
     llm = LlamaConfig(hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2, intermediate_size=64)
     cfg = TrainConfig(model=ModelConfig(vision=None, audio=None, llm=llm),
                       plan=Plan([ModuleSpec("llm", num_stages=STAGES)], num_microbatches=4))
