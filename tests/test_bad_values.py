@@ -22,6 +22,8 @@ TRAIN = [
     (["model.llm.num_heads=0"], "model.llm.num_heads = 0"),
     (["model.audio.mlp_ratio=-1.0"], "model.audio.mlp_ratio"),
     (["run.log_every=0"], "run.log_every = 0"),
+    (['model.audio="none"', 'plan.modules=[{name="vision"}, {name="llm", num_stages=2}]'],
+     "data.demo.mix.audio = 0.2: these samples need the audio encoder"),
     (["run.eval_every=-1"], "run.eval_every = -1"),
     (["run.eval_every=5"], "run.eval_every = 5"),  # no held-out split
     (["run.eval_every=5", "data.eval_samples=12"], "data.eval_samples = 12"),  # not whole global batches

@@ -185,6 +185,13 @@ class TrainConfig:
         _require(gen is not None or self.data.demo.mix.get("generate", 0) == 0, "data.demo.mix.generate",
                  self.data.demo.mix.get("generate"), "generation requests need a model with an image generator",
                  "add a [model.generator] table, or set it to 0")
+        if self.data.source == "demo":  # the demo's sample kinds need their encoders (files are checked as they load)
+            for kind, encoder in (("image", "vision"), ("multi_image", "vision"), ("image_audio", "vision"),
+                                  ("audio", "audio"), ("image_audio", "audio")):
+                weight = self.data.demo.mix.get(kind, 0)
+                _require(getattr(self.model, encoder) is not None or not weight, f"data.demo.mix.{kind}", weight,
+                         f"these samples need the {encoder} encoder, which model.{encoder} = none removes",
+                         f"set data.demo.mix.{kind} to 0 or keep [model.{encoder}]")
         _require(math.isfinite(self.model.generator_loss_weight) and self.model.generator_loss_weight >= 0,
                  "model.generator_loss_weight", self.model.generator_loss_weight, "must not be negative",
                  "use a weight such as 1.0")
@@ -367,7 +374,7 @@ def _require(ok: bool, field_name: str, value: Any, why: str, fix: str) -> None:
 # Model shapes: every integer field is a size or count (at least 1), every float a positive
 # scale. Checked before the zoo configs' own __post_init__, which would divide by zero.
 def _check_shape(cls: type, where: str, kwargs: dict[str, Any]) -> None:
-    if cls not in (VisionConfig, AudioConfig, LlamaConfig):
+    if not issubclass(cls, (VisionConfig, AudioConfig, LlamaConfig)):  # LLMConfig too
         return
     for k, v in kwargs.items():
         if isinstance(v, bool):
