@@ -80,15 +80,14 @@ def predictions(plan_path: Path | None, profile: Path, ranks: int, steps: range)
     """The planner's model of each of ``steps`` of ``loom train`` with the plan of ``plan_path``
     (None: the config's own) on ``ranks`` local ranks (`LocalScenario.step_seconds`)."""
     from loom.cli import build_parser
+    from loom.cli.common import plan_overrides
     from loom.cli.search import local_scenario
+    from loom.train.config import load_config
 
     argv = ["plan", "--search", "--cluster", "local", "--config", str(CONFIG), "--profile", str(profile),
             "--ranks", str(ranks)] + (["--plan", str(plan_path)] if plan_path else [])
     args = build_parser().parse_args(argv)
     scenario = local_scenario(args)
-    from loom.train.config import load_config
-    from loom.cli.common import plan_overrides
-
     plan = load_config(CONFIG, plan_overrides(args)).plan
     plan.resolve(scenario.arch.layer_counts(), ranks)
     return [scenario.step_seconds(plan, step=s) for s in steps]

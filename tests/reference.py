@@ -113,3 +113,27 @@ def single_process_losses(cfg: TrainConfig) -> list[float]:
     finally:
         torch.set_num_threads(threads)
     return losses
+
+
+# ---- a Hugging Face Llama as the LLM alone ----------------------------------------------------
+def hf_llama(config: dict[str, Any], seed: int, device: str = "meta") -> Any:
+    """A `MultimodalModel` whose LLM is an unmodified ``transformers.LlamaForCausalLM`` of
+    ``config`` (no encoders), built on the meta device with ``init_seed`` ``seed``; materialised
+    on ``device`` unless that is ``"meta"``."""
+    import transformers
+
+    from loom.model.multimodal import MultimodalModel
+
+    with torch.device("meta"):
+        model = MultimodalModel({}, transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)), {})
+    model.init_seed = seed
+    if device != "meta":
+        model.materialise("llm", device)
+    return model
+
+
+def token_batch(vocab_size: int, samples: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token ids (never 0) and their next-token labels, the last position unlabelled."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab_size, (samples, length), generator=g)
+    return ids, torch.cat([ids[:, 1:], torch.full((samples, 1), -100)], dim=1)

@@ -21,6 +21,7 @@ from loom.plan.plan import ModuleSpec, Plan  # noqa: E402
 from loom.runtime.engine import ParallelEngine  # noqa: E402
 from loom.runtime.local import run_local  # noqa: E402
 from loom.runtime.tensor_parallel import llama_projection_styles  # noqa: E402
+from reference import hf_llama, token_batch  # noqa: E402
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, tie_word_embeddings=False)
@@ -28,20 +29,11 @@ SAMPLES, LENGTH, MICROBATCHES = 4, 9, 2
 
 
 def _model(device: str = "meta") -> MultimodalModel:
-    config = transformers.LlamaConfig(**TINY, attn_implementation="sdpa")
-    with torch.device("meta"):
-        model = MultimodalModel({}, transformers.LlamaForCausalLM(config), {})
-    model.init_seed = 7
-    if device != "meta":
-        model.materialise("llm", device)
-    return model
+    return hf_llama({**TINY, "attn_implementation": "sdpa"}, seed=7, device=device)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, TINY["vocab_size"], (SAMPLES, LENGTH), generator=g)
-    labels = torch.cat([ids[:, 1:], torch.full((SAMPLES, 1), -100)], dim=1)
-    return ids, labels
+    return token_batch(TINY["vocab_size"], SAMPLES, LENGTH, seed=1)
 
 
 def _worker(rank: int, world_size: int, out: str) -> None:

@@ -20,6 +20,7 @@ from loom.plan.plan import ModuleSpec, Plan, PlanError  # noqa: E402
 from loom.runtime.engine import ParallelEngine  # noqa: E402
 from loom.runtime.local import run_local  # noqa: E402
 from loom.runtime.stage import build_stages  # noqa: E402
+from reference import hf_llama, token_batch  # noqa: E402
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, tie_word_embeddings=True)
@@ -28,18 +29,11 @@ EMBED, HEAD = "llm.model.embed_tokens.weight", "llm.lm_head.weight"
 
 
 def _model(device: str = "meta") -> MultimodalModel:
-    with torch.device("meta"):
-        model = MultimodalModel({}, transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE)), {})
-    model.init_seed = 11
-    if device != "meta":
-        model.materialise("llm", device)
-    return model
+    return hf_llama(SHAPE, seed=11, device=device)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
-    ids = torch.randint(1, SHAPE["vocab_size"], (SAMPLES, LENGTH), generator=g)
-    return ids, torch.cat([ids[:, 1:], torch.full((SAMPLES, 1), -100)], dim=1)
+    return token_batch(SHAPE["vocab_size"], SAMPLES, LENGTH, seed=2)
 
 
 def test_materialised_in_any_order_the_tie_is_one_tensor():
