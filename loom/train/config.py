@@ -53,6 +53,9 @@ class RunConfig:
     # save a checkpoint (loom.train.checkpoint) every N steps, and always after the last step
     # and on SIGTERM; 0: only after the last step and on SIGTERM
     checkpoint_every: int = 0
+    # the periodic saves in the background (DCP async_save: the step waits only for a CPU copy
+    # of the state); the final and the SIGTERM save wait for it (loom.train.checkpoint)
+    checkpoint_async: bool = False
     # rank 0 writes each metrics.jsonl row's numbers as TensorBoard scalars to
     # runs/<name>/tensorboard/ (loom.train.scalars; needs pip install tensorboard)
     tensorboard: bool = False
