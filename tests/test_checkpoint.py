@@ -1,7 +1,8 @@
 """Checkpoints and resume (`loom.train.checkpoint`, issue 13 item 3), through `loom train`.
 
 One reference run (2N steps, the LLM in 2 pipeline stages x 2 ZeRO-3 replicas, a checkpoint
-every N steps), then two resumes from its step-N checkpoint in copies of its run directory
+every N steps saved asynchronously, ``run.checkpoint_async``), then two resumes from its step-N
+checkpoint in copies of its run directory
 (the run as a stop after step N would have left it): under the same plan the losses of every
 step equal the reference's exactly; under another plan (the LLM in 1 stage, 1 replica, no ZeRO)
 the first resumed step's loss equals it within 1e-5 relative, and a SIGTERM there ends the
@@ -77,8 +78,15 @@ def stopped_after(reference: Path, dest: Path, step: int, crashed: bool) -> Path
 @pytest.mark.multiprocess
 def test_resume_is_exact_and_reshards_to_another_plan(tmp_path, capsys):
     out = loom("train", "--config", str(ROOT / "configs/demo.toml"), f"run.steps={2 * N}", "run.name=a",
-               f"run.out_dir={tmp_path}", f"run.checkpoint_every={N}", *TINY, *ZERO3, cwd=tmp_path)
+               f"run.out_dir={tmp_path}", f"run.checkpoint_every={N}", "run.checkpoint_async=true", "run.log_every=1",
+               *TINY, *ZERO3, cwd=tmp_path)
     assert out.returncode == 0, out.stdout + out.stderr
+    # the step-N save ran in the background (DCP async_save, ZeRO-3 DTensor shards staged on CPU)
+    # while step N ran, and was completed at a later step boundary; the last one is synchronous
+    lines = out.stdout.splitlines()
+    began = next(i for i, t in enumerate(lines) if f"checkpoint step_{N} saving in the background" in t)
+    ended = next(i for i, t in enumerate(lines) if f"checkpoint step_{N} saved in the background" in t)
+    assert began < next(i for i, t in enumerate(lines) if t.startswith(f"step {N:5d}/")) < ended, out.stdout
     a = tmp_path / "a"
     reference = losses(a)
     assert sorted(p.name for p in (a / "checkpoints").iterdir()) == sorted(["latest", f"step_{2 * N}", f"step_{N}"])
@@ -202,6 +210,80 @@ def test_latest_is_written_after_a_complete_save_only(tmp_path, monkeypatch):
             torch.testing.assert_close(p.detach(), saved[n], rtol=0, atol=0)
         assert again.scheduler.last_epoch == 1 and again.optimizer.state, "the schedule and AdamW's moments"
     finally:
+        dist.destroy_process_group()
+
+
+def test_async_save_is_complete_only_once_written_and_failures_raise(tmp_path, monkeypatch):
+    """``run.checkpoint_async`` in one process (a world of 1): while DCP's background write is
+    held, `latest` still names the previous checkpoint and `poll` says nothing; the step after
+    the save changes the parameters in place and the checkpoint still holds the values at the
+    save (staged copies); a write that fails raises at the next step boundary (`poll`) naming
+    the checkpoint directory, leaving `latest` on the previous one."""
+    import threading
+
+    import torch.distributed.checkpoint as dcp
+
+    from loom.train import checkpoint as ck
+    from loom.train.config import load_config
+    from loom.train.rank import build_rank
+
+    cfg = load_config(None, ["model.vision=\"none\"", "model.audio=\"none\"", "model.llm.hidden_size=16",
+                             "model.llm.num_layers=1", "model.llm.intermediate_size=32", "model.llm.num_heads=2",
+                             "model.llm.num_kv_heads=1", 'plan.modules=[{name="llm"}]', "plan.num_microbatches=1",
+                             "data.global_batch_size=2", 'data.demo.mix={text=1.0}', "run.checkpoint_async=true"])
+    assert cfg.run.checkpoint_async
+    release, fail = threading.Event(), threading.Event()
+    real = dcp.FileSystemWriter
+
+    class HeldWriter(real):  # the write waits for `release`, then fails if `fail` is set
+        def write_data(self, plan, planner):
+            assert release.wait(120)
+            if fail.is_set():
+                raise OSError("disk full")
+            return super().write_data(plan, planner)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=60))
+    try:
+        run = build_rank(cfg, torch.device("cpu"))
+        run.step(0)
+        saver = ck.Checkpointer(run, tmp_path, asynchronous=True)
+        saver.save(1)  # a synchronous one first
+        monkeypatch.setattr(dcp, "FileSystemWriter", HeldWriter)
+        saved = {n: p.detach().clone() for n, p in run.engine.named_parameters().items()}
+        blocked = saver.save_async(2)
+        assert blocked >= 0 and saver.in_flight == 2
+        run.step(1)  # training goes on while the save is held: the parameters change in place
+        assert any(not torch.equal(p.detach(), saved[n]) for n, p in run.engine.named_parameters().items())
+        assert saver.poll() is None and saver.in_flight == 2, "not finished: still in flight"
+        assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_1"
+        assert not (tmp_path / "checkpoints" / "step_2" / "meta.json").exists()
+        release.set()
+        for _ in range(2400):  # polls at step boundaries, not a time limit
+            done = saver.poll()
+            if done is not None:
+                break
+            time.sleep(0.05)
+        assert done is not None and done[0] == 2 and saver.in_flight is None
+        assert latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
+        again = build_rank(cfg, torch.device("cpu"))
+        assert ck.Checkpointer(again, tmp_path).load(latest_checkpoint(tmp_path)) == 2
+        for n, p in again.engine.named_parameters().items():  # the values at the save, not after step 1
+            torch.testing.assert_close(p.detach(), saved[n], rtol=0, atol=0)
+
+        release.clear()
+        fail.set()
+        saver.save_async(3)
+        release.set()
+        with pytest.raises(ck.CheckpointError) as err:
+            for _ in range(2400):
+                saver.poll()
+                time.sleep(0.05)
+        assert f"asynchronous save of checkpoint {tmp_path / 'checkpoints' / 'step_3'} (step 3) failed" in str(err.value)
+        assert "disk full" in str(err.value)
+        assert saver.in_flight is None and latest_checkpoint(tmp_path) == tmp_path / "checkpoints" / "step_2"
+        assert not (tmp_path / "checkpoints" / "step_3" / "meta.json").exists()
+    finally:
+        release.set()
         dist.destroy_process_group()
 
 

@@ -34,6 +34,19 @@ Loading goes the other way, by FQN, so a run may resume under another plan (othe
 counts, data-parallel degrees, ZeRO stages, TP): each rank asks DCP for the keys of the stages
 it now holds, shaped as it holds them, and DCP reads the overlapping parts of what was saved.
 
+Asynchronous saves (``run.checkpoint_async``, `Checkpointer.save_async`): DCP's ``async_save``
+copies the rank's state into fresh CPU tensors while the step waits (the only blocking part: the
+training step changes the parameters in place afterwards), then writes them from a background
+thread while training goes on. The thread runs DCP's plan and result collectives on a process
+group of its own (gloo), so they never interleave with the training step's on the default group.
+A thread rather than DCP's checkpoint process: on gloo/CPU the state is already in CPU memory,
+so a second process per rank would only add a copy through a pipe and a process group of its
+own, and the write is file I/O, which releases the GIL. At most one save is in flight (a new
+one, the final one and the SIGTERM one wait for it first); at each step boundary
+`Checkpointer.poll` agrees across the ranks whether it finished (a one-element all-reduce,
+only while one is in flight), and only then does rank 0 write ``meta.json`` and ``latest``;
+a failed save raises there on every rank, naming the checkpoint directory.
+
 Nothing in a checkpoint is unpickled unsafely: every saved value is a tensor (DCP reads tensor
 data with ``torch.load(weights_only=True)``), loom's own metadata is JSON, and DCP's pickled
 ``.metadata`` is read by `SafeReader` with an unpickler that admits only DCP's metadata
@@ -50,6 +63,7 @@ import os
 import pickle
 import shutil
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +72,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
 from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -252,27 +267,52 @@ class SafeReader(dcp.FileSystemReader):
         return metadata
 
 
+def _reason(e: BaseException) -> str:
+    """One line for an error of DCP: each failing rank's exception (a `CheckpointException`
+    carries them with their tracebacks, which the rank's log has), else the error itself."""
+    if isinstance(e, CheckpointException) and e.failures:
+        parts = [f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in sorted(e.failures.items())]
+    else:
+        parts = [f"{type(e).__name__}: {e}"]
+    return " ".join("; ".join(parts).split())[:300]
+
+
 # ---- save and load ----------------------------------------------------------------------------
+@dataclass
+class _InFlight:
+    """An asynchronous save not yet agreed finished."""
+
+    step: int
+    target: Path
+    future: Future
+    t0: float  # when the save began (this rank's clock)
+
+
 @dataclass
 class Checkpointer:
     """Saves and loads one rank's share of the run (`loom.train.rank.RankRun`) at step
-    boundaries. Every rank calls `save` and `load` together (they are collective)."""
+    boundaries. Every rank calls `save`, `save_async`, `poll`, `wait` and `load` together (they
+    are collective). With ``asynchronous`` (``run.checkpoint_async``) it owns a gloo process
+    group for the background writes (made here, collectively)."""
 
     run: Any  # loom.train.rank.RankRun (typed loosely: the rank module imports nothing of this one)
     run_dir: Path
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
         self.view = model_view(self.run.engine.stages)
         self._all_shapes: dict[str, list[int]] | None = None
+        self._in_flight: _InFlight | None = None
+        # DCP's collectives from the writer thread need a group the main thread never uses
+        self._group = dist.new_group(backend="gloo") if self.asynchronous else None
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         return _inner_optimizer(self.run.optimizer)
 
-    def save(self, step: int) -> float:
-        """Save the state after ``step`` steps as ``checkpoints/step_<step>``, then point
-        ``latest`` at it; returns the seconds it took (this rank's clock)."""
-        t0 = time.perf_counter()
+    def _begin(self, step: int) -> tuple[Path, dict[str, Any]]:
+        """The collective start of a save: the whole model's shapes (once), an empty
+        ``step_<step>`` directory, this rank's state dict."""
         rank, world = dist.get_rank(), dist.get_world_size()
         target = step_dir(self.run_dir, step)
         if self._all_shapes is None:  # once per run: every rank's names -> the whole model's
@@ -285,16 +325,84 @@ class Checkpointer:
             target.mkdir(parents=True)
         dist.barrier()
         sd, _ = _state(self.view, self.optimizer, rank, with_rng=True)
+        return target, sd
+
+    def _finish(self, step: int, target: Path, t0: float) -> None:
+        """Rank 0, once DCP has returned there (every rank's shards and ``.metadata`` are
+        written): ``meta.json``, then ``latest``."""
+        if dist.get_rank() == 0:
+            meta = CheckpointMeta(FORMAT, step, dist.get_world_size(), self.run.cfg.plan.to_dict(),
+                                  model_config_hash(self.run.cfg), self._all_shapes,
+                                  round(time.perf_counter() - t0, 4))
+            _write_atomically(target / META, json.dumps(dataclasses.asdict(meta)))
+            _write_atomically(checkpoints_dir(self.run_dir) / LATEST, target.name + "\n")
+
+    def save(self, step: int) -> float:
+        """Save the state after ``step`` steps as ``checkpoints/step_<step>``, then point
+        ``latest`` at it; returns the seconds it took (this rank's clock). An asynchronous
+        save still in flight is waited for first."""
+        self.wait()
+        t0 = time.perf_counter()
+        target, sd = self._begin(step)
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(target))
         # dcp.save returns on rank 0 after every rank's write result reached it and .metadata
         # is written: only then does meta.json, and after it `latest`, name the checkpoint
-        if rank == 0:
-            meta = CheckpointMeta(FORMAT, step, world, self.run.cfg.plan.to_dict(), model_config_hash(self.run.cfg),
-                                  self._all_shapes, round(time.perf_counter() - t0, 4))
-            _write_atomically(target / META, json.dumps(dataclasses.asdict(meta)))
-            _write_atomically(checkpoints_dir(self.run_dir) / LATEST, target.name + "\n")
+        self._finish(step, target, t0)
         dist.barrier()  # no rank runs ahead (or exits) before `latest` names the checkpoint
         return time.perf_counter() - t0
+
+    def save_async(self, step: int) -> float:
+        """Start saving the state after ``step`` steps in the background (DCP ``async_save``:
+        the state is copied to fresh CPU tensors now, written by a thread); returns the seconds
+        the caller was blocked (the previous save's wait, the copy). `poll` at the next step
+        boundaries, or `wait`, completes it: ``latest`` names it only then."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self._group is None:
+            raise RuntimeError("Checkpointer.save_async needs Checkpointer(asynchronous=True), which makes its process group")
+        target, sd = self._begin(step)
+        future = dcp.async_save(sd, storage_writer=dcp.FileSystemWriter(target), process_group=self._group)
+        self._in_flight = _InFlight(step, target, future, t0)
+        return time.perf_counter() - t0
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the asynchronous save in flight (None when none is)."""
+        return None if self._in_flight is None else self._in_flight.step
+
+    def poll(self) -> tuple[int, float] | None:
+        """At a step boundary, with an asynchronous save in flight: agree across the ranks
+        whether it has finished everywhere (one all-reduce of [failed, unfinished]); if it
+        failed anywhere, raise on every rank (`wait`), naming its directory; if it finished
+        everywhere, mark it complete (rank 0 writes ``meta.json`` and ``latest``) and return
+        (step, seconds from its start to now); else None."""
+        job = self._in_flight
+        if job is None:
+            return None
+        done = job.future.done()
+        failed = done and job.future.exception() is not None
+        flags = torch.tensor([float(failed), float(not done)], device=self.run.device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        if flags[0].item() == 0 and flags[1].item() == 1:
+            return None  # still writing somewhere
+        return self.wait()
+
+    def wait(self) -> tuple[int, float] | None:
+        """Wait for the asynchronous save in flight (if any) on every rank and complete it as
+        `poll` does; a failure raises `CheckpointError` naming the checkpoint directory (every
+        rank gets it: DCP reports any rank's write error to all). Returns (step, seconds)."""
+        job = self._in_flight
+        if job is None:
+            return None
+        self._in_flight = None
+        try:
+            job.future.result()
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException (a BaseException) has every rank's error
+            raise CheckpointError(f"asynchronous save of checkpoint {job.target} (step {job.step}) failed: {_reason(e)}; "
+                                  f"`latest` still names the previous checkpoint, which a resume uses") from e
+        self._finish(job.step, job.target, job.t0)
+        dist.barrier()  # `latest` names it before any rank goes on (or exits)
+        return job.step, time.perf_counter() - job.t0
 
     def load(self, ckpt: Path) -> int:
         """Restore this rank's state from ``ckpt`` (saved under any plan of the same model);
@@ -308,9 +416,8 @@ class Checkpointer:
         sd, groups = _state(self.view, optimizer, rank, with_rng=same_world)
         try:
             dcp.load(sd, storage_reader=SafeReader(ckpt))
-        except Exception as e:  # noqa: BLE001 - DCP raises CheckpointException with every rank's error
-            first = " ".join(str(e).split())[:300]
-            raise CheckpointError(f"checkpoint {ckpt}: cannot be loaded into this run ({first}); resume with the "
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException (a BaseException) has every rank's error
+            raise CheckpointError(f"checkpoint {ckpt}: cannot be loaded into this run ({_reason(e)}); resume with the "
                                   f"model config it was saved with, or from another checkpoint") from e
         if optimizer is not None:
             set_state_dict(self.view, optimizer, model_state_dict=sd["model"],

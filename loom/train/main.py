@@ -18,11 +18,12 @@ row as ``eval_loss``. Every rank writes its output to
 ``logs/rank<R>.log`` and how it ended to ``logs/rank<R>.exit.json``; rank 0 marks the run
 ``completed`` in ``status`` (`loom.train.status`).
 
-Checkpoints (`loom.train.checkpoint`): every ``run.checkpoint_every`` steps, after the last step,
-and on SIGTERM: the first SIGTERM during the training loop asks for a stop; the ranks agree on
-it at the next step boundary (a one-element all-reduce before each step), save a checkpoint
-there and exit cleanly. SIGINT (Ctrl-C, and the supervisor's stop after a failure) stops a rank
-at once, without a checkpoint, as before. ``--resume CKPT`` continues from a checkpoint:
+Checkpoints (`loom.train.checkpoint`): every ``run.checkpoint_every`` steps (with
+``run.checkpoint_async`` in the background, completed at a later step boundary), after the last
+step, and on SIGTERM (both after any save in flight): the first SIGTERM during the training
+loop asks for a stop; the ranks agree on it at the next step boundary (a one-element
+all-reduce before each step), save a checkpoint there and exit cleanly. SIGINT (Ctrl-C, and
+the supervisor's stop after a failure) stops a rank at once, without a checkpoint, as before. ``--resume CKPT`` continues from a checkpoint:
 ``metrics.jsonl`` and ``balance.jsonl`` keep the steps before it and are appended to.
 """
 
@@ -84,7 +85,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
     device = init_distributed(cfg.run.device)
     rank = dist.get_rank()
     run = build_rank(cfg, device)
-    checkpointer = Checkpointer(run, run_dir)
+    checkpointer = Checkpointer(run, run_dir, asynchronous=cfg.run.checkpoint_async)
     start = 0
     if resume is not None:
         t0 = time.perf_counter()
@@ -118,6 +119,9 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
     every = cfg.run.checkpoint_every
     _graceful = True  # from here a SIGTERM asks for a stop at a step boundary (`_on_sigterm`)
     for step in range(start, cfg.run.steps):
+        saved = checkpointer.poll()  # run.checkpoint_async: the save in flight, finished (or failed) on every rank?
+        if saved is not None and rank == 0:
+            _say(progress, f"checkpoint step_{saved[0]} saved in the background ({saved[1]:.2f} s)")
         if _stop_agreed(device):
             stopped = step
             break
@@ -170,11 +174,19 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
                 print(f"step {step:5d}/{cfg.run.steps}  loss {loss:.4f}{terms}  "
                       f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step{evaluated}", flush=True)
         if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
-            seconds = checkpointer.save(step + 1)
-            if rank == 0:
-                _say(progress, f"checkpoint step_{step + 1} saved ({seconds:.2f} s)")
+            if cfg.run.checkpoint_async:  # written while the next steps run; `latest` names it once done
+                seconds = checkpointer.save_async(step + 1)
+                if rank == 0:
+                    _say(progress, f"checkpoint step_{step + 1} saving in the background (step blocked {seconds:.2f} s)")
+            else:
+                seconds = checkpointer.save(step + 1)
+                if rank == 0:
+                    _say(progress, f"checkpoint step_{step + 1} saved ({seconds:.2f} s)")
 
     end = cfg.run.steps if stopped is None else stopped
+    saved = checkpointer.wait()  # an asynchronous save still in flight completes (or raises) before the last one
+    if saved is not None and rank == 0:
+        _say(progress, f"checkpoint step_{saved[0]} saved in the background ({saved[1]:.2f} s)")
     if end > start or resume is None:  # a resumed run that ran no step has its checkpoint already
         seconds = checkpointer.save(end)
         if rank == 0:
