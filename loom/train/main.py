@@ -23,8 +23,9 @@ Checkpoints (`loom.train.checkpoint`): every ``run.checkpoint_every`` steps (wit
 step, and on SIGTERM (both after any save in flight): the first SIGTERM during the training
 loop asks for a stop; the ranks agree on it at the next step boundary (a one-element
 all-reduce before each step), save a checkpoint there and exit cleanly. SIGINT (Ctrl-C, and
-the supervisor's stop after a failure) stops a rank at once, without a checkpoint, as before. ``--resume CKPT`` continues from a checkpoint:
-``metrics.jsonl`` and ``balance.jsonl`` keep the steps before it and are appended to.
+the supervisor's stop after a failure) stops a rank at once, without a checkpoint, as before.
+``--resume CKPT`` continues from a checkpoint: ``metrics.jsonl`` and ``balance.jsonl`` keep the
+steps before it and are appended to.
 """
 
 from __future__ import annotations
