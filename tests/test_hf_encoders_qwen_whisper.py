@@ -161,3 +161,33 @@ def test_what_the_adapters_do_not_reproduce_is_refused():
         Qwen2VLVisionEncoder(enc.model)
     with pytest.raises(ValueError, match="not a Whisper encoder"):
         WhisperAudioEncoder(qwen.model)
+
+
+@pytest.mark.parametrize("family", ["qwen2vl", "whisper"])
+def test_registered_and_loaded_from_a_full_models_checkpoint(family, tmp_path):
+    """``[model.<name>] hf = DIR`` of a whole Qwen2-VL / Whisper model: the registry builds its
+    vision tower / encoder, and each layer reads its tensors from the checkpoint by name."""
+    from loom.model.hf_encoders import encoder_from_config, encoder_weights, load_encoder_config
+    from loom.model.multimodal import ModalityEncoder, MultimodalModel
+    from loom.model.zoo import LlamaConfig, LlamaForCausalLM
+
+    if family == "whisper":
+        full, inside = transformers.WhisperForConditionalGeneration(whisper_config()), "model.encoder."
+    else:
+        text = dict(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=64,
+                    rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 2], "rope_theta": 1e4})
+        full = transformers.Qwen2VLForConditionalGeneration(
+            transformers.Qwen2VLConfig(vision_config=QWEN, text_config=text))
+        inside = "model.visual."
+    full.save_pretrained(tmp_path)
+    with torch.device("meta"):
+        enc = encoder_from_config(load_encoder_config(tmp_path))
+        model = MultimodalModel({"media": ModalityEncoder(enc, projector="linear")},
+                                LlamaForCausalLM(LlamaConfig(hidden_size=64)), {"media": 5})
+    assert isinstance(enc, WhisperAudioEncoder if family == "whisper" else Qwen2VLVisionEncoder)
+    model.pretrained["media"] = encoder_weights(tmp_path)
+    model.materialise("media", "cpu")
+    saved = full.state_dict()
+    loaded = model.encoders["media"].encoder.model.state_dict()
+    assert loaded and all(torch.equal(v, saved[inside + k]) for k, v in loaded.items())

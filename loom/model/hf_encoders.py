@@ -51,13 +51,28 @@ def _hf_vision(config: Any) -> nn.Module:
     return HFVisionEncoder(vision_model_from_config(config))
 
 
-# config.model_type -> its family. A full SigLIP / CLIP config (vision and text towers) builds
-# its vision tower. Other helpers register further families here (Qwen2-VL vision, Whisper).
+def _qwen2vl(config: Any) -> nn.Module:
+    from loom.model.hf_qwen2vl import qwen2vl_encoder_from_config
+
+    return qwen2vl_encoder_from_config(config)
+
+
+def _whisper(config: Any) -> nn.Module:
+    from loom.model.hf_whisper import whisper_encoder_from_config
+
+    return whisper_encoder_from_config(config)
+
+
+# config.model_type -> its family. A full SigLIP / CLIP / Qwen2-VL config builds its vision
+# tower, a Whisper config its encoder.
 HF_ENCODERS: dict[str, HFEncoderFamily] = {
     "siglip_vision_model": HFEncoderFamily("image", _hf_vision, "SigLIP vision"),
     "siglip": HFEncoderFamily("image", _hf_vision, "SigLIP (its vision tower)"),
     "clip_vision_model": HFEncoderFamily("image", _hf_vision, "CLIP vision"),
     "clip": HFEncoderFamily("image", _hf_vision, "CLIP (its vision tower)"),
+    "qwen2_vl_vision": HFEncoderFamily("image", _qwen2vl, "Qwen2-VL vision"),
+    "qwen2_vl": HFEncoderFamily("image", _qwen2vl, "Qwen2-VL (its vision tower)"),
+    "whisper": HFEncoderFamily("audio", _whisper, "Whisper encoder"),
 }
 
 
@@ -101,7 +116,9 @@ class EncoderWeights:
     ``audio_model.<path>`` (a full model's), whichever the files hold; other names as they are.
     The interface of `SafetensorsWeights` that `loom.model.weights.PretrainedInit` reads."""
 
-    BASES = ("", "vision_model.", "audio_model.", "model.")
+    # (a full Qwen2-VL model holds its vision tower under visual. / model.visual., a full Whisper
+    # model its encoder under model.encoder.)
+    BASES = ("", "vision_model.", "audio_model.", "model.", "visual.", "model.visual.", "encoder.", "model.encoder.")
 
     def __init__(self, files: list[Path]) -> None:
         self.source = SafetensorsWeights(files)
