@@ -33,3 +33,17 @@ class GlobalBatchSampler:
             take = min(self.num_samples - offset, self.global_batch_size - len(out))
             out.extend(int(i) for i in self._epoch(epoch)[offset : offset + take])
         return out
+
+
+def next_in_split(index: int, num_samples: int, held_out: int = 0) -> int:
+    """The dataset index after ``index`` within its split, wrapping around inside it: the
+    training range ``[0, num_samples - held_out)`` or the held-out one (``data.eval_samples``:
+    the last ``held_out`` indices, `loom.train.rank.RankRun.evaluate`'s). ``data.on_error =
+    "skip"`` replaces a failing sample by it, so a replacement never crosses the edge: the
+    evaluation never trains on, nor the training reads, the other split's samples."""
+    first = num_samples - held_out
+    if not 0 <= held_out < num_samples or not 0 <= index < num_samples:
+        raise ValueError(f"next_in_split({index}, {num_samples}, held_out={held_out}): need 0 <= held_out < "
+                         f"num_samples and 0 <= index < num_samples")
+    lo, hi = (first, num_samples) if held_out and index >= first else (0, first)
+    return lo + (index + 1 - lo) % (hi - lo)

@@ -26,7 +26,8 @@ A payload that disagrees with its metadata fails on *every* rank with the same m
 error travels with the gathered metadata), so no rank is left waiting in a collective. With
 ``on_error = "skip"`` (``data.on_error``) a sample that fails to load (a missing or corrupt file,
 a bad record, a payload that contradicts its metadata, an item its encoder refuses) is replaced
-by the next dataset index that loads: the global batch keeps its size, the replacement is a pure
+by the next dataset index that loads, within its split (the training range or the held-out
+one, `loom.data.sampler.next_in_split`): the global batch keeps its size, the replacement is a pure
 function of the data (whichever rank loads the position finds the same one), and the loss
 normalisation counts the replacement's targets, as the gathered metadata does. Each skip is logged on the loading rank
 (stderr: its ``logs/rank<R>.log``) and counted (`Dispatched.skipped`).
@@ -52,6 +53,7 @@ from loom.cost.workload import GENERATOR_NAMES, MetadataArrays, per_sample_sum
 from loom.data.collate import (MODALITIES, SAMPLE_FIELDS, Generations, TokenCounts, check_generations, collate_ids,
                                flagged_ids, generation_seed, item_token_count)
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
+from loom.data.sampler import next_in_split
 from loom.data.tokenizer import Tokenizer
 from loom.plan.plan import LLM, Plan
 from loom.runtime.metadata import all_gather_metadata
@@ -64,7 +66,7 @@ class DispatchError(ValueError):
 
 class SampleSource(Protocol):
     """What the dispatcher reads: ``source[i]`` is a `Sample` with its payload; ``len(source)``
-    its samples (``on_error = "skip"`` wraps around to index 0)."""
+    its samples (``on_error = "skip"`` wraps around within the sample's split, `Dispatcher.held_out`)."""
 
     def __getitem__(self, index: int) -> Sample: ...
 
@@ -123,6 +125,10 @@ def loader_shards(batch_size: int, world_size: int) -> list[list[int]]:
 
 class Dispatcher:
     """Builds every rank's microbatches of a global batch under a balancing policy."""
+
+    # data.eval_samples: the dataset's last indices are a split of their own, which a skip's
+    # replacement stays inside (as the training range's stays in it)
+    held_out: int = 0
 
     def __init__(
         self,
@@ -229,7 +235,7 @@ class Dispatcher:
                                               f"samples in a row from dataset index {indices[p]}: check the data"), skipped
                     skipped.append(f"{where}: {' '.join(str(e).split())}")
                     print(f"loom: skipped {skipped[-1]}", file=sys.stderr, flush=True)
-                    index = (index + 1) % len(self.dataset)
+                    index = next_in_split(index, len(self.dataset), self.held_out)
             samples.append(sample)
             ids.append(text)
         return samples, ids, None, skipped

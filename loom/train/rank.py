@@ -174,6 +174,7 @@ def build_rank(cfg: TrainConfig, device: torch.device,
     dispatcher = Dispatcher(cfg.plan, dataset, tokenizer, counters, arch, cfg.balance, device,
                             pack=cfg.data.pack_sequences, generations=generation_specs(model),
                             microbatch_tokens=cfg.data.microbatch_tokens, on_error=cfg.data.on_error)
+    dispatcher.held_out = held_out  # a skipped sample's replacement stays in its split
     return RankRun(cfg, device, tokenizer, dataset, engine, dispatcher, sampler, scheduler, counters)
 
 
