@@ -215,8 +215,10 @@ def test_a_config_with_every_field_set_round_trips(tmp_path):
     # fields whose non-default value another check refuses together with the rest (a generator
     # needs data.source demo; run.profile cannot cut a generator; data.path is for file sources;
     # chat templates need a file source; balance.default must be "none" under microbatch_tokens;
-    # model.llm.hf needs a Hugging Face model directory, test_hf_config's business)
-    kept = {"data.source", "data.path", "data.chat_template", "run.profile", "balance.default", "model.llm.hf"}
+    # model.llm.hf needs a Hugging Face model directory, test_hf_config's business; the encoder
+    # tables' hf, modality and further encoders: test_hf_encoder_config's)
+    kept = {"data.source", "data.path", "data.chat_template", "run.profile", "balance.default", "model.llm.hf",
+            "model.vision.hf", "model.vision.modality", "model.extra_encoders"}
     same = [k for k, v in _leaves(cfg) if k in defaults and v == defaults[k] and k not in kept
             and not k.startswith("model.audio.")]
     assert same == [], same

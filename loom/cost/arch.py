@@ -333,6 +333,9 @@ class ModuleArch:
     hop_length: int = 0
     published_params: float = 0.0
     cond_tokens: int = 0
+    # > 0: every item gives this many tokens whatever its size (an encoder that resizes its
+    # input to a fixed size first, as Hugging Face SigLIP and CLIP take their config's image_size)
+    item_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.kind not in MODULE_KINDS:
@@ -366,6 +369,8 @@ class ModuleArch:
     def num_tokens(self, item: Any) -> int:
         """The module's tokens for one item (an ``ImageMeta`` with ``height``/``width`` or an
         ``AudioMeta`` with ``num_samples``), before any merging projector."""
+        if self.item_tokens:
+            return self.item_tokens
         if self.kind in ("vision", "generator"):  # a generator's item: a `GenerationMeta`
             return (int(item.height) // self.patch) * (int(item.width) // self.patch)
         if self.kind == "audio":

@@ -1,11 +1,12 @@
 """The `ModelArch` of a live model (`arch_from_model`): module introspection of the zoo
-encoders and of Llama-layout LLMs (the zoo's or Hugging Face's), layer for layer as
+encoders, the Hugging Face encoders of `loom.model.hf_encoders` (`HF_ENCODER_ARCHS`) and of
+Llama-layout LLMs (the zoo's or Hugging Face's), layer for layer as
 `MultimodalModel.module_layers`."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -68,6 +69,43 @@ def _encoder_layer_arch(layer: Any, encoder: Any) -> LayerArch:
     if layer.kind == "norm":
         return LayerArch(layer.name, "norm", h, trainable)
     raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost description")
+
+
+def _hf_vision_arch(name: str, model: MultimodalModel) -> ModuleArch:
+    """A Hugging Face SigLIP / CLIP vision tower (`loom.model.hf_vision.HFVisionEncoder`), layer
+    for layer: the patch embedding (SigLIP: conv with bias and a position per patch; CLIP: conv
+    without bias, a class token and a position per patch and for it), CLIP's pre-norm,
+    pre-norm blocks (LayerNorms, q/k/v/out and fc1/fc2 with biases, GELU MLP, attention over each
+    image's tokens), SigLIP's post-norm, then the projector. Every image is resized to the
+    config's ``image_size``: a fixed token count per item (`ModuleArch.item_tokens`)."""
+    wrapper = model.encoders[name]
+    encoder = wrapper.encoder
+    cfg = encoder.config
+    h, patches = cfg.hidden_size, (cfg.image_size // cfg.patch_size) ** 2
+    layers = []
+    for layer in model.module_layers(name):
+        trainable = _trainable(layer.module)
+        if layer.kind == "frontend":
+            layers.append(LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.num_channels,
+                                    patch=cfg.patch_size, positions=patches + (1 if encoder.is_clip else 0),
+                                    cls_token=encoder.is_clip, frontend_bias=not encoder.is_clip))
+        elif layer.kind == "block":
+            layers.append(LayerArch(layer.name, "block", h, trainable, heads=cfg.num_attention_heads,
+                                    kv_heads=cfg.num_attention_heads, ffn=cfg.intermediate_size, qkv_bias=True,
+                                    linear_bias=True))
+        elif layer.kind == "norm":
+            layers.append(LayerArch(layer.name, "norm", h, trainable))
+        elif layer.kind == "projector":
+            layers.append(_projector_arch(layer.name, layer.module, h, trainable))
+        else:
+            raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost "
+                            "description")
+    return ModuleArch(name, "vision", tuple(layers), patch=cfg.patch_size, item_tokens=encoder.tokens_per_image)
+
+
+# Hugging Face encoder adapters (loom.model.hf_encoders) -> their description, by class name
+# (transformers stays optional: nothing here imports it). A family registered there adds its own.
+HF_ENCODER_ARCHS: dict[str, Callable[[str, MultimodalModel], ModuleArch]] = {"HFVisionEncoder": _hf_vision_arch}
 
 
 def _generator_arch(model: MultimodalModel, name: str) -> ModuleArch:
@@ -140,7 +178,10 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
         else:
             wrapper = model.encoders[name]
             encoder = wrapper.encoder
-            if isinstance(encoder, VisionEncoder):
+            describe = HF_ENCODER_ARCHS.get(type(encoder).__name__)
+            if describe is not None:
+                module = describe(name, model)
+            elif isinstance(encoder, VisionEncoder):
                 kind, extra = "vision", {"patch": encoder.config.patch_size}
             elif isinstance(encoder, AudioEncoder):
                 kind, extra = "audio", {"sample_rate": encoder.config.sample_rate, "hop_length": encoder.config.hop_length}
@@ -149,12 +190,14 @@ def arch_from_model(model: MultimodalModel) -> ModelArch:
                     f"encoder {name!r} ({type(encoder).__name__}) has no cost description; describe the model "
                     "with load_model_arch"
                 )
-            for layer in model.module_layers(name):
-                if layer.kind == "projector":
-                    layers.append(_projector_arch(layer.name, layer.module, encoder.hidden_size, _trainable(layer.module)))
-                else:
-                    layers.append(_encoder_layer_arch(layer, encoder))
-            module = ModuleArch(name, kind, tuple(layers), **extra)
+            if describe is None:
+                for layer in model.module_layers(name):
+                    if layer.kind == "projector":
+                        layers.append(_projector_arch(layer.name, layer.module, encoder.hidden_size,
+                                                      _trainable(layer.module)))
+                    else:
+                        layers.append(_encoder_layer_arch(layer, encoder))
+                module = ModuleArch(name, kind, tuple(layers), **extra)
         for arch_layer, layer in zip(module.layers, model.module_layers(name)):
             # a tied head's weight is the embedding's: counted there (LayerArch.params)
             shared = arch_layer.vocab * arch_layer.hidden if arch_layer.kind == "head" and arch_layer.tied else 0

@@ -429,6 +429,10 @@ class SampleTokens:
 def _item_tokens(module: ModuleArch, meta: MetadataArrays) -> tuple[np.ndarray, np.ndarray]:
     """`ModuleArch.num_tokens` of every item of the module's kind, vectorised: (each sample's
     item count, each item's tokens)."""
+    if module.item_tokens:  # a fixed count per item (`ModuleArch.item_tokens`)
+        count = meta.image_count if module.kind == "vision" else meta.audio_count
+        items = meta.image_hw.shape[0] if module.kind == "vision" else meta.audio_samples.size
+        return count, np.full(items, module.item_tokens, dtype=np.int64)
     if module.kind == "vision":
         hw = meta.image_hw
         if hw.size and 0 <= hw.min() and hw.max() < 2**31:  # int32 floor division: twice as fast, same values

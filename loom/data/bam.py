@@ -45,7 +45,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loom.data.collate import MODALITIES, SAMPLE_FIELDS, TokenCounts, item_token_count
+from loom.data.collate import MODALITIES, MODALITY_KINDS, TokenCounts, encoder_modalities, item_token_count
 from loom.data.sample import SampleMeta
 from loom.data.tokenizer import Tokenizer
 
@@ -168,18 +168,21 @@ def sample_spans(
     modality marker becomes one item of ``item_token_count`` tokens, and its metadata. The spans'
     lengths sum to the sample's collated length."""
     ids = np.asarray(text_ids, dtype=np.int64)
-    marker_id = {tokenizer.token_id(marker): enc for enc, (marker, _) in MODALITIES.items()}
+    encoder_of = {m: enc for enc, m in encoder_modalities(token_counts).items()}
+    # a marker's span is named for the encoder of its modality (the modality, without one)
+    marker_id = {tokenizer.token_id(kind.marker): encoder_of.get(m, m) for m, kind in MODALITY_KINDS.items()}
+    kind_of = {encoder_of.get(m, m): kind for m, kind in MODALITY_KINDS.items()}
     at = np.flatnonzero(np.isin(ids, list(marker_id)))
-    next_item = {enc: 0 for enc in MODALITIES}
+    next_item = {enc: 0 for enc in kind_of}
     spans: list[Span] = []
     prev = 0
     for pos in at.tolist():  # one step per item, not per token
         enc = marker_id[int(ids[pos])]
-        items = getattr(meta, SAMPLE_FIELDS[enc])
+        items = getattr(meta, kind_of[enc].sample_field)
         if enc not in token_counts or next_item[enc] >= len(items):
             raise ValueError(
-                f"sample {meta.sample_id}: its text has more {MODALITIES[enc][0]} markers than "
-                f"meta.{SAMPLE_FIELDS[enc]} has items, or token_counts has no {enc!r}; regenerate the "
+                f"sample {meta.sample_id}: its text has more {kind_of[enc].marker} markers than "
+                f"meta.{kind_of[enc].sample_field} has items, or token_counts has no {enc!r}; regenerate the "
                 "sample's metadata or add the encoder to token_counts"
             )
         if pos > prev:
@@ -191,11 +194,11 @@ def sample_spans(
     if ids.size > prev:
         spans.append(Span(TEXT, int(ids.size) - prev))
     for enc, used in next_item.items():
-        items = getattr(meta, SAMPLE_FIELDS[enc])
+        items = getattr(meta, kind_of[enc].sample_field)
         if used != len(items):
             raise ValueError(
-                f"sample {meta.sample_id}: its text has {used} {MODALITIES[enc][0]} markers but "
-                f"meta.{SAMPLE_FIELDS[enc]} has {len(items)} items; the text needs one marker per item"
+                f"sample {meta.sample_id}: its text has {used} {kind_of[enc].marker} markers but "
+                f"meta.{kind_of[enc].sample_field} has {len(items)} items; the text needs one marker per item"
             )
     return spans
 

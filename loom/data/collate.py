@@ -23,18 +23,75 @@ from loom.data.tokenizer import AUDIO_MARKER, GEN_IMAGE_MARKER, IMAGE_MARKER, To
 
 IGNORE_INDEX = -100
 
-# Encoder name -> (text marker, key of its inputs in ``Batch.modality_inputs[name]``).
-MODALITIES: dict[str, tuple[str, str]] = {
-    "vision": (IMAGE_MARKER, "images"),
-    "audio": (AUDIO_MARKER, "waveforms"),
+
+@dataclass(frozen=True)
+class Modality:
+    """What a kind of sample item is to collation: its text ``marker``, the key of its inputs
+    in ``Batch.modality_inputs[encoder]`` and the attribute holding the items on both ``Sample``
+    (payload) and ``SampleMeta`` (metadata); the model's input key for audio ("waveforms") is
+    not the sample's field name ("audios")."""
+
+    marker: str
+    input_key: str
+    sample_field: str
+
+
+# Modality -> how its items appear. An encoder consumes one modality (`encoder_modality`).
+MODALITY_KINDS: dict[str, Modality] = {
+    "image": Modality(IMAGE_MARKER, "images", "images"),
+    "audio": Modality(AUDIO_MARKER, "waveforms", "audios"),
 }
 
-# Encoder name -> the attribute holding its items on both ``Sample`` (payload) and
-# ``SampleMeta`` (metadata). Separate from MODALITIES because the model's input key for audio
-# ("waveforms") is not the sample's field name ("audios").
-SAMPLE_FIELDS: dict[str, str] = {"vision": "images", "audio": "audios"}
+# The encoder names that imply their modality; any other name's counter says it (`TokenCounter`).
+DEFAULT_MODALITY: dict[str, str] = {"vision": "image", "audio": "audio"}
+
+# The default names' views (encoder name -> (marker, input key) / sample field), for callers
+# that name encoders vision and audio.
+MODALITIES: dict[str, tuple[str, str]] = {
+    name: (MODALITY_KINDS[m].marker, MODALITY_KINDS[m].input_key) for name, m in DEFAULT_MODALITY.items()}
+SAMPLE_FIELDS: dict[str, str] = {name: MODALITY_KINDS[m].sample_field for name, m in DEFAULT_MODALITY.items()}
+
+
+@dataclass(frozen=True)
+class TokenCounter:
+    """An encoder's token count of one item (``count(item_meta)``) and the ``modality`` of its
+    items: what lets an encoder of any name take part in collation (`encoder_modality`)."""
+
+    modality: str
+    count: Callable[[Any], int]
+
+    def __call__(self, item: ImageMeta | AudioMeta) -> int:
+        return self.count(item)
+
 
 TokenCounts = Mapping[str, Callable[[ImageMeta | AudioMeta], int]]
+
+
+def encoder_modality(encoder: str, count_fn: Any = None) -> str:
+    """The modality encoder ``encoder`` consumes: its counter's ``modality`` (a `TokenCounter`),
+    else the one its name implies (`DEFAULT_MODALITY`); a ``ValueError`` naming it otherwise."""
+    modality = getattr(count_fn, "modality", None) or DEFAULT_MODALITY.get(encoder)
+    if modality not in MODALITY_KINDS:
+        raise ValueError(
+            f"token_counts[{encoder!r}]: encoder {encoder!r} names no modality; pass "
+            f"TokenCounter(modality, count) with a modality of {list(MODALITY_KINDS)} (names "
+            f"{list(DEFAULT_MODALITY)} imply theirs)")
+    return modality
+
+
+def encoder_modalities(token_counts: TokenCounts) -> dict[str, str]:
+    """Each encoder's modality (`encoder_modality`), at most one encoder per modality: every
+    marker expands to its one encoder's tokens."""
+    out: dict[str, str] = {}
+    for encoder, fn in token_counts.items():
+        modality = encoder_modality(encoder, fn)
+        other = next((e for e, m in out.items() if m == modality), None)
+        if other is not None:
+            raise ValueError(
+                f"token_counts has two {modality} encoders, {other!r} and {encoder!r}: each "
+                f"{MODALITY_KINDS[modality].marker} expands to one encoder's tokens; keep one")
+        out[encoder] = modality
+    return out
 
 # Generator name -> its generation marker in the text. Each marker becomes ``cond_tokens``
 # copies of itself: positions the LLM embeds as tokens, whose final hidden states condition the
@@ -77,16 +134,12 @@ def check_generations(meta: SampleMeta, generations: Generations) -> None:
                 "image_size")
 
 
-def _items_meta(meta: SampleMeta, encoder: str) -> tuple[ImageMeta | AudioMeta, ...]:
-    return getattr(meta, SAMPLE_FIELDS[encoder])
+def _items_meta(meta: SampleMeta, modality: str) -> tuple[ImageMeta | AudioMeta, ...]:
+    return getattr(meta, MODALITY_KINDS[modality].sample_field)
 
 
-def _check_encoders(token_counts: TokenCounts) -> None:
-    unknown = sorted(set(token_counts) - set(MODALITIES))
-    if unknown:
-        raise ValueError(
-            f"token_counts names unknown encoders {unknown}; use names from {list(MODALITIES)}"
-        )
+def _check_encoders(token_counts: TokenCounts) -> dict[str, str]:
+    return encoder_modalities(token_counts)
 
 
 def item_token_count(
@@ -102,13 +155,18 @@ def item_token_count(
     return n
 
 
-def _check_modalities_covered(meta: SampleMeta, token_counts: TokenCounts) -> None:
-    for encoder in MODALITIES:
-        items = _items_meta(meta, encoder)
-        if items and encoder not in token_counts:
+def _default_name(modality: str) -> str:
+    return next(n for n, m in DEFAULT_MODALITY.items() if m == modality)
+
+
+def _check_modalities_covered(meta: SampleMeta, modalities: Mapping[str, str]) -> None:
+    """Every modality of ``meta``'s items has an encoder in ``modalities`` (encoder -> modality)."""
+    for modality, kind in MODALITY_KINDS.items():
+        items = _items_meta(meta, modality)
+        if items and modality not in modalities.values():
             raise ValueError(
-                f"sample {meta.sample_id} has {len(items)} {SAMPLE_FIELDS[encoder]} but "
-                f"token_counts has no {encoder!r} entry; add one, or filter such samples out"
+                f"sample {meta.sample_id} has {len(items)} {kind.sample_field} but token_counts has no "
+                f"{modality} encoder (no {_default_name(modality)!r} entry); add one, or filter such samples out"
             )
 
 
@@ -122,12 +180,12 @@ def count_tokens(meta: SampleMeta, token_counts: TokenCounts,
     generation, its ``cond_tokens`` generation positions). It equals the unpadded length of the
     sample's row in ``collate``.
     """
-    _check_encoders(token_counts)
-    _check_modalities_covered(meta, token_counts)
+    modalities = _check_encoders(token_counts)
+    _check_modalities_covered(meta, modalities)
     counts: dict[str, int] = {}
     llm = meta.text_tokens
     for encoder, count_fn in token_counts.items():
-        items = _items_meta(meta, encoder)
+        items = _items_meta(meta, modalities[encoder])
         total = sum(item_token_count(encoder, count_fn, item, meta.sample_id) for item in items)
         counts[encoder] = total
         llm += total - len(items)  # each marker id is replaced by the item's tokens
@@ -201,9 +259,9 @@ def collate(
     """
     if not samples:
         raise ValueError("collate: got no samples; pass at least one")
-    _check_encoders(token_counts)
+    modalities = _check_encoders(token_counts)
     modality_inputs: dict[str, dict[str, list[torch.Tensor]]] = {
-        enc: {MODALITIES[enc][1]: []} for enc in MODALITIES if enc in token_counts
+        enc: {MODALITY_KINDS[m].input_key: []} for enc, m in modalities.items()
     }
     generations = dict(generations or {})
     generation_inputs: dict[str, dict[str, list]] = {g: {"targets": [], "seeds": []} for g in generations}
@@ -212,7 +270,8 @@ def collate(
         sample.check_payload()
         all_ids.append(flagged_ids(tokenizer, sample.text, sample.target_spans))
         for encoder, inputs in modality_inputs.items():
-            inputs[MODALITIES[encoder][1]].extend(getattr(sample, SAMPLE_FIELDS[encoder]))
+            kind = MODALITY_KINDS[modalities[encoder]]
+            inputs[kind.input_key].extend(getattr(sample, kind.sample_field))
     input_ids, labels, segments = collate_ids(
         [s.meta for s in samples], all_ids, tokenizer, token_counts, placeholder_ids, pack, generations
     )  # checks every generation request against the model's generators
@@ -245,15 +304,18 @@ def collate_ids(
     ``segments`` is ``None`` unless ``pack``."""
     if not metas:
         raise ValueError("collate: got no samples; pass at least one")
-    _check_encoders(token_counts)
+    modalities = _check_encoders(token_counts)
     placeholder_ids = dict(placeholder_ids or {})
-    unknown = sorted(set(placeholder_ids) - set(MODALITIES))
+    unknown = sorted(set(placeholder_ids) - set(token_counts) - set(DEFAULT_MODALITY))
     if unknown:
         raise ValueError(
-            f"placeholder_ids names unknown encoders {unknown}; use names from {list(MODALITIES)}"
+            f"placeholder_ids names unknown encoders {unknown}; use names from {list(token_counts)}"
         )
-    marker = {enc: tokenizer.token_id(m) for enc, (m, _) in MODALITIES.items()}
-    placeholder = {enc: placeholder_ids.get(enc, marker[enc]) for enc in MODALITIES}
+    # per modality: its marker's id, and the placeholder of the encoder that consumes it
+    marker = {m: tokenizer.token_id(kind.marker) for m, kind in MODALITY_KINDS.items()}
+    encoder_of = {m: enc for enc, m in modalities.items()}
+    placeholder = {m: placeholder_ids.get(encoder_of[m], marker[m]) if m in encoder_of else marker[m]
+                   for m in MODALITY_KINDS}
     # every sample's ids back to back: the expansion and the labels are a few array passes
     rows_in = [ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64) for ids in text_ids]
     lengths = np.array([r.size for r in rows_in], dtype=np.int64)
@@ -262,9 +324,9 @@ def collate_ids(
     if not_target.any():
         flat = np.where(not_target, ~flat, flat)
     starts = np.cumsum(lengths) - lengths
-    is_marker = {enc: flat == marker[enc] for enc in MODALITIES}
-    num_markers = {enc: _row_sums(m, starts, lengths).tolist() for enc, m in is_marker.items()}
-    item_tokens: dict[str, list[int]] = {enc: [] for enc in MODALITIES}
+    is_marker = {m: flat == marker[m] for m in MODALITY_KINDS}
+    num_markers = {m: _row_sums(mask, starts, lengths).tolist() for m, mask in is_marker.items()}
+    item_tokens: dict[str, list[int]] = {m: [] for m in MODALITY_KINDS}
     generations = dict(generations or {})
     gen_marker = {g: tokenizer.token_id(m) for g, m in GENERATORS.items() if tokenizer.has(m)}
     is_gen = {g: flat == mid for g, mid in gen_marker.items()}
@@ -279,30 +341,30 @@ def collate_ids(
                     f"sample {meta.sample_id}: the text has {found} {GENERATORS[g]} markers but meta.generations "
                     f"asks generator {g!r} for {asked} images; the text needs one marker per generation"
                     + ("" if found == 0 or g in generations else f", and the model has no generator {g!r}"))
-        for encoder, (marker_text, _) in MODALITIES.items():
-            num_items = len(_items_meta(meta, encoder))
-            found = num_markers[encoder][b]
+        for modality, kind in MODALITY_KINDS.items():
+            num_items = len(_items_meta(meta, modality))
+            found = num_markers[modality][b]
             if found != num_items:
                 raise ValueError(
-                    f"sample {meta.sample_id}: {encoder} has {found} {marker_text} markers in "
-                    f"the text but {num_items} items; the text needs one marker per item"
+                    f"sample {meta.sample_id}: {encoder_of.get(modality) or _default_name(modality)} has {found} {kind.marker} markers "
+                    f"in the text but {num_items} items; the text needs one marker per item"
                 )
         if n != meta.text_tokens:
             raise ValueError(
                 f"sample {meta.sample_id}: the text has {n} token ids but meta.text_tokens says "
                 f"{meta.text_tokens}; regenerate the sample's metadata"
             )
-        _check_modalities_covered(meta, token_counts)
-        for encoder, tokens in item_tokens.items():
-            tokens.extend(item_token_count(encoder, token_counts[encoder], item, meta.sample_id)
-                          for item in _items_meta(meta, encoder))
+        _check_modalities_covered(meta, modalities)
+        for encoder, modality in modalities.items():
+            item_tokens[modality].extend(item_token_count(encoder, token_counts[encoder], item, meta.sample_id)
+                                         for item in _items_meta(meta, modality))
     repeats = np.ones_like(flat)
     ids = flat.copy()
     is_placeholder = np.zeros(flat.size, dtype=bool)
-    for encoder, mask in is_marker.items():
-        if item_tokens[encoder]:  # each marker id becomes as many placeholder ids as its item's tokens
-            repeats[mask] = item_tokens[encoder]
-            ids[mask] = placeholder[encoder]
+    for modality, mask in is_marker.items():
+        if item_tokens[modality]:  # each marker id becomes as many placeholder ids as its item's tokens
+            repeats[mask] = item_tokens[modality]
+            ids[mask] = placeholder[modality]
             is_placeholder |= mask
     for g, mask in is_gen.items():  # each generation marker becomes cond_tokens copies of itself
         if g in generations and mask.any():

@@ -70,9 +70,13 @@ class ModalityEncoder(nn.Module):
         before_encoder: BeforeEncoder | None = None,
         after_encoder: AfterModule | None = None,
         after_projector: AfterModule | None = None,
+        modality: str | None = None,
     ):
         super().__init__()
         self.encoder = encoder
+        # the sample items it consumes ("image" / "audio", loom.data.collate.MODALITY_KINDS);
+        # None: the one its name implies (vision, audio)
+        self.modality = modality
         self._projector_kind = projector_kind(projector)
         if self._projector_kind is None:
             self.projector = projector
@@ -150,7 +154,8 @@ class MultimodalModel(nn.Module):
         self.llm = llm
         self.generators = nn.ModuleDict(generators)
         self.placeholder_ids = dict(placeholder_ids)
-        # module name -> its checkpoint: layers materialise from it instead of a seed (the LLM only)
+        # module name -> its checkpoint: layers materialise from it instead of a seed (the LLM, an
+        # encoder's layers; projectors are seeded)
         self.pretrained: dict[str, SafetensorsWeights] = {}
         self.generation_ids = {n: generation_ids[n] for n in generators}
         llm_width = getattr(llm, "hidden_size", None) or llm.config.hidden_size
@@ -287,8 +292,11 @@ class MultimodalModel(nn.Module):
                                       getattr(owner, "init_layer_buffers", reset_buffers))
         elif name in self.generators:  # the projector, then the generator's layers
             owner = adapter_for(self.generators[name].generator) if index > 0 else None
-        else:  # the encoder's layers, then the projector
+        else:  # the encoder's layers (from its checkpoint, when it has one), then the projector
             owner = adapter_for(self.encoders[name].encoder) if index < count - 1 else None
+            if owner is not None and name in self.pretrained:
+                return PretrainedInit(self.pretrained[name], owner.layers()[index].name,
+                                      getattr(owner, "init_layer_buffers", reset_buffers))
         return self._init_of(owner, name, index)
 
     def context_modules(self, name: str) -> dict[str, nn.Module]:

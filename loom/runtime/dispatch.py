@@ -50,8 +50,8 @@ from loom.balance.payload import loader_rank_of, slot_destinations
 from loom.balance.policy import BalanceConfig, SampleCosts, make_layout, sample_costs
 from loom.cost.arch import ModelArch
 from loom.cost.workload import GENERATOR_NAMES, MetadataArrays, per_sample_sum
-from loom.data.collate import (MODALITIES, SAMPLE_FIELDS, Generations, TokenCounts, check_generations, collate_ids,
-                               flagged_ids, generation_seed, item_token_count)
+from loom.data.collate import (MODALITY_KINDS, Generations, TokenCounts, check_generations, collate_ids,
+                               encoder_modalities, encoder_modality, flagged_ids, generation_seed, item_token_count)
 from loom.data.sample import AudioMeta, Batch, ImageMeta, Sample, SampleMeta
 from loom.data.sampler import next_in_split
 from loom.data.tokenizer import Tokenizer
@@ -108,6 +108,7 @@ class _ShapeMemo:
 
     def __init__(self, fn) -> None:
         self.fn, self.memo = fn, {}
+        self.modality = getattr(fn, "modality", None)  # a `TokenCounter`'s (`encoder_modality`)
 
     def __call__(self, item: ImageMeta | AudioMeta):
         n = self.memo.get(item)  # the metadata dataclasses are frozen: hashable by value
@@ -169,6 +170,12 @@ class Dispatcher:
         self._replica_of = {m: r for m, _, r in plan.stages_of(self.rank)}  # this rank's replica of each
         # every step costs the same few item shapes: `token_counts` is asked once per shape
         self._counts = {encoder: _ShapeMemo(fn) for encoder, fn in token_counts.items()}
+        # each encoder's modality (any name: its counter says it, `loom.data.collate.TokenCounter`)
+        self._modality = encoder_modalities(token_counts)
+        unplaced = [e for e in plan.encoder_names if e not in self._modality]
+        if unplaced:
+            raise ValueError(f"the plan has encoders {unplaced} but token_counts has no entry for them: pass "
+                             f"token_counts=token_counters(model) of the model the plan places")
 
     def _hosted(self, rank: int) -> list[str]:
         hosted = {m for m, _, _ in self.plan.stages_of(rank)}
@@ -246,7 +253,7 @@ class Dispatcher:
         sample.check_payload()
         check_generations(sample.meta, self.generations)  # a generator the model has, of its size
         for encoder, count in self._counts.items():  # an item its encoder refuses (an image side the patch
-            for item in getattr(sample.meta, SAMPLE_FIELDS[encoder]):  # does not divide) fails as its sample
+            for item in getattr(sample.meta, self._field(encoder)):  # does not divide) fails as its sample
                 item_token_count(encoder, count, item, sample.meta.sample_id)
         text = flagged_ids(self.tokenizer, sample.text, sample.target_spans)  # targets flagged (a chat's turns)
         if len(text) != sample.meta.text_tokens:
@@ -262,15 +269,15 @@ class Dispatcher:
         its items: `loom.data.collate.count_tokens`) and item count, and per generator the LLM's
         state rows of each position (``cond_tokens`` per request) and its requests, as lists for
         `RowMap`."""
-        for encoder, count in (("vision", meta.image_count), ("audio", meta.audio_count)):
-            if encoder not in self.token_counts and count.any():
+        for modality, count in (("image", meta.image_count), ("audio", meta.audio_count)):
+            if modality not in self._modality.values() and count.any():
                 s = int(np.flatnonzero(count)[0])
                 raise DispatchError(
-                    f"sample {int(meta.sample_id[s])} has {int(count[s])} {SAMPLE_FIELDS[encoder]} but token_counts "
-                    f"has no {encoder!r} entry; add one, or filter such samples out")
+                    f"sample {int(meta.sample_id[s])} has {int(count[s])} {MODALITY_KINDS[modality].sample_field} but "
+                    f"token_counts has no {modality} encoder; add one, or filter such samples out")
         tokens, items = {}, {}
         for encoder in self.plan.encoder_names:
-            count = meta.image_count if encoder == "vision" else meta.audio_count
+            count = meta.image_count if self._modality[encoder] == "image" else meta.audio_count
             tokens[encoder] = per_sample_sum(count, self._item_tokens(encoder, meta)).tolist()
             items[encoder] = count.tolist()
         owner = np.repeat(np.arange(meta.num_samples), meta.generation_count) if self.generations else None
@@ -282,14 +289,15 @@ class Dispatcher:
     def _item_tokens(self, encoder: str, meta: MetadataArrays) -> np.ndarray:
         """``token_counts[encoder]`` of every item of the encoder's modality, called once per
         distinct item shape (a run sees few; the memo is kept across steps)."""
-        if encoder == "vision":
+        image = self._modality[encoder] == "image"
+        if image:
             keys, make = meta.image_hw, ImageMeta
         else:
             keys, make = np.stack([meta.audio_samples, meta.audio_rate], axis=1), AudioMeta
         if not keys.shape[0]:
             return np.zeros(0, dtype=np.int64)
         shapes, first, inverse = np.unique(keys, axis=0, return_index=True, return_inverse=True)
-        owner = meta.image_owner if encoder == "vision" else meta.audio_owner
+        owner = meta.image_owner if image else meta.audio_owner
         count = self._counts[encoder]
         counts = [item_token_count(encoder, count, make(*key), int(meta.sample_id[owner[item]]))
                   for key, item in zip(shapes.tolist(), first.tolist())]
@@ -363,7 +371,11 @@ class Dispatcher:
         """A sample's tensors for ``phase``: an encoder's items, or a generator's targets."""
         if phase in self.generations:
             return [t for t, g in zip(sample.targets, sample.meta.generations) if g.generator == phase]
-        return getattr(sample, SAMPLE_FIELDS[phase])
+        return getattr(sample, self._field(phase))
+
+    def _field(self, encoder: str) -> str:
+        """The attribute of ``Sample`` / ``SampleMeta`` holding ``encoder``'s items."""
+        return MODALITY_KINDS[encoder_modality(encoder, self._counts[encoder])].sample_field
 
     def _flat(self, phase: str, sample: Sample, ids: list[int]) -> torch.Tensor:
         """A sample's ``phase`` payload as bytes (`_unflat` reads them back)."""
@@ -383,7 +395,7 @@ class Dispatcher:
             b = meta.generation_bounds
             mine = meta.generation_code[b[p]:b[p + 1]] == GENERATOR_NAMES.index(phase)
             shapes = [(3, h, w) for h, w in meta.generation_hw[b[p]:b[p + 1]][mine].tolist()]
-        elif phase == "vision":
+        elif self._modality[phase] == "image":
             b = meta.bounds[0]
             shapes = [(3, h, w) for h, w in meta.image_hw[b[p]:b[p + 1]].tolist()]
         else:
@@ -397,11 +409,11 @@ class Dispatcher:
         return items
 
     # ---- microbatches -------------------------------------------------------------------------
-    @staticmethod
-    def _modality_inputs(phases: list[str], slot: Sequence[int],
+    def _modality_inputs(self, phases: list[str], slot: Sequence[int],
                          received: dict[str, dict[int, list | np.ndarray]]) -> dict[str, dict[str, list]]:
         """The ``modality_inputs`` of ``phases`` for the samples at positions ``slot``."""
-        return {phase: {MODALITIES[phase][1]: [t for p in slot for t in received[phase][p]]} for phase in phases}
+        return {phase: {MODALITY_KINDS[self._modality[phase]].input_key: [t for p in slot for t in received[phase][p]]}
+                for phase in phases}
 
     def _generation_inputs(self, slot: Sequence[int], meta: MetadataArrays, step: int,
                            received: dict[str, dict[int, list | np.ndarray]]) -> dict[str, dict[str, list]]:

@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from loom.data.collate import MODALITIES, GenerationSpec, target_count
+from loom.data.collate import MODALITY_KINDS, GenerationSpec, TokenCounter, target_count
+from loom.data.collate import encoder_modality as encoder_modality_of_name
 from loom.data.demo import DemoDataset
 from loom.data.hf_tokenizer import HFTokenizer
 from loom.data.llava import LlavaSource, RecordSource
@@ -28,14 +29,15 @@ from loom.model.generator import ModalityGenerator
 from loom.model.multimodal import ModalityEncoder, MultimodalModel
 from loom.model.zoo import AudioEncoder, LlamaForCausalLM, VisionEncoder
 from loom.model.zoo.diffusion import DiffusionGenerator
-from loom.train.config import ConfigError, ModelConfig, TrainConfig
+from loom.train.config import ConfigError, ModelConfig, TrainConfig, encoder_modality
 
 
 def build_model(
     cfg: ModelConfig, tokenizer: Tokenizer, seed: int = 0, *, device: torch.device | str = "cpu"
 ) -> MultimodalModel:
-    """The tiny-zoo `MultimodalModel` described by ``cfg`` (the LLM a Hugging Face one when
-    ``cfg.llm.hf`` is set, with its checkpoint's weights when it has safetensors), its layers initialised from
+    """The `MultimodalModel` described by ``cfg``: zoo modules, or Hugging Face ones where
+    ``cfg.llm.hf`` / an encoder's ``hf`` is set (with their checkpoint's weights when the directory
+    has safetensors), encoders by their table names, its layers initialised from
     ``seed`` (one derived seed per layer) on ``device``. ``device="meta"`` allocates nothing:
     a pipeline rank then materialises its own stage (`ParallelEngine.create`)."""
     hf_dir = getattr(cfg.llm, "hf", "")  # a zoo LlamaConfig (no hf field) is accepted too
@@ -43,12 +45,20 @@ def build_model(
     llm_cfg = cfg.llm
     if llm_cfg.vocab_size < tokenizer.vocab_size:
         llm_cfg = dataclasses.replace(llm_cfg, vocab_size=tokenizer.vocab_size)
+    encoder_cfgs = cfg.encoder_configs()
+    hf_encoders = {name: _hf_encoder_config(name, enc.hf) for name, enc in encoder_cfgs.items()
+                   if getattr(enc, "hf", "")}
     with torch.device("meta"):
         encoders: dict[str, ModalityEncoder] = {}
-        if cfg.vision is not None:
-            encoders["vision"] = ModalityEncoder(VisionEncoder(cfg.vision), projector=cfg.projector)
-        if cfg.audio is not None:
-            encoders["audio"] = ModalityEncoder(AudioEncoder(cfg.audio), projector=cfg.projector)
+        for name, enc in encoder_cfgs.items():  # any names; each consumes its table's modality
+            modality = encoder_modality(enc)
+            if name in hf_encoders:
+                from loom.model.hf_encoders import encoder_from_config
+
+                module = encoder_from_config(hf_encoders[name])
+            else:
+                module = VisionEncoder(enc) if modality == "image" else AudioEncoder(enc)
+            encoders[name] = ModalityEncoder(module, projector=cfg.projector, modality=modality)
         generators: dict[str, ModalityGenerator] = {}
         if cfg.generator is not None:  # DistTrain's output projector + generator, the module "image"
             if not tokenizer.has(GEN_IMAGE_MARKER):
@@ -59,7 +69,8 @@ def build_model(
         model = MultimodalModel(
             encoders,
             llm if llm is not None else LlamaForCausalLM(llm_cfg),
-            placeholder_ids={name: tokenizer.token_id(MODALITIES[name][0]) for name in encoders},
+            placeholder_ids={name: tokenizer.token_id(MODALITY_KINDS[enc.modality].marker)
+                             for name, enc in encoders.items()},
             generators=generators,
             generation_ids={name: tokenizer.token_id(GEN_IMAGE_MARKER) for name in generators},
         )
@@ -72,6 +83,12 @@ def build_model(
         if files:  # pretrained: each rank reads only its stages' tensors when it materialises them
             tied = {"lm_head.weight": "model.embed_tokens.weight"} if llm.config.tie_word_embeddings else {}
             model.pretrained["llm"] = SafetensorsWeights(files, aliases=tied)
+    for name in hf_encoders:  # an encoder directory's checkpoint: its layers read from it, per stage
+        from loom.model.hf_encoders import encoder_weights
+
+        weights = encoder_weights(encoder_cfgs[name].hf)
+        if weights is not None:
+            model.pretrained[name] = weights
     if cfg.freeze:
         try:
             model.freeze(*cfg.freeze)
@@ -100,9 +117,23 @@ def _hf_llm(path: str, tokenizer: Tokenizer) -> torch.nn.Module:
     return causal_lm_from_config(config)
 
 
+def _hf_encoder_config(name: str, path: str):
+    """The Hugging Face config ``model.<name>.hf`` names; a `ConfigError` naming the field otherwise."""
+    from loom.model.hf_encoders import load_encoder_config
+
+    try:
+        return load_encoder_config(path)
+    except ValueError as e:
+        raise ConfigError(f"model.{name}.hf = {path!r}: {e}; point it at a local Hugging Face encoder directory "
+                          "of a registered family, or remove it to use the zoo encoder") from e
+
+
 def token_counters(model: MultimodalModel) -> dict[str, Callable]:
-    """Per encoder, the function from an item's metadata to its number of tokens."""
-    return {name: enc.num_tokens for name, enc in model.encoders.items()}
+    """Per encoder, the function from an item's metadata to its number of tokens, with the
+    modality of its items (`loom.data.collate.TokenCounter`; an encoder without one the
+    modality its name implies)."""
+    return {name: TokenCounter(enc.modality or encoder_modality_of_name(name), enc.num_tokens)
+            for name, enc in model.encoders.items()}
 
 
 def generation_specs(model: MultimodalModel) -> dict[str, GenerationSpec]:

@@ -1,7 +1,8 @@
 """Typed run configuration, loaded from TOML with command-line overrides.
 
-Sections: ``[run]``, ``[model]`` (with ``[model.vision]``, ``[model.audio]``, ``[model.llm]`` and
-an optional ``[model.generator]``),
+Sections: ``[run]``, ``[model]`` (with ``[model.vision]``, ``[model.audio]``, ``[model.llm]``, an
+optional ``[model.generator]`` and further encoders as ``[model.<name>]`` tables, see
+`ModelConfig`),
 ``[data]`` (with ``[data.demo]``), ``[optim]``, ``[balance]`` (per-phase balancing policy and
 microbatch order, see `loom.balance.policy.BalanceConfig`) and ``[plan]`` (see `loom.plan.plan.Plan`).
 Every unknown key, wrong type or bad value raises `ConfigError` naming the dotted field and
@@ -24,6 +25,7 @@ import tomli_w
 
 from loom.balance.config import BalanceConfig, BalanceError, check_balance_config
 from loom.data.demo import DemoConfig
+from loom.elastic.config import ElasticConfig
 from loom.model.zoo import AudioConfig, LlamaConfig, VisionConfig
 from loom.model.zoo.diffusion import DiffusionConfig
 from loom.plan.overrides import ConfigError, build_dataclass, parse_override, set_dotted, typed_value
@@ -75,9 +77,52 @@ class LLMConfig(LlamaConfig):
 
 
 @dataclass
+class VisionEncoderConfig(VisionConfig):
+    """``[model.<name>]`` of an image encoder: the zoo ViT's fields, or ``hf`` naming a Hugging
+    Face encoder (a local directory or its ``config.json`` of a family in
+    `loom.model.hf_encoders.HF_ENCODERS`), built from its config and initialised from the
+    directory's ``*.safetensors`` when it has them (else from the run seed). With ``hf`` set the
+    zoo fields must keep their defaults. ``modality``: the sample items and marker it consumes."""
+
+    hf: str = ""
+    modality: str = "image"
+
+
+@dataclass
+class AudioEncoderConfig(AudioConfig):
+    """``[model.<name>]`` of an audio encoder: the zoo's fields, or ``hf`` (as
+    `VisionEncoderConfig`)."""
+
+    hf: str = ""
+    modality: str = "audio"
+
+
+# an encoder table's dataclass by the modality it consumes (loom.data.collate.MODALITY_KINDS)
+ENCODER_CONFIGS: dict[str, type] = {"image": VisionEncoderConfig, "audio": AudioEncoderConfig}
+
+
+def encoder_modality(config: Any) -> str:
+    """The modality an encoder config consumes: its ``modality`` field, or its zoo class's (a
+    plain `VisionConfig` / `AudioConfig` built from Python)."""
+    modality = getattr(config, "modality", "")
+    if modality:
+        return modality
+    return "image" if isinstance(config, VisionConfig) else "audio"
+
+
+@dataclass
 class ModelConfig:
-    vision: VisionConfig | None = field(default_factory=VisionConfig)
-    audio: AudioConfig | None = field(default_factory=AudioConfig)
+    """``[model]``: encoders, the LLM, projectors, freezing and an optional generator.
+
+    Encoders are ``[model.<name>]`` tables, any names: ``vision`` and ``audio`` are there by
+    default (the zoo's; ``model.vision = "none"`` removes one), every other table (not a field
+    below) is a further encoder, kept in `extra_encoders` in the file's order. A table's
+    ``modality`` (``"image"`` or ``"audio"``) says which sample items and marker it consumes:
+    ``vision`` and ``audio`` imply theirs, an ``hf`` encoder its family's, other tables must set
+    it. One encoder per modality: each marker expands to its one encoder's tokens."""
+
+    vision: VisionEncoderConfig | None = field(default_factory=VisionEncoderConfig)
+    audio: AudioEncoderConfig | None = field(default_factory=AudioEncoderConfig)
     llm: LLMConfig = field(default_factory=LLMConfig)
     projector: str = "mlp"  # "linear" | "mlp" (the output projector of a generator too)
     freeze: list[str] = field(default_factory=list)  # parts: "vision", "vision.encoder", "llm", "image.projector", ...
@@ -85,6 +130,14 @@ class ModelConfig:
     # "image": a tiny diffusion transformer conditioned on the LLM's states at <gen_image> tokens
     generator: DiffusionConfig | None = None
     generator_loss_weight: float = 1.0  # its denoising loss's weight beside the language-model loss
+    # encoders of other names, from [model.<name>] tables (written back as such; see the class docstring)
+    extra_encoders: dict[str, VisionEncoderConfig | AudioEncoderConfig] = field(default_factory=dict)
+
+    def encoder_configs(self) -> dict[str, Any]:
+        """Every encoder's config by name, in model order: vision, audio (unless none), then the
+        further tables in the file's order."""
+        fixed = {"vision": self.vision, "audio": self.audio}
+        return {**{n: c for n, c in fixed.items() if c is not None}, **self.extra_encoders}
 
 
 @dataclass
@@ -147,6 +200,8 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     plan: Plan = field(default_factory=default_plan)
     balance: BalanceConfig = field(default_factory=BalanceConfig)  # per-phase policy, see loom.balance.policy
+    # [elastic]: survive rank failures without a restart (loom.elastic, docs/elastic.md); None: off
+    elastic: ElasticConfig | None = None
 
     def check(self) -> "TrainConfig":
         """Value checks that do not need the model (the plan is checked against it later, and
@@ -188,13 +243,16 @@ class TrainConfig:
         _require(gen is not None or self.data.demo.mix.get("generate", 0) == 0, "data.demo.mix.generate",
                  self.data.demo.mix.get("generate"), "generation requests need a model with an image generator",
                  "add a [model.generator] table, or set it to 0")
+        modalities = self.check_encoders()
         if self.data.source == "demo":  # the demo's sample kinds need their encoders (files are checked as they load)
-            for kind, encoder in (("image", "vision"), ("multi_image", "vision"), ("image_audio", "vision"),
-                                  ("audio", "audio"), ("image_audio", "audio")):
+            for kind, modality in (("image", "image"), ("multi_image", "image"), ("image_audio", "image"),
+                                   ("audio", "audio"), ("image_audio", "audio")):
                 weight = self.data.demo.mix.get(kind, 0)
-                _require(getattr(self.model, encoder) is not None or not weight, f"data.demo.mix.{kind}", weight,
-                         f"these samples need the {encoder} encoder, which model.{encoder} = none removes",
-                         f"set data.demo.mix.{kind} to 0 or keep [model.{encoder}]")
+                default = "vision" if modality == "image" else "audio"
+                _require(modality in modalities.values() or not weight, f"data.demo.mix.{kind}", weight,
+                         f"these samples need the {modality} encoder, and the model has none (model.{default} = none "
+                         f"removes the default one)", f"set data.demo.mix.{kind} to 0, keep [model.{default}] or add "
+                         f'an encoder table with modality = "{modality}"')
         _require(math.isfinite(self.model.generator_loss_weight) and self.model.generator_loss_weight >= 0,
                  "model.generator_loss_weight", self.model.generator_loss_weight, "must not be negative",
                  "use a weight such as 1.0")
@@ -245,14 +303,14 @@ class TrainConfig:
                 f"plan.num_microbatches = {self.plan.num_microbatches}: every microbatch needs a sample; "
                 f"raise the batch size or lower the microbatch count"
             )
-        vision = self.model.vision
-        if vision is not None and self.data.demo.patch_size % vision.patch_size:
-            raise ConfigError(
-                f"model.vision.patch_size = {vision.patch_size}: the demo images' sides are multiples of "
-                f"data.demo.patch_size = {self.data.demo.patch_size}, which this patch size does not divide; "
-                f"set both to the same value"
-            )
-        encoders = [n for n in ("vision", "audio") if getattr(self.model, n) is not None]
+        for name, enc in self.model.encoder_configs().items():  # zoo ViTs patchify the demo's images as they are
+            if modalities[name] == "image" and not getattr(enc, "hf", "") and self.data.demo.patch_size % enc.patch_size:
+                raise ConfigError(
+                    f"model.{name}.patch_size = {enc.patch_size}: the demo images' sides are multiples of "
+                    f"data.demo.patch_size = {self.data.demo.patch_size}, which this patch size does not divide; "
+                    f"set both to the same value"
+                )
+        encoders = list(modalities)
         names = encoders + ["llm"] + (["image"] if gen is not None else [])
         for m in self.plan.modules:
             if m.name not in names:
@@ -261,8 +319,14 @@ class TrainConfig:
                     f"of them (an encoder set to none in [model] has no module to place; the generator is "
                     f"'image', with a [model.generator] table)"
                 )
-        shapes = {"llm": self.hf_llm_config() or self.model.llm, "vision": self.model.vision, "audio": self.model.audio}
+        shapes = {"llm": self.hf_llm_config() or self.model.llm, **self.model.encoder_configs()}
         for m in self.plan.modules:  # TP degrees against heads and widths (loom.runtime.tensor_parallel)
+            if m.name in encoders and getattr(shapes[m.name], "hf", ""):
+                _require(not isinstance(m.tensor_parallel, int) or m.tensor_parallel <= 1,
+                         f"plan.modules[{m.name!r}].tensor_parallel", m.tensor_parallel,
+                         f"model.{m.name}.hf is a Hugging Face encoder, which loom has no TP plan for",
+                         "set it to 1 (data parallelism and pipeline stages work)")
+                continue
             if isinstance(m.tensor_parallel, int) and m.tensor_parallel > 1 and shapes.get(m.name) is not None:
                 try:
                     check_tp_degree(m.name, m.tensor_parallel, shapes[m.name])
@@ -272,7 +336,47 @@ class TrainConfig:
             self.balance.check(self.plan.module_names)
         except BalanceError as e:
             raise ConfigError(str(e)) from e
+        if self.elastic is not None:  # what the elastic runtime cannot honour (loom.elastic.config)
+            self.elastic.check(self)
         return self
+
+    def check_encoders(self) -> dict[str, str]:
+        """Every encoder table's name, ``modality`` and ``hf`` config: returns the modality of
+        each encoder by name. One encoder per modality (each marker expands to one encoder's
+        tokens); a `ConfigError` naming the field otherwise."""
+        gen = self.model.generator
+        modalities: dict[str, str] = {}
+        for name, enc in self.model.encoder_configs().items():
+            reserved = ("llm",) + (("image",) if gen is not None else ())
+            _require(name not in reserved and name.replace("_", "").replace("-", "").isalnum(), f"model.{name}",
+                     "table", "an encoder needs a name of letters, digits, '-' or '_', other than 'llm' (the language "
+                     "model) and, with a [model.generator], 'image'", "rename the table, e.g. [model.eye]")
+            modality = encoder_modality(enc)
+            _require(modality in ENCODER_CONFIGS, f"model.{name}.modality", modality, "unknown modality",
+                     'choose "image" or "audio"')
+            implied = {"vision": "image", "audio": "audio"}.get(name)
+            _require(implied is None or modality == implied, f"model.{name}.modality", modality,
+                     f"[model.{name}] is the default {implied} encoder's table", f'use another table name for an '
+                     f'encoder of {modality}s, e.g. [model.{modality}_encoder], and set model.{name} = "none"')
+            if getattr(enc, "hf", ""):
+                family = hf_encoder_family(name, enc.hf)
+                _require(family.modality == modality, f"model.{name}.hf", enc.hf, f"a {family.title} encoder "
+                         f"consumes {family.modality}s, but model.{name}.modality is {modality!r}",
+                         f'set model.{name}.modality = "{family.modality}"' + ("" if implied is None else
+                         f' in another table than [model.{name}] (e.g. [model.{family.modality}_encoder])'))
+                zoo = ENCODER_CONFIGS[modality]()
+                changed = [f.name for f in dataclasses.fields(VisionConfig if modality == "image" else AudioConfig)
+                           if getattr(enc, f.name) != getattr(zoo, f.name)]
+                _require(not changed, f"model.{name}.{changed[0] if changed else ''}",
+                         getattr(enc, changed[0]) if changed else None, f"model.{name}.hf builds the encoder from "
+                         "its Hugging Face config, which fixes the shapes", f"remove model.{name}.{{{', '.join(changed)}}} "
+                         "or the hf field")
+            other = next((n for n, m in modalities.items() if m == modality), None)
+            _require(other is None, f"model.{name}.modality", modality, f"model.{other} consumes the {modality}s "
+                     f"already, and loom expands each marker to one encoder's tokens", f'set model.{other} = "none" '
+                     f"or remove [model.{name}]")
+            modalities[name] = modality
+        return modalities
 
     def hf_llm_config(self) -> Any:
         """The Hugging Face config ``model.llm.hf`` names (None when unset); a one-line
@@ -360,6 +464,20 @@ class TrainConfig:
                 f"launch {per_node} processes per node on {world_size // per_node} nodes with torchrun")
 
 
+def hf_encoder_family(name: str, path: str) -> Any:
+    """The registered family (`loom.model.hf_encoders.HFEncoderFamily`) of ``model.<name>.hf =
+    path``; a one-line `ConfigError` naming the field when it cannot be read or is not registered."""
+    from loom.model.hf_encoders import encoder_family, load_encoder_config
+
+    try:
+        return encoder_family(load_encoder_config(path))
+    except ImportError as e:
+        raise ConfigError(f"model.{name}.hf = {path!r}: needs transformers ({e}); pip install transformers") from e
+    except ValueError as e:
+        raise ConfigError(f"model.{name}.hf = {path!r}: {e}; point it at a local Hugging Face encoder directory "
+                          "of a registered family, or remove it to use the zoo encoder") from e
+
+
 DEVICES = ("cpu", "cuda")
 DTYPES = ("fp32", "bf16")  # run.dtype (loom.runtime.precision.DTYPES)
 
@@ -407,7 +525,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         _apply_override(data, item)
     plan_data = data.pop("plan", None)
+    extra = _extra_encoder_tables(data)
     cfg = build_dataclass(TrainConfig, data, "", _check_shape)
+    cfg.model.extra_encoders = {name: _build_encoder(name, table) for name, table in extra.items()}
     if isinstance(plan_data, str) and plan_data.startswith("@"):  # plan = "@file": a plan file (loom plan --search)
         try:
             cfg.plan = Plan.read_file(plan_data[1:], field="plan")
@@ -424,6 +544,38 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(str(e)) from e
         _check_plan_types(cfg.plan)
     return cfg.check()
+
+
+def _extra_encoder_tables(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The ``[model.<name>]`` tables that are not `ModelConfig` fields (further encoders), taken
+    out of ``data`` in the file's order; one set to ``"none"`` is dropped (an override removes it)."""
+    model = data.get("model")
+    if not isinstance(model, dict):
+        return {}
+    if "extra_encoders" in model:
+        raise ConfigError("model.extra_encoders: write each further encoder as its own [model.<name>] table")
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    out = {}
+    for name in [k for k in model if k not in fields]:
+        value = model[name]
+        if isinstance(value, str) and value.lower() == "none":
+            del model[name]
+        elif isinstance(value, dict):
+            out[name] = model.pop(name)
+    return out  # anything else stays, for build_dataclass's unknown-field error
+
+
+def _build_encoder(name: str, table: dict[str, Any]) -> Any:
+    """A further encoder's config, its dataclass chosen by ``modality`` (or by its ``hf``
+    family's when unset)."""
+    modality = table.get("modality", "")
+    if not modality and table.get("hf"):
+        modality = hf_encoder_family(name, table["hf"]).modality
+    _require(modality in ENCODER_CONFIGS, f"model.{name}.modality", modality or "",
+             "an encoder table other than [model.vision] / [model.audio] must say which sample items it consumes"
+             if not modality else "unknown modality",
+             f'set model.{name}.modality = "image" or "audio" (or model.{name}.hf to a registered encoder)')
+    return build_dataclass(ENCODER_CONFIGS[modality], {**table, "modality": modality}, f"model.{name}", _check_shape)
 
 
 def _check_plan_types(plan: Plan) -> None:
@@ -472,6 +624,9 @@ def config_to_toml(cfg: TrainConfig) -> str:
     `load_config` reads it back to an equal `TrainConfig`. TOML has no null, so a None field
     (an encoder or generator turned off) is written as ``"none"``, which loading reads as None."""
     data: dict[str, Any] = {s: _toml_data(getattr(cfg, s)) for s in ("run", "model", "data", "optim", "balance")}
+    if cfg.elastic is not None:
+        data["elastic"] = _toml_data(cfg.elastic)
+    data["model"].update(data["model"].pop("extra_encoders"))  # as the [model.<name>] tables they came from
     data["plan"] = cfg.plan.to_toml_table()
     return tomli_w.dumps(data)
 
