@@ -160,6 +160,9 @@ def test_bad_values_are_refused_naming_the_field(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
     assert main(base + ['run.checkpoint_every="often"']) == 2
     assert "run.checkpoint_every" in capsys.readouterr().err
+    assert main(base + ["run.checkpoint_async=true"]) == 2  # nothing periodic to put in the background
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("loom: error: run.checkpoint_async = true: only the periodic saves") and "\n" not in err
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "--resume" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
@@ -230,7 +233,8 @@ def test_async_save_is_complete_only_once_written_and_failures_raise(tmp_path, m
     cfg = load_config(None, ["model.vision=\"none\"", "model.audio=\"none\"", "model.llm.hidden_size=16",
                              "model.llm.num_layers=1", "model.llm.intermediate_size=32", "model.llm.num_heads=2",
                              "model.llm.num_kv_heads=1", 'plan.modules=[{name="llm"}]', "plan.num_microbatches=1",
-                             "data.global_batch_size=2", 'data.demo.mix={text=1.0}', "run.checkpoint_async=true"])
+                             "data.global_batch_size=2", 'data.demo.mix={text=1.0}', "run.checkpoint_async=true",
+                             "run.checkpoint_every=1"])
     assert cfg.run.checkpoint_async
     release, fail = threading.Event(), threading.Event()
     real = dcp.FileSystemWriter

@@ -222,6 +222,9 @@ class TrainConfig:
                  "log every N >= 1 steps, e.g. run.log_every=10")
         _require(run.checkpoint_every >= 0, "run.checkpoint_every", run.checkpoint_every, "must not be negative",
                  "use 0 (a checkpoint after the last step only) or a step interval such as 100")
+        _require(not run.checkpoint_async or run.checkpoint_every > 0, "run.checkpoint_async", run.checkpoint_async,
+                 "only the periodic saves (run.checkpoint_every) go to the background, and there are none",
+                 "set run.checkpoint_every to a step interval such as 100, or run.checkpoint_async = false")
         _require(run.eval_every >= 0, "run.eval_every", run.eval_every, "must not be negative",
                  "use 0 (no evaluation) or a step interval such as 100")
         _require(self.data.eval_samples >= 0, "data.eval_samples", self.data.eval_samples, "must not be negative",
