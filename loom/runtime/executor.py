@@ -219,6 +219,12 @@ class PipelineExecutor:
         self._act_shapes: dict[tuple[StageId, StageId, int], _ActShape | None] = {}
         # the last iteration's CP context per LLM microbatch (context parallelism; for inspection)
         self.cp_contexts: dict[int, RankContext] = {}
+        # called once per training iteration after the gradients are complete on this rank (after
+        # the replicas' and tied copies' sums) and before clipping and the optimizer step, with the
+        # iteration's loss shares per module (device tensors); what runs above the runtime hooks in
+        # here: loom.elastic's layer-wise sync across heterogeneous pipelines and its commit vote.
+        # It may raise to abandon the iteration before any parameter changes.
+        self.before_update: Callable[[dict[str, torch.Tensor]], None] | None = None
 
     # ---- one iteration -------------------------------------------------------------------
     def run(
@@ -259,6 +265,8 @@ class PipelineExecutor:
                 torch.cuda.synchronize(self.device)
             times.append(start)
             times.append(clock())
+        if plan.last_step < 0 and not forward_only and self.before_update is not None:
+            self.before_update(it.loss_total)  # no optimizer step here: the hook runs after the last action
         if self.max_grad_norm > 0 and plan.last_step < 0 and not forward_only:  # no optimizer step here: join the norm now
             it.grad_norm = self._clip_gradients()
         self.comm.wait_sends()
@@ -586,6 +594,8 @@ class PipelineExecutor:
             return
         sync_tied(self.tied)  # tied copies on other stages: the pair's gradient sum (loom.runtime.tied)
         settle_gradients(self._trainable_parameters())  # TP gradients in their parameters' placements
+        if self.before_update is not None:
+            self.before_update(it.loss_total)
         if self.max_grad_norm > 0:
             it.grad_norm = self._clip_gradients()
         if self.optimizer is not None:

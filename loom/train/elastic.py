@@ -1,0 +1,285 @@
+"""The training loop of an elastic worker (``[elastic]``; Oobleck, oobleck.md §2.5, §3.6-§3.10):
+``python -m loom.train.elastic --config C --run-dir D``, started by
+`loom.elastic.supervisor.ElasticSupervisor` (never by ``torchrun``, whose agent restarts every
+worker when one fails).
+
+The worker joins the generation the supervisor published (`loom.elastic.member.form`: its
+pipeline's group and engine, the copies it lacks, the layer-wise groups) and runs steps: the
+global batch of step ``k`` is the sampler's, whatever the layout; its pipeline runs its share
+(Eq. 2.6) through the usual dispatcher and engine, with the loss normalised by the whole batch's
+targets (one all-reduce over every member), then the layer-wise gradient sum and the commit vote
+(`loom.elastic.protocol`) before the optimizer step. On any communication error, timeout or
+newer generation, the step is voted ``abort`` (if not yet voted), the rank keeps its parameters
+and optimizer state, drops its groups and joins the next generation, which redoes the same step
+with the same samples. When the supervisor says the failures went beyond ``f``, the survivors
+save what they hold (`loom.elastic.stop`) and exit with `STOP_EXIT`.
+
+The generation's first member writes ``metrics.jsonl`` (per committed step: loss, generation,
+each pipeline's sample indices, the commit time) and ``elastic.jsonl`` (each generation formed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from loom.cost.arch_from_model import arch_from_model
+from loom.data.sampler import GlobalBatchSampler
+from loom.elastic.coordination import STORE_ENV, Coordinator, connect
+from loom.elastic.layout import BeyondTolerance, Generation
+from loom.elastic.member import Formed, HeldState, StepAborted, form
+from loom.elastic.stop import STOP_EXIT, save_survivors
+from loom.plan.plan import LLM
+from loom.runtime.dispatch import Dispatcher
+from loom.runtime.engine import ParallelEngine
+from loom.train.build import build_data, build_model, generation_specs, token_counters
+from loom.train.config import TrainConfig, load_config
+from loom.train.launch import SUPERVISOR_ENV, die_with_parent
+from loom.train.main import _own_output
+from loom.train.rank import lr_lambda, make_lr_scheduler, make_optimizer
+from loom.train.status import RankExit, classify, write_pid
+
+EVENTS = "elastic.jsonl"
+
+
+def _append(path: Path, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+class ElasticWorker:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, rank: int, coord: Coordinator):
+        self.cfg, self.run_dir, self.rank, self.coord = cfg, run_dir, rank, coord
+        self.timeout = cfg.elastic.timeout_s
+        self.tokenizer, self.dataset = build_data(cfg)
+        model = build_model(cfg.model, self.tokenizer, seed=cfg.run.seed, device="meta")
+        self.counters, self.arch, self.generations = token_counters(model), arch_from_model(model), generation_specs(model)
+        self.all_names = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+        held_out = cfg.data.eval_samples
+        self.sampler = GlobalBatchSampler(len(self.dataset) - held_out, cfg.data.global_batch_size, seed=cfg.run.seed)
+        self.device = torch.device("cpu")
+
+    def build_engine(self, plan) -> ParallelEngine:
+        model = build_model(self.cfg.model, self.tokenizer, seed=self.cfg.run.seed, device="meta")
+        engine = ParallelEngine.create(model, plan, self.device, make_optimizer(self.cfg.optim), dtype=self.cfg.run.dtype)
+        engine.eager_forward = self.cfg.balance.eager_forward
+        return engine
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def train(self) -> int:
+        cfg, coord = self.cfg, self.coord
+        state: HeldState | None = None
+        committed, number = 0, 0
+        while committed < cfg.run.steps:
+            gen = coord.generation(number)
+            if gen.stop:
+                return self.stop(gen, state, committed)
+            if self.rank not in gen.members:
+                print(f"rank {self.rank}: not in generation {gen.number} (its node was lost); leaving", flush=True)
+                return 0
+            t0 = time.time()
+            try:
+                formed = form(coord, gen, self.rank, self.build_engine, state, committed, self.timeout)
+            except BeyondTolerance as e:
+                gen.stop = str(e)
+                return self.stop(gen, state, committed)
+            except (RuntimeError, TimeoutError, ConnectionError) as e:  # a failure while forming: wait for the next
+                print(f"rank {self.rank}: generation {gen.number} could not form ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0][:200]})", flush=True)
+                del e
+                _destroy()
+                number = self.next_generation(gen.number)
+                continue
+            if formed.leader:
+                _append(self.run_dir / EVENTS, {"event": "formed", "generation": gen.number, "time": time.time(),
+                                                 "form_s": round(time.time() - t0, 3), "pipelines": gen.pipelines,
+                                                 "samples": gen.samples, "lost": gen.lost, "step": committed})
+            print(f"rank {self.rank}: generation {gen.number}, pipeline {formed.pipeline} {gen.pipelines[formed.pipeline]}"
+                  f" position {formed.local}; received {formed.copied} parameters; step {committed}", flush=True)
+            self.committed = committed
+            try:
+                committed = self.run_steps(formed, committed)
+            except BaseException as e:
+                committed = self.committed  # the steps committed before the failure
+                if not isinstance(e, (RuntimeError, TimeoutError, ConnectionError)):  # not a peer's failure
+                    if not coord.has_voted(gen.number, committed, self.rank):
+                        coord.vote(gen.number, committed, self.rank, None)
+                    raise
+                print(f"rank {self.rank}: step {committed} abandoned ({type(e).__name__}: "
+                      f"{(str(e).splitlines() or [''])[0][:200]})", flush=True)
+                del e
+                if not coord.has_voted(gen.number, committed, self.rank):
+                    coord.vote(gen.number, committed, self.rank, None)
+                state = HeldState.of(formed.engine)
+                formed.drop()
+                del formed
+                number = self.next_generation(gen.number)
+                continue
+            _destroy()
+        return 0
+
+    def next_generation(self, after: int) -> int:
+        """Wait for a generation newer than ``after`` (the supervisor publishes one once it has
+        seen the death behind the error); without one the error was not a failure: give up."""
+        deadline = time.monotonic() + 6 * self.timeout
+        while time.monotonic() < deadline:
+            latest = self.coord.latest()
+            if latest > after:
+                return latest
+            time.sleep(0.01)
+        raise RuntimeError(f"a communication error without a rank failure (no new generation after {after} within "
+                           f"{6 * self.timeout:.0f} s)")
+
+    def run_steps(self, formed: Formed, committed: int) -> int:
+        cfg, coord, gen = self.cfg, self.coord, formed.gen
+        plan = gen.plans[formed.pipeline]
+        engine = formed.engine
+        dispatcher = Dispatcher(plan, self.dataset, self.tokenizer, self.counters, self.arch, cfg.balance, self.device,
+                                pack=cfg.data.pack_sequences, generations=self.generations,
+                                microbatch_tokens=cfg.data.microbatch_tokens, on_error=cfg.data.on_error)
+        scheduler = None
+        if engine.optimizer is not None:  # the LR schedule where the run is: step `committed`
+            scheduler = make_lr_scheduler(cfg, engine.optimizer)
+            scheduler.last_epoch = committed
+            for group in engine.optimizer.param_groups:
+                group["lr"] = cfg.optim.lr * lr_lambda(cfg)(committed)
+        terms = [LLM, *plan.generator_names]
+        ctx: dict = {}
+
+        def before_update(losses: dict[str, torch.Tensor]) -> None:
+            formed.sync_gradients()
+            if cfg.optim.max_grad_norm > 0:
+                ctx["grad_norm"] = formed.clip(cfg.optim.max_grad_norm)
+            payload = {"loss": {m: float(t) for m, t in losses.items()},
+                       "samples": ctx["share"] if formed.local == 0 else None}
+            coord.vote(gen.number, ctx["step"], self.rank, payload)
+            verdict, payloads = coord.await_decision(gen.number, ctx["step"], gen.members, 3 * self.timeout)
+            if verdict != "commit":
+                raise StepAborted(f"step {ctx['step']} aborted: a member failed")
+            ctx["payloads"] = payloads
+
+        engine.executor.before_update = before_update
+        while committed < cfg.run.steps:
+            k = committed
+            if coord.latest() > gen.number:
+                raise StepAborted(f"generation {coord.latest()} published")
+            coord.started(self.rank, k)
+            t0 = time.time()
+            share = gen.shares(self.sampler.batch(k))[formed.pipeline]
+            ctx.clear()
+            ctx.update(step=k, share=share)
+            got = dispatcher.dispatch(share, k)
+            counts = torch.tensor([got.num_targets, *(got.num_generations.get(m, 0) for m in terms[1:])],
+                                  dtype=torch.float64) * (1 if formed.local == 0 else 0)
+            formed.all_reduce(counts)  # the whole global batch's normalisers
+            num_targets = int(counts[0])
+            num_generations = {m: int(c) for m, c in zip(terms[1:], counts[1:].tolist())}
+            engine.step(got.batches, num_targets, k, exact_timing=False, layout=got.layout, rows=got.rows,
+                        num_generations=num_generations)
+            if scheduler is not None:
+                scheduler.step()
+            committed = self.committed = k + 1
+            if formed.leader:
+                self.record(formed, k, ctx, time.time() - t0)
+        return committed
+
+    def record(self, formed: Formed, k: int, ctx: dict, seconds: float) -> None:
+        gen, cfg = formed.gen, self.cfg
+        payloads = ctx["payloads"]
+        loss = sum(sum(payloads[m]["loss"].values()) for m in sorted(payloads))
+        samples = [payloads[p[0]]["samples"] for p in gen.pipelines]
+        row = {"step": k, "loss": loss, "generation": gen.number, "pipelines": [len(p) for p in gen.pipelines],
+               "samples": samples, "step_time_s": round(seconds, 4), "time": time.time(),
+               "lr": cfg.optim.lr * lr_lambda(cfg)(k)}
+        if "grad_norm" in ctx:
+            row["grad_norm"] = ctx["grad_norm"]
+        _append(self.run_dir / "metrics.jsonl", row)
+        if k % cfg.run.log_every == 0 or k == cfg.run.steps - 1:
+            print(f"step {k:5d}/{cfg.run.steps}  loss {loss:.4f}  generation {gen.number}  "
+                  f"{seconds * 1e3:7.1f} ms/step", flush=True)
+
+    def stop(self, gen: Generation, state: HeldState | None, committed: int) -> int:
+        where = save_survivors(self.coord, gen, self.rank, state, committed, self.run_dir, self.all_names, self.timeout)
+        print(f"rank {self.rank}: beyond f: {gen.stop}; saved to {where}", flush=True)
+        return STOP_EXIT
+
+
+def _destroy() -> None:
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="loom elastic worker (started by loom train with an [elastic] section)")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args(argv)
+    run_dir = Path(args.run_dir)
+    rank = int(os.environ["RANK"])
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    die_with_parent(int(supervisor) if supervisor and supervisor.isdigit() else None)
+    _own_output(run_dir, rank)
+    if rank == 0:  # the supervisor prints the run's progress; every worker's output goes to its log
+        fd = os.open(run_dir / "logs" / "rank0.log", os.O_WRONLY | os.O_APPEND)
+        os.dup2(fd, 1)
+        os.close(fd)
+    write_pid(run_dir, rank)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    torch.set_num_threads(1)
+    code = 0
+    try:
+        cfg = load_config(args.config)
+        coord = Coordinator(connect(os.environ[STORE_ENV], cfg.elastic.timeout_s))
+        code = ElasticWorker(cfg, run_dir, rank, coord).train()
+    except BaseException as e:  # noqa: BLE001 - every way a worker ends is recorded
+        state, reason = classify(e)
+        traceback.print_exc()
+        RankExit(rank, os.getpid(), state, reason, time.time()).write(run_dir)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    RankExit(rank, os.getpid(), "done" if code == 0 else "stopped", "" if code == 0 else "beyond f",
+             time.time()).write(run_dir)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip teardown of groups a failure left behind
+
+
+if __name__ == "__main__":
+    main()
+
+
+def launch(cfg: TrainConfig, run_dir: Path, config_path: Path, kills: list | None = None, echo: bool = True,
+           env: dict[str, str] | None = None):
+    """Run ``cfg`` (with ``[elastic]``, its ``config.toml`` at ``config_path``) under the elastic
+    supervisor; returns its `ElasticOutcome`. ``kills``: `Kill`s for demos and tests."""
+    from loom.elastic.planning import first_generation, next_generation
+    from loom.elastic.supervisor import ElasticSupervisor, worker_command
+
+    el = cfg.elastic
+    encoders = [m.name for m in cfg.plan.modules if m.name != LLM]
+    batch = cfg.data.global_batch_size
+    first = first_generation(cfg.plan, encoders, el.nodes * el.ranks_per_node, batch, el)
+
+    def after(prev: Generation, lost: set[int]) -> Generation:
+        return next_generation(prev, lost, cfg.plan, encoders, batch, el)
+
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    supervisor = ElasticSupervisor(worker_command(config_path, run_dir), run_dir, first, el.nodes * el.ranks_per_node,
+                                   after, env=env, ranks_per_node=el.ranks_per_node, kills=kills, echo=echo,
+                                   stall_s=max(60.0, 12 * el.timeout_s))
+    return supervisor.run()
