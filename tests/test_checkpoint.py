@@ -97,21 +97,23 @@ def test_resume_is_exact_and_reshards_to_another_plan(tmp_path, capsys):
     # every rank wrote its shards: ZeRO-3 shards and the encoders' whole parameters
     assert len(list((a / "checkpoints" / f"step_{N}").glob("__*_0.distcp"))) == 5
 
-    # the same plan: every step's loss equals the uninterrupted run's
+    # two resumes from the step-N checkpoint, side by side (each launch's start-up is mostly one
+    # process on one core): the same plan, and another plan (2 ranks, the LLM whole) stopped by SIGTERM
     b = stopped_after(a, tmp_path / "b", N, crashed=True)
-    out = loom("train", "--resume", str(b), cwd=tmp_path)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"resumed from {b / 'checkpoints' / f'step_{N}'} at step {N}" in out.stdout
-    assert losses(b) == reference, "the resumed run's losses (steps before N kept, N.. run again)"
-    assert read_status(b) == "completed" and latest_checkpoint(b) == b / "checkpoints" / f"step_{2 * N}"
-
-    # another plan (2 ranks, the LLM whole): DCP reshards by name; then SIGTERM saves and stops
     c = stopped_after(a, tmp_path / "c", N, crashed=False)
     proc = subprocess.Popen([sys.executable, "-m", "loom.cli", "train", "--resume", str(c), "run.steps=1000",
                              "run.log_every=1", *ONE_STAGE], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(2400):  # polls, not a time limit on the code under test
+        # the same plan: every step's loss equals the uninterrupted run's
+        out = loom("train", "--resume", str(b), cwd=tmp_path)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert f"resumed from {b / 'checkpoints' / f'step_{N}'} at step {N}" in out.stdout
+        assert losses(b) == reference, "the resumed run's losses (steps before N kept, N.. run again)"
+        assert read_status(b) == "completed" and latest_checkpoint(b) == b / "checkpoints" / f"step_{2 * N}"
+
+        # another plan: DCP reshards by name; then SIGTERM saves and stops
+        for _ in range(4800):  # polls, not a time limit on the code under test
             if proc.poll() is not None or logged_steps(c) > N:
                 break
             time.sleep(0.05)

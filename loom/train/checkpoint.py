@@ -303,6 +303,7 @@ class Checkpointer:
         self.view = model_view(self.run.engine.stages)
         self._all_shapes: dict[str, list[int]] | None = None
         self._in_flight: _InFlight | None = None
+        self.last_step: int | None = None  # the step of the last complete save (not one in flight)
         # DCP's collectives from the writer thread need a group the main thread never uses
         self._group = dist.new_group(backend="gloo") if self.asynchronous else None
 
@@ -349,6 +350,7 @@ class Checkpointer:
         # is written: only then does meta.json, and after it `latest`, name the checkpoint
         self._finish(step, target, t0)
         dist.barrier()  # no rank runs ahead (or exits) before `latest` names the checkpoint
+        self.last_step = step
         return time.perf_counter() - t0
 
     def save_async(self, step: int) -> float:
@@ -402,6 +404,7 @@ class Checkpointer:
                                   f"`latest` still names the previous checkpoint, which a resume uses") from e
         self._finish(job.step, job.target, job.t0)
         dist.barrier()  # `latest` names it before any rank goes on (or exits)
+        self.last_step = job.step
         return job.step, time.perf_counter() - job.t0
 
     def load(self, ckpt: Path) -> int:

@@ -188,7 +188,8 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
     saved = checkpointer.wait()  # an asynchronous save still in flight completes (or raises) before the last one
     if saved is not None and rank == 0:
         _say(progress, f"checkpoint step_{saved[0]} saved in the background ({saved[1]:.2f} s)")
-    if end > start or resume is None:  # a resumed run that ran no step has its checkpoint already
+    # a resumed run that ran no step has its checkpoint already, as has a stop right after a periodic save
+    if (end > start or resume is None) and checkpointer.last_step != end:
         seconds = checkpointer.save(end)
         if rank == 0:
             _say(progress, f"checkpoint step_{end} saved ({seconds:.2f} s)")
