@@ -13,8 +13,8 @@ token only) packed as ``[images x tokens, hidden]``; the pooling heads are not r
 
 Layers (``model.`` and the path inside the HF model; transformers 4.x adds ``vision_model.``):
 ``embeddings`` (front-end), CLIP's ``pre_layrnorm`` (norm), ``encoder.layers.<i>`` (block),
-SigLIP's ``post_layernorm`` (norm). SigLIP's pooling ``head`` is dropped (it pools one vector
-per image; the LLM gets the patch tokens).
+SigLIP's ``post_layernorm`` (norm). SigLIP's pooling ``head`` and CLIP's ``post_layernorm`` are
+dropped (they make the pooled vector; the LLM gets the patch tokens).
 """
 
 from __future__ import annotations
@@ -58,6 +58,11 @@ class HFVisionEncoder(nn.Module):
             # SigLIP's attention-pooling head makes one vector per image; loom feeds the LLM the
             # patch tokens, so the head would be dead weight on every stage: dropped
             model.head, model.use_head = None, False
+        vm = getattr(model, "vision_model", model)
+        if config.model_type == "clip_vision_model" and isinstance(getattr(vm, "post_layernorm", None), nn.LayerNorm):
+            # CLIP's post_layernorm normalises the pooled class token only, which loom never
+            # runs: dropped like SigLIP's head, so no parameter sits outside the layers
+            vm.post_layernorm = nn.Identity()
         self.model = model
         self.config = config
         self.hidden_size: int = config.hidden_size
