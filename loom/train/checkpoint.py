@@ -401,7 +401,7 @@ class Checkpointer:
             job.future.result()
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException (a BaseException) has every rank's error
             raise CheckpointError(f"asynchronous save of checkpoint {job.target} (step {job.step}) failed: {_reason(e)}; "
-                                  f"`latest` still names the previous checkpoint, which a resume uses") from e
+                                  f"`latest` was not moved to it, so a resume takes the last complete checkpoint") from e
         self._finish(job.step, job.target, job.t0)
         dist.barrier()  # `latest` names it before any rank goes on (or exits)
         self.last_step = job.step
