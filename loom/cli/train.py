@@ -32,7 +32,7 @@ from loom.cli.common import CliError, load_train_config
 from loom.train.checkpoint import CheckpointMeta, check_compatible, expected_shapes, latest_checkpoint
 from loom.train.config import TrainConfig, config_to_toml
 from loom.train.launch import Supervisor, is_loom_process
-from loom.train.status import LOGS, read_pids, read_status, read_supervisor_pid
+from loom.train.status import LOGS, SUPERVISOR_PID, read_pids, read_status, read_supervisor_pid, write_status
 
 
 def check_before_launch(cfg: TrainConfig, dry_run: bool = False) -> None:
@@ -123,6 +123,43 @@ def resume_target(args: argparse.Namespace) -> Path | None:
     return ckpt
 
 
+KILL_ENV = "LOOM_KILL"  # demos and tests only: "RANK[,RANK...]@STEP[;...]", SIGKILLs by the elastic supervisor
+
+
+def _train_elastic(cfg: TrainConfig, run_dir: Path, config_path: Path, dry_run: bool) -> int:
+    """An ``[elastic]`` run (docs/elastic.md): ``elastic.nodes`` workers under
+    `loom.elastic.supervisor.ElasticSupervisor`; ``LOOM_KILL`` kills ranks on cue (demos, tests)."""
+    from loom.elastic.supervisor import Kill, worker_command
+    from loom.train.elastic import launch
+
+    el = cfg.elastic
+    try:
+        kills = [Kill.parse(k) for k in os.environ.get(KILL_ENV, "").split(";") if k.strip()]
+    except ValueError as e:
+        raise CliError(f"{KILL_ENV}: {e}") from e
+    world = el.nodes * el.ranks_per_node
+    for k in kills:
+        if any(not 0 <= r < world for r in k.ranks):
+            raise CliError(f"{KILL_ENV}: ranks {k.ranks}: the run has ranks 0..{world - 1}")
+    print(f"loom: elastic run, {world} processes ({el.nodes} nodes), f = {el.f}, pipeline templates of "
+          f"{el.min_nodes} to {el.nodes - el.f * el.min_nodes} nodes; run dir {run_dir}", flush=True)
+    if dry_run:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(config_to_toml(cfg))
+        print(f"wrote {config_path}; would start {world} workers under the elastic supervisor: "
+              + " ".join(worker_command(config_path, run_dir)))
+        return 0
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path.write_text(config_to_toml(cfg))
+    (run_dir / LOGS).mkdir(exist_ok=True)
+    (run_dir / LOGS / SUPERVISOR_PID).write_text(f"{os.getpid()}\n")
+    write_status(run_dir, "running")
+    outcome = launch(cfg, run_dir, config_path, kills=kills)
+    write_status(run_dir, outcome.status)
+    print(outcome.message, file=sys.stderr if outcome.returncode else sys.stdout, flush=True)
+    return outcome.returncode
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     resume = resume_target(args)
     cfg = load_train_config(args)
@@ -135,6 +172,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         check_compatible(resume, meta, expected_shapes(cfg))
     run_dir = claim_run_dir(cfg, args.overwrite, args.dry_run, resume=resume is not None)
     config_path = run_dir / "config.toml"
+    if cfg.elastic is not None:  # Oobleck: its own supervisor, not torchrun (loom.train.elastic)
+        if resume is not None:
+            raise CliError("--resume with [elastic]: an elastic run's survivors' save (checkpoints/elastic_step_N) "
+                           "cannot be resumed yet; start the run again (--overwrite)")
+        return _train_elastic(cfg, run_dir, config_path, args.dry_run)
     world = cfg.plan.world_size
     cmd = torchrun_command(cfg, config_path, run_dir, resume)
     print(f"loom: {world} processes, plan " + ", ".join(

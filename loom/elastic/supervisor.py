@@ -112,6 +112,8 @@ class ElasticSupervisor:
                 env = {**self.env, "RANK": str(r), "WORLD_SIZE": str(self.num_ranks), STORE_ENV: f"127.0.0.1:{port}",
                        "LOOM_SUPERVISOR_PID": str(os.getpid())}
                 self.procs[r] = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+            self._say(f"loom: workers started, pids {[p.pid for p in self.procs.values()]} (ranks 0..{self.num_ranks - 1}); "
+                      f"pipelines {self.gen.pipelines}, samples per step {self.gen.samples}")
             return self._watch(coord)
         finally:
             for s, h in old.items():
@@ -216,7 +218,10 @@ class ElasticSupervisor:
         if bad or not survivors:
             return ElasticOutcome("failed", f"loom: elastic run failed: exit statuses {bad}; see "
                                   f"{self.run_dir / 'logs'}", 1, self.generations)
-        lost = f" after losing ranks {sorted(self.dead)}" if self.dead else ""
+        lost = ""
+        if self.dead:
+            kept = sorted(self.procs[r].pid for r in survivors)
+            lost = f" after losing ranks {sorted(self.dead)}; the survivors' processes ran to the end (pids {kept})"
         return ElasticOutcome("completed", f"loom: completed{lost}; run dir {self.run_dir}", 0, self.generations)
 
 
