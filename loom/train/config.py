@@ -183,13 +183,22 @@ class OptimConfig:
     max_grad_norm: float = 0.0
 
 
-def default_plan() -> Plan:
-    """The demo layout: vision and audio encoders in parallel on a rank each, LLM in 2 stages."""
+def default_plan(encoders: tuple[str, ...] | list[str] = ("vision", "audio")) -> Plan:
+    """The demo layout: the encoders in parallel on a rank each, LLM in 2 stages."""
     return Plan(
-        modules=[ModuleSpec("vision"), ModuleSpec("audio"), ModuleSpec("llm", num_stages=2)],
+        modules=[*(ModuleSpec(name) for name in encoders), ModuleSpec("llm", num_stages=2)],
         num_microbatches=4,
         schedule="1f1b",
     )
+
+
+def _encoder_names(data: dict[str, Any]) -> list[str]:
+    """The encoders a raw config's [model] section describes, in model order (vision and audio
+    unless set to none, then its further tables): the modules a plan it leaves out places."""
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    fixed = [n for n in ("vision", "audio") if not (isinstance(model.get(n), str) and model[n].lower() == "none")]
+    return fixed + [k for k, v in model.items() if k not in fields and isinstance(v, dict)]
 
 
 @dataclass
@@ -528,6 +537,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         _apply_override(data, item)
     plan_data = data.pop("plan", None)
+    encoders = _encoder_names(data)
     extra = _extra_encoder_tables(data)
     cfg = build_dataclass(TrainConfig, data, "", _check_shape)
     cfg.model.extra_encoders = {name: _build_encoder(name, table) for name, table in extra.items()}
@@ -537,10 +547,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         except PlanError as e:
             raise ConfigError(str(e)) from e
         _check_plan_types(cfg.plan)
-    elif plan_data is not None:
+    elif plan_data is None:  # the default layout of the model's encoders
+        cfg.plan = default_plan(encoders)
+    else:
         if not isinstance(plan_data, dict):
             raise ConfigError(f"plan = {plan_data!r}: must be a table ([plan] with [[plan.modules]] entries) or "
                               f'"@path" of a plan file')
+        if "modules" not in plan_data:  # [plan] fields without modules: the default layout's modules
+            plan_data = {**plan_data, "modules": [m_as_dict(m) for m in default_plan(encoders).modules]}
         try:
             cfg.plan = Plan.from_dict(plan_data)
         except (PlanError, TypeError) as e:
@@ -606,7 +620,8 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         except PlanError as e:
             raise ConfigError(str(e)) from e
     if parts[:2] == ["plan", "modules"] and len(parts) == 4:
-        mods = data.setdefault("plan", {}).setdefault("modules", [m_as_dict(m) for m in default_plan().modules])
+        mods = data.setdefault("plan", {}).setdefault("modules", [m_as_dict(m) for m in
+                                                                  default_plan(_encoder_names(data)).modules])
         for m in mods:
             if m.get("name") == parts[2]:
                 m[parts[3]] = value
