@@ -7,6 +7,8 @@
                                                                     time every layer on this machine
     loom simulate [--config SCENARIO] [--compare] [--json] [--policy NAME,...] [dotted.key=value ...]
                                                                     simulate plans at cluster scale
+    loom simulate --failures TRACE | --failure-interval S [--config SCENARIO]
+                                                                    Oobleck vs restart under failures
     loom bench [--list | --all | NAME ...]                          run benchmarks, regenerate results
     loom data write-demo --out DIR [--format llava|webdataset|both] [--num-samples N]
                                                                     write the demo set as files
@@ -49,7 +51,7 @@ from loom.cli.data import cmd_data
 from loom.cli.export import cmd_export
 from loom.cli.plan import cmd_plan
 from loom.cli.profile import cmd_profile
-from loom.cli.simulate import DEFAULT_SCENARIO, cmd_simulate
+from loom.cli.simulate import DEFAULT_SCENARIO, add_failure_flags, cmd_simulate
 from loom.cli.train import cmd_train
 from loom.plan.plan import PlanError
 from loom.profile.profiler import DEFAULT_TOKEN_COUNTS
@@ -146,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-forward", type=int, default=0, metavar="N",
                    help="encoders forward N more microbatches before their first "
                         "backward (Entrain's eager forward; every policy, as balance.eager_forward in a run)")
+    add_failure_flags(p)  # --failures TRACE: Oobleck against restart (docs/elastic.md)
     p.set_defaults(fn=cmd_simulate)
 
     p = sub.add_parser("bench", help="run benchmarks/ and regenerate benchmarks/results/")

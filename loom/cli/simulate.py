@@ -1,6 +1,10 @@
 """``loom simulate``: one simulated iteration of each plan of a scenario (`loom.sim.scenario`),
 optionally under balancing policies, as a table or JSON, with timelines and Gantt charts.
 
+With ``--failures TRACE`` (or ``--failure-interval SECONDS``, which generates a trace) it plays
+node failures over Oobleck's pipeline templates and over restart-from-checkpoint instead
+(`loom.planner.oobleck_failures`, docs/elastic.md) and reports each one's throughput.
+
 Overrides (``dotted.key=value``) apply to the scenario file's tables (``cluster.num_gpus=512``,
 ``parallel.tensor_parallel=4``, ``data.mix="audio"``) and are checked like the file's own
 values by `loom.sim.scenario.load_scenario` (the Python API refuses the same things): an unknown
@@ -214,9 +218,99 @@ def print_table(scenario, rows: list[dict], policies: list[str] | None, out_dir:
     print(f"timelines (Chrome trace, open in https://ui.perfetto.dev) and Gantt charts in {out_dir}/")
 
 
+def add_failure_flags(p: argparse.ArgumentParser) -> None:
+    """``loom simulate``'s flags for failure traces (`cmd_failures`)."""
+    g = p.add_argument_group("failure traces (Oobleck against restart from a checkpoint, simulated)")
+    g.add_argument("--failures", default=None, metavar="TRACE",
+                   help="play this failure trace (JSON or CSV time_s,node; docs/elastic.md)")
+    g.add_argument("--failure-interval", type=float, default=None, metavar="SECONDS",
+                   help="generate a trace instead: one node lost every SECONDS on average until half remain")
+    g.add_argument("--failure-seed", type=int, default=0, help="seed of the generated trace")
+    g.add_argument("--fault-tolerance", type=int, default=1, metavar="F", help="Oobleck's f (default 1)")
+    g.add_argument("--microbatch-size", type=int, default=2, metavar="B", help="samples per microbatch (default 2)")
+    g.add_argument("--min-nodes", type=int, default=None, metavar="N0",
+                   help="nodes of the smallest template (default: the memory minimum)")
+    g.add_argument("--checkpoint-every", type=int, default=10, metavar="STEPS",
+                   help="restart baseline: a checkpoint every STEPS iterations (default 10, Varuna's)")
+    g.add_argument("--storage-gb-per-s", type=float, default=10.0,
+                   help="restart baseline: checkpoint write and read bandwidth in GB/s (default 10)")
+    g.add_argument("--restart-init-s", type=float, default=60.0,
+                   help="restart baseline: seconds to restart before loading the checkpoint (default 60)")
+    g.add_argument("--reconfigure-s", type=float, default=10.0,
+                   help="Oobleck: seconds to detect a failure and re-form process groups, besides copying layers "
+                        "(default 10)")
+
+
+def cmd_failures(args: argparse.Namespace, scenario) -> int:
+    """Play a failure trace over Oobleck and over restart from a checkpoint; print both."""
+    from loom.planner.oobleck import OobleckError, TemplateError
+    from loom.planner.oobleck_failures import FailureSettings, simulate_failures
+    from loom.sim.failures import TraceError, generate_trace, read_trace
+
+    for flag, value, least in (("--fault-tolerance", args.fault_tolerance, 0), ("--microbatch-size", args.microbatch_size, 1),
+                               ("--checkpoint-every", args.checkpoint_every, 1)):
+        if value < least:
+            raise CliError(f"{flag} {value}: must be at least {least}")
+    positive = [("--storage-gb-per-s", args.storage_gb_per_s)]
+    if args.failure_interval is not None:
+        positive.append(("--failure-interval", args.failure_interval))
+    for flag, value in positive:
+        if not value > 0:
+            raise CliError(f"{flag} {value}: must be positive")
+    for flag, value in (("--restart-init-s", args.restart_init_s), ("--reconfigure-s", args.reconfigure_s)):
+        if not value >= 0:
+            raise CliError(f"{flag} {value}: a time, must not be negative")
+    nodes = scenario.cluster.num_nodes
+    out_dir = Path(args.out) / scenario.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        if args.failures:
+            trace = read_trace(args.failures, num_nodes=nodes)
+        else:
+            trace = generate_trace(nodes, args.failure_interval, seed=args.failure_seed)
+            trace.to_json(out_dir / "failures.trace.json")
+    except TraceError as e:
+        raise CliError(str(e)) from e
+    settings = FailureSettings(args.fault_tolerance, args.microbatch_size, args.min_nodes, args.checkpoint_every,
+                               args.storage_gb_per_s * 1e9, args.restart_init_s, args.reconfigure_s)
+    try:
+        report = simulate_failures(scenario, trace, settings)
+    except (OobleckError, TemplateError) as e:  # the numbers and the fix, on one line
+        raise CliError(str(e)) from e
+    if args.json:
+        print(json.dumps(report.summary(), indent=2))
+        return 0
+    hours = trace.duration_s / 3600
+    print(f"{scenario.name}: {nodes} nodes x {scenario.cluster.gpus_per_node} {scenario.cluster.spec.name}, "
+          f"{len(trace.events)} failures over {hours:.1f} h, global batch {scenario.global_batch_size} (simulated)")
+    print(f"Oobleck: f = {settings.fault_tolerance}, templates of {report.template_sizes[0]}.."
+          f"{report.template_sizes[-1]} nodes, {settings.reconfigure_s:.0f} s reconfiguration + layer copies; restart: "
+          f"checkpoint every {settings.checkpoint_every} steps ({report.checkpoint_s:.1f} s), restart "
+          f"{report.restart_s:.1f} s")
+    rows = [("system", "samples/s", "of failure-free", "failure-free samples/s", "steps", "lost steps")]
+    for run in (report.oobleck, report.restart):
+        rows.append((run.system, f"{run.samples_per_s:.2f}", f"{100 * run.fraction_of_failure_free:.1f}%",
+                     f"{run.failure_free_samples_per_s:.2f}", str(run.steps), str(run.lost_steps)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for i, r in enumerate(rows):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+    print(f"oobleck / restart: {report.ratio:.3f} (simulated)")
+    if report.stopped:
+        print(f"Oobleck stopped {report.stopped}")
+    return 0
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Simulate one iteration of each plan of a scenario and print a comparison table; with
-    ``--policy``, each plan under each balancing policy, against the unbalanced ``none``."""
+    ``--policy``, each plan under each balancing policy, against the unbalanced ``none``; with
+    ``--failures`` / ``--failure-interval``, a failure trace (`cmd_failures`)."""
+    if getattr(args, "failures", None) or getattr(args, "failure_interval", None) is not None:
+        from loom.sim.scenario import load_scenario
+
+        return cmd_failures(args, load_scenario(Path(args.config) if args.config else DEFAULT_SCENARIO,
+                                                args.overrides))
     policies = policies_of(args)
     from loom.sim.scenario import load_scenario
 
