@@ -114,15 +114,17 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
             progress = tqdm(total=cfg.run.steps, initial=start, desc="train", unit="step", file=sys.stdout,
                             dynamic_ncols=True)
 
+    def background_done(saved: tuple[int, float] | None) -> None:
+        if saved is not None and rank == 0:
+            _say(progress, f"checkpoint step_{saved[0]} saved in the background ({saved[1]:.2f} s)")
+
     last_timeline = []
     got = None
     stopped = None
     every = cfg.run.checkpoint_every
     _graceful = True  # from here a SIGTERM asks for a stop at a step boundary (`_on_sigterm`)
     for step in range(start, cfg.run.steps):
-        saved = checkpointer.poll()  # run.checkpoint_async: the save in flight, finished (or failed) on every rank?
-        if saved is not None and rank == 0:
-            _say(progress, f"checkpoint step_{saved[0]} saved in the background ({saved[1]:.2f} s)")
+        background_done(checkpointer.poll())  # run.checkpoint_async: the save in flight finished (or failed) everywhere?
         if _stop_agreed(device):
             stopped = step
             break
@@ -176,6 +178,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
                       f"{row['samples_per_s']:7.1f} samples/s  {step_time * 1e3:7.1f} ms/step{evaluated}", flush=True)
         if every and (step + 1) % every == 0 and step + 1 < cfg.run.steps:
             if cfg.run.checkpoint_async:  # written while the next steps run; `latest` names it once done
+                background_done(checkpointer.wait())  # at most one in flight: the previous one first
                 seconds = checkpointer.save_async(step + 1)
                 if rank == 0:
                     _say(progress, f"checkpoint step_{step + 1} saving in the background (step blocked {seconds:.2f} s)")
@@ -185,9 +188,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
                     _say(progress, f"checkpoint step_{step + 1} saved ({seconds:.2f} s)")
 
     end = cfg.run.steps if stopped is None else stopped
-    saved = checkpointer.wait()  # an asynchronous save still in flight completes (or raises) before the last one
-    if saved is not None and rank == 0:
-        _say(progress, f"checkpoint step_{saved[0]} saved in the background ({saved[1]:.2f} s)")
+    background_done(checkpointer.wait())  # an asynchronous save still in flight completes (or raises) first
     # a resumed run that ran no step has its checkpoint already, as has a stop right after a periodic save
     if (end > start or resume is None) and checkpointer.last_step != end:
         seconds = checkpointer.save(end)
