@@ -9,9 +9,11 @@ import itertools
 import pytest
 
 from loom.elastic.config import ElasticConfig
-from loom.elastic.planning import first_generation, next_generation
+from loom.elastic.layout import Generation
+from loom.elastic.planning import ElasticPlanner
 from loom.elastic.protocol import copy_plan, decide, sync_groups
 from loom.plan.plan import ModuleSpec, Plan
+from loom.planner.oobleck import LayerTimes
 
 
 def test_commit_only_when_every_member_voted_ok():
@@ -58,19 +60,31 @@ def test_sync_groups_bucket_parameters_by_their_holders():
     assert sync_groups(held) == {(0, 3): ["l0", "l1"], (1, 3): ["l2"], (1, 4): ["l3"], (2, 4): ["l4", "l5"]}
 
 
-def _plan() -> Plan:
-    return Plan([ModuleSpec("vision"), ModuleSpec("llm", num_stages=2)], num_microbatches=4)
+def _planner(nodes: int = 6) -> ElasticPlanner:
+    # 4 equal layers, the encoders' work on the first stage: templates of 2..4 nodes
+    times = LayerTimes({1: [1.0] * 4}, {1: [2.0] * 4}, {1: 1.0})
+    base = Plan([ModuleSpec("vision"), ModuleSpec("llm")], num_microbatches=1)
+    return ElasticPlanner.build(base, {"vision": 2, "llm": 4}, times, 12, ElasticConfig(nodes=nodes, f=1, min_nodes=2))
 
 
 def test_generations_after_failures():
-    el = ElasticConfig(nodes=6, f=1, min_nodes=2)
-    g0 = first_generation(_plan(), ["vision"], 6, 12, el)
-    assert g0.pipelines == [[0, 1, 2], [3, 4, 5]] and sum(g0.samples) == 12
-    g1 = next_generation(g0, {1}, _plan(), ["vision"], 12, el)  # simple reinstantiation: 3 -> 2 nodes
-    assert g1.pipelines == [[0, 2], [3, 4, 5]] and not g1.stop and sum(g1.samples) == 12
-    assert [p.spec("llm").num_stages for p in g1.plans] == [2, 3]
-    assert g1.shares(list(range(12))) == [list(range(g1.samples[0])), list(range(g1.samples[0], 12))]
-    g2 = next_generation(g1, {1, 2}, _plan(), ["vision"], 12, el)  # borrow: [0] takes a node from [3, 4, 5]
-    assert sorted(map(len, g2.pipelines)) == [2, 2] and not g2.stop
-    g3 = next_generation(g1, {1, 3, 4}, _plan(), ["vision"], 12, el)  # 3 nodes: below (f + 1) * n0 = 4
-    assert g3.stop and "f = 1 needs 2" in g3.stop and g3.members == [0, 2, 5]
+    planner = _planner()
+    g0 = planner.first()
+    assert sorted(r for p in g0.pipelines for r in p) == list(range(6)) and sum(g0.samples) == 12
+    assert len(g0.pipelines) >= 2 and not g0.stop
+    victim = g0.pipelines[-1][0]
+    g1 = planner.next(g0, {victim})
+    assert victim not in g1.members and len(g1.members) == 5 and sum(g1.samples) == 12 and not g1.stop
+    for p, plan in zip(g1.pipelines, g1.plans):  # one LLM stage per node, the encoders in the first
+        assert plan.spec("llm").num_stages == len(p) and plan.placement == "first_stage"
+        assert plan.num_microbatches == g1.samples[g1.pipelines.index(p)]
+    shares = g1.shares(list(range(100, 112)))
+    assert [i for s in shares for i in s] == list(range(100, 112)) and [len(s) for s in shares] == g1.samples
+    keep = min(g1.pipelines, key=len)
+    others = [r for r in g1.members if r not in keep][:2]
+    g2 = planner.next(g1, {victim, *others})  # 3 nodes left: below (f + 1) * n0 = 4
+    assert g2.stop and "3 nodes remain" in g2.stop and g2.members == sorted(set(g1.members) - set(others))
+    # two 3-node pipelines losing both first stages: 4 nodes are enough, but layer 0 has no copy left
+    two = Generation(0, [[0, 1, 2], [3, 4, 5]], [], [6, 6])
+    g3 = planner.next(two, {0, 3})
+    assert g3.stop and "layer 0 has no surviving holder" in g3.stop, g3.stop

@@ -1,85 +1,69 @@
-"""The generations of an elastic run from the Oobleck planner (`loom.planner.oobleck`): the first
-one from the node count (instantiation, oobleck.md §3.4-§3.5) and each next one after failures
-(reinstantiation, §3.6; batch redistribution, §3.8)."""
+"""The generations of an elastic run, decided by the supervisor with Oobleck's planner
+(`loom.planner.oobleck`): the first from the node count (templates for every size of the node
+specification, the best instantiation with Eq. 2.6's batch distribution; oobleck.md §3.2-§3.5),
+each next one after failures (reinstantiation: simple, borrow, merge, §3.6; redistribution of
+the same global batch, §3.8), or a stop beyond ``f`` (fewer than ``(f + 1) n0`` nodes or ``f + 1``
+pipelines, or a layer whose every holder was lost: `layer_copies` refuses it).
+
+One process per node (``ranks_per_node = 1``): a node's id is its rank.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Mapping
+
 from loom.elastic.config import ElasticConfig
 from loom.elastic.layout import Generation
-from loom.plan.plan import LLM, ModuleSpec, Plan
+from loom.plan.plan import Plan
+from loom.planner.oobleck import (LayerTimes, NodeSpecification, OobleckError, PipelineTemplate, best_instantiation,
+                                  instantiate, layer_copies, layer_holders, node_specification, pipelines_of,
+                                  plan_templates, reinstantiate, template_plan)
 
 
-def pipeline_plan(base: Plan, encoders: list[str], num_nodes: int, samples: int, el: ElasticConfig) -> Plan:
-    """A one-replica plan of ``num_nodes`` nodes: the encoders in the LLM's first stage, the LLM
-    in one stage per rank, ``samples`` samples in microbatches of ``el.microbatch_size``."""
-    stages = num_nodes * el.ranks_per_node
-    llm = base.spec(LLM)
-    modules = [ModuleSpec(e) for e in encoders] + [ModuleSpec(LLM, num_stages=stages, recompute=llm.recompute)]
-    return Plan(modules, num_microbatches=max(1, -(-samples // el.microbatch_size)), schedule=base.schedule,
-                placement="first_stage")
+@dataclass
+class ElasticPlanner:
+    """Everything the supervisor needs to decide generations: the run's base plan (modules,
+    schedule), its layer counts, the templates per node count and the batch."""
 
+    base: Plan
+    layer_counts: Mapping[str, int]
+    spec: NodeSpecification
+    templates: dict[int, PipelineTemplate]
+    batch: int
+    el: ElasticConfig
 
-def _split(total: int, weights: list[int]) -> list[int]:
-    """``total`` whole samples in proportion to ``weights`` (largest remainder)."""
-    w = sum(weights)
-    base = [total * x // w for x in weights]
-    order = sorted(range(len(weights)), key=lambda i: -(total * weights[i] % w))
-    for i in order[: total - sum(base)]:
-        base[i] += 1
-    return base
+    @classmethod
+    def build(cls, base: Plan, layer_counts: Mapping[str, int], times: LayerTimes, batch: int,
+              el: ElasticConfig) -> "ElasticPlanner":
+        """Templates for every size of the node specification from per-layer times ``times``
+        (the LLM's layers; the encoders as the first stage's extra)."""
+        spec = node_specification(el.nodes, el.f, el.min_nodes)
+        templates = plan_templates(times, spec.template_sizes, gpus_per_node=el.ranks_per_node, tensor_parallel=1)
+        return cls(base, dict(layer_counts), spec, templates, batch, el)
 
+    def _generation(self, number: int, node_lists: list[list[int]], lost: list[int]) -> Generation:
+        inst = instantiate(self.templates, [len(p) for p in node_lists], self.batch, self.el.microbatch_size)
+        # instantiate prices sizes smallest first, the order reinstantiate returns and we keep
+        assert list(inst.pipeline_sizes) == [len(p) for p in node_lists]
+        plans = [template_plan(self.templates[len(p)], self.base, m, self.layer_counts)
+                 for p, m in zip(node_lists, inst.microbatches)]
+        return Generation(number, [list(p) for p in node_lists], plans, list(inst.distribution.samples), lost)
 
-def first_generation(base: Plan, encoders: list[str], num_ranks: int, batch: int, el: ElasticConfig) -> Generation:
-    nodes = num_ranks // el.ranks_per_node
-    count = el.f + 1
-    sizes = _split(nodes, [1] * count)
-    pipelines, at = [], 0
-    for n in sizes:
-        pipelines.append([r for node in range(at, at + n) for r in range(node * el.ranks_per_node,
-                                                                         (node + 1) * el.ranks_per_node)])
-        at += n
-    return _generation(0, base, encoders, pipelines, [], batch, el)
+    def first(self) -> Generation:
+        inst = best_instantiation(self.templates, self.el.nodes, self.el.f, self.batch, self.el.microbatch_size)
+        nodes = [list(p.nodes) for p in inst.pipelines(self.templates, list(range(self.el.nodes)))]
+        return self._generation(0, nodes, [])
 
-
-def _generation(number: int, base: Plan, encoders: list[str], pipelines: list[list[int]], lost: list[int],
-                batch: int, el: ElasticConfig) -> Generation:
-    samples = _split(batch, [len(p) for p in pipelines])
-    plans = [pipeline_plan(base, encoders, len(p) // el.ranks_per_node, s, el) for p, s in zip(pipelines, samples)]
-    return Generation(number, pipelines, plans, samples, lost)
-
-
-def next_generation(prev: Generation, lost: set[int], base: Plan, encoders: list[str], batch: int,
-                    el: ElasticConfig) -> Generation:
-    """The layout after ``lost`` ranks (cumulative) died (oobleck.md §3.6: simple reinstantiation,
-    borrowing, merging); ``stop`` set when beyond ``f``."""
-    n0 = el.min_nodes * el.ranks_per_node
-    pipes = [[r for r in p if r not in lost] for p in prev.pipelines]
-    survivors = sorted(r for p in pipes for r in p)
-    new = [p for p in pipes if len(p) >= n0]  # (1) simple: a template of the remaining size exists
-    merge: list[list[int]] = []
-    for p in (p for p in pipes if 0 < len(p) < n0):
-        while len(p) < n0:  # (2) borrow from the biggest pipeline that stays at n0 or more
-            donors = [q for q in new if len(q) > n0]
-            if not donors:
-                break
-            p.append(max(donors, key=len).pop())
-        (new if len(p) >= n0 else merge).append(p)
-    while merge:  # (3) merge what is still too small, with each other first
-        p = merge.pop(0)
-        while len(p) < n0 and merge:
-            p += merge.pop(0)
-        if len(p) < n0:
-            if not new:
-                break
-            p += new.pop(new.index(min(new, key=len)))
-        new.append(p)
-    stop = ""
-    if len(new) < el.f + 1:
-        stop = (f"{len(survivors)} ranks left, {len(lost)} lost: they form {len(new)} pipeline(s) of at least "
-                f"min_nodes = {el.min_nodes} nodes, and f = {el.f} needs {el.f + 1} (at least "
-                f"{(el.f + 1) * el.min_nodes} nodes)")
-    if stop:
-        return Generation(prev.number + 1, [survivors], [], [], sorted(lost), stop=stop)
-    new = [sorted(p) for p in new]
-    new.sort(key=lambda q: (len(q), min(q)))
-    return _generation(prev.number + 1, base, encoders, new, sorted(lost), batch, el)
+    def next(self, prev: Generation, lost: set[int]) -> Generation:
+        """The layout after the cumulative ``lost`` ranks died; ``stop`` set beyond ``f``."""
+        number, gone = prev.number + 1, sorted(lost)
+        survivors = sorted(r for p in prev.pipelines for r in p if r not in lost)
+        try:
+            nodes = reinstantiate(prev.pipelines, lost, self.spec.template_sizes, self.el.f)
+            num_layers = self.layer_counts["llm"]
+            layer_copies(layer_holders(pipelines_of(prev.pipelines, self.templates), num_layers),
+                         layer_holders(pipelines_of(nodes, self.templates), num_layers), lost)
+        except OobleckError as e:
+            return Generation(number, [survivors], [], [], gone, stop=f"f = {self.el.f}: {e}")
+        return self._generation(number, nodes, gone)

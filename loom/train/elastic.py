@@ -262,24 +262,43 @@ if __name__ == "__main__":
     main()
 
 
+def elastic_planner(cfg: TrainConfig):
+    """The run's `ElasticPlanner`: templates from the analytic cost model's per-layer times of the
+    model (loom's frozen-aware costs on the mean sample of the first global batches, times
+    ``elastic.microbatch_size``), the encoders in each pipeline's first stage."""
+    from loom.cost.hardware import Cluster
+    from loom.cost.analytic import AnalyticCostModel
+    from loom.cost.model import Workload
+    from loom.elastic.planning import ElasticPlanner
+    from loom.plan.plan import ModuleSpec, Plan
+    from loom.planner.oobleck_costs import layer_times_of_models
+    from loom.train.build import mean_workloads
+
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=cfg.run.seed, device="meta")
+    arch = arch_from_model(model)
+    names = list(model.module_names)
+    one = Plan([ModuleSpec(n) for n in names], num_microbatches=1,
+               placement="first_stage" if len(names) > 1 else "disaggregated")
+    cost = AnalyticCostModel(arch, one, Cluster("H100", 8))
+    _, per_sample = mean_workloads(cfg, model, dataset)
+    b = cfg.elastic.microbatch_size
+    work = {m: Workload(w.tokens * b, w.attn_sq * b, w.segments * b) for m, w in per_sample.items()}
+    times = layer_times_of_models({1: cost}, work, [n for n in names if n != LLM])
+    return ElasticPlanner.build(cfg.plan, model.layer_counts(), times, cfg.data.global_batch_size, cfg.elastic)
+
+
 def launch(cfg: TrainConfig, run_dir: Path, config_path: Path, kills: list | None = None, echo: bool = True,
            env: dict[str, str] | None = None):
     """Run ``cfg`` (with ``[elastic]``, its ``config.toml`` at ``config_path``) under the elastic
     supervisor; returns its `ElasticOutcome`. ``kills``: `Kill`s for demos and tests."""
-    from loom.elastic.planning import first_generation, next_generation
     from loom.elastic.supervisor import ElasticSupervisor, worker_command
 
     el = cfg.elastic
-    encoders = [m.name for m in cfg.plan.modules if m.name != LLM]
-    batch = cfg.data.global_batch_size
-    first = first_generation(cfg.plan, encoders, el.nodes * el.ranks_per_node, batch, el)
-
-    def after(prev: Generation, lost: set[int]) -> Generation:
-        return next_generation(prev, lost, cfg.plan, encoders, batch, el)
-
+    planner = elastic_planner(cfg)
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
-    supervisor = ElasticSupervisor(worker_command(config_path, run_dir), run_dir, first, el.nodes * el.ranks_per_node,
-                                   after, env=env, ranks_per_node=el.ranks_per_node, kills=kills, echo=echo,
-                                   stall_s=max(60.0, 12 * el.timeout_s))
+    supervisor = ElasticSupervisor(worker_command(config_path, run_dir), run_dir, planner.first(),
+                                   el.nodes * el.ranks_per_node, planner.next, env=env, ranks_per_node=el.ranks_per_node,
+                                   kills=kills, echo=echo, stall_s=max(60.0, 12 * el.timeout_s))
     return supervisor.run()
