@@ -254,3 +254,21 @@ def test_pipeline_ranks_with_several_gpus_per_node():
     t = plan_templates(times, [2], 2, tensor_parallel=2)[2]
     p = Pipeline(t, (5, 3))
     assert [p.stage_ranks(s) for s in range(t.num_stages)] == [(10, 11), (6, 7)]
+
+
+def test_multimodal_templates_host_the_encoders_and_run_in_the_simulator():
+    from loom.planner.oobleck_costs import layer_times, one_stage_plan, stage_gpu_counts
+    from loom.sim.scenario import load_scenario
+
+    scenario = load_scenario("configs/sim/entrain-llava150k-llama32-1b-64xa40.toml",
+                             ["cluster.num_gpus=8", "cluster.gpus_per_node=2", "data.global_batch_size=16"])
+    assert stage_gpu_counts(scenario) == [1, 2]
+    times = layer_times(scenario, 2)
+    assert times.num_layers == scenario.arch.layer_counts()[LLM] and times.first_stage[1] > 0
+    base = one_stage_plan(scenario, 1)
+    for template in plan_templates(times, [1, 2], 2).values():
+        plan = template_plan(template, base, 4, scenario.arch.layer_counts())
+        assert plan.placement == "first_stage" and plan.spec("vision").tensor_parallel == template.tensor_parallel
+        simulated = scenario.run(plan, scenario.microbatch_work(scenario.metas()[:8], 4)).iteration_time
+        # the template's own model leaves out sends, the optimizer step and the loss: same order
+        assert 0.5 * template.time(4) < simulated < 2 * template.time(4)

@@ -13,7 +13,8 @@ API (stable names; `loom.elastic` builds on them):
   built from a template (``data_parallel = 1``), which a `ParallelEngine` runs.
 - `enumerate_instantiations(template_sizes, num_nodes, fault_tolerance)`: every feasible
   ``X = (x_0, .., x_{p-1})`` (Eq. 2.5, §3.4, with the ``f + 1`` filter), in the DP's order.
-- `distribute_batch` (`loom.balance.oobleck`, Eq. 2.6): samples per pipeline, exactly.
+- `distribute_batch` (`loom.balance.oobleck`, Eq. 2.6): samples per pipeline, exactly;
+  `instantiate(templates, pipeline_sizes, B, b)` prices given pipelines with it.
 - `best_instantiation(templates, num_nodes, fault_tolerance, global_batch, microbatch_size)`:
   the ``X`` of highest throughput with its batch distribution (§3.5). `Instantiation`.
 - `reinstantiate(pipelines, lost_nodes, template_sizes, fault_tolerance)`: the new pipelines as
@@ -22,7 +23,8 @@ API (stable names; `loom.elastic` builds on them):
   `layer_copies(before, after)`: who holds each layer before and after, and what each new
   holder must copy from which surviving one (§3.7).
 
-Errors are `OobleckError` (a `ValueError`) naming the numbers: ``f`` too large for the nodes,
+`loom.planner.oobleck_failures` plays failure traces over all of this (``loom simulate
+--failures``, docs/elastic.md). Errors are `OobleckError` (a `ValueError`) naming the numbers: ``f`` too large for the nodes,
 a node count no template set covers, fewer than ``f + 1`` pipelines left.
 """
 
