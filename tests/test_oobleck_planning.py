@@ -272,3 +272,12 @@ def test_multimodal_templates_host_the_encoders_and_run_in_the_simulator():
         simulated = scenario.run(plan, scenario.microbatch_work(scenario.metas()[:8], 4)).iteration_time
         # the template's own model leaves out sends, the optimizer step and the loss: same order
         assert 0.5 * template.time(4) < simulated < 2 * template.time(4)
+
+
+def test_uncoverable_node_count_names_the_numbers():
+    times = LayerTimes({1: [1.0] * 8}, {1: [2.0] * 8})
+    templates = plan_templates(times, [3], 1)
+    with pytest.raises(OobleckError, match=r"7 nodes cannot form 2 or more pipelines from templates of \[3\] nodes"):
+        best_instantiation(templates, 7, 1, 32, 2)
+    with pytest.raises(OobleckError, match=r"no template for pipelines of \[4\] nodes"):
+        instantiate(templates, [3, 4], 32, 2)
