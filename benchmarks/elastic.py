@@ -1,7 +1,7 @@
 """Oobleck in loom (issue 14): how fast templates are planned, and what surviving failures
 without a restart is worth (simulated).
 
-    python -m benchmarks.elastic [--repeats 5] [--seeds 5]
+    python -m benchmarks.elastic [--repeats 5] [--seeds 5] [--recovery-runs 2]
 
 Figures:
 
@@ -19,6 +19,13 @@ Figures:
   setting), a node lost every 6 h, 1 h and 10 min on average until half remain (§2.7.2), f = 1,
   a checkpoint every 10 iterations (`loom.planner.oobleck_failures` for the restart cost and
   the other defaults); median and interquartile range over ``--seeds`` generated traces.
+- ``recovery_s`` (measured, loom.elastic's runtime on this machine): seconds from a SIGKILL of a
+  rank to the next step committed by the re-formed survivors (the interrupted step redone), on
+  the path ``loom train`` takes with ``configs/elastic.toml`` (the demo model, 6 single-process
+  nodes, f = 1): ``--recovery-runs`` launches, each killing a random rank at a random point of
+  step 3 and another at step 7 (6 -> 5 -> 4 nodes; target 30 s). Recorded with it: its parts
+  (kill to the death seen by the supervisor, to the next generation published, the generation's
+  forming on the survivors) and the copied parameters.
 
 The machine's load during the run is recorded (other jobs share it); template timings are
 single-threaded NumPy.
@@ -93,15 +100,59 @@ def failure_throughput(seeds: int) -> tuple[dict, dict]:
     return figures, details
 
 
+ELASTIC_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "elastic.toml"
+KILL_STEPS = (3, 7)
+
+
+def recovery(runs: int) -> tuple[dict, dict]:
+    """``recovery_s`` (module docstring) over ``runs`` launches of the elastic demo."""
+    import json
+    import random
+    import tempfile
+
+    from loom.elastic.supervisor import Kill
+    from loom.train.config import config_to_toml, load_config
+    from loom.train.elastic import launch
+
+    rng = random.Random(0)
+    values, parts = [], []
+    for run in range(runs):
+        with tempfile.TemporaryDirectory() as tmp:
+            cfg = load_config(ELASTIC_CONFIG, ["run.steps=10", f'run.out_dir="{tmp}"'])
+            run_dir = Path(tmp) / cfg.run.name
+            run_dir.mkdir(parents=True)
+            (run_dir / "config.toml").write_text(config_to_toml(cfg))
+            first = rng.randrange(cfg.elastic.nodes)
+            second = rng.choice([r for r in range(cfg.elastic.nodes) if r != first])
+            kills = [Kill([first], KILL_STEPS[0], rng.uniform(0, 0.2)), Kill([second], KILL_STEPS[1], rng.uniform(0, 0.2))]
+            out = launch(cfg, run_dir, run_dir / "config.toml", kills=kills, echo=False)
+            if out.returncode != 0:
+                raise RuntimeError(f"recovery run {run}: {out.message}")
+            events = [json.loads(line) for line in (run_dir / "elastic.jsonl").read_text().splitlines()]
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            for kill in (e for e in events if e["event"] == "kill"):
+                death = next(e for e in events if e["event"] == "death" and e["rank"] == kill["rank"])
+                gen = next(e for e in events if e["event"] == "generation" and e["time"] >= death["time"])
+                formed = next(e for e in events if e["event"] == "formed" and e["generation"] == gen["generation"])
+                done = min(r["time"] for r in rows if r["generation"] == gen["generation"])
+                values.append(done - kill["time"])
+                parts.append({"rank": kill["rank"], "step": kill["step"], "death_seen_s": round(death["time"] - kill["time"], 3),
+                              "published_s": round(gen["time"] - kill["time"], 3), "form_s": formed["form_s"],
+                              "next_step_s": round(done - kill["time"], 3), "pipelines": gen["pipelines"]})
+    figures = {"recovery_s": {**summarize(values, "s", "lower", 3), "target": 30.0}}
+    return figures, {"config": ELASTIC_CONFIG.name, "kill_steps": list(KILL_STEPS), "recoveries": parts}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5, help="repeats of the template timing")
     ap.add_argument("--seeds", type=int, default=5, help="generated failure traces per failure rate")
+    ap.add_argument("--recovery-runs", type=int, default=2, help="elastic launches for recovery_s (2 kills each)")
     args = ap.parse_args()
     start_run()
     figures, details = {}, {}
     parts = [("templates", lambda: template_time(args.repeats)), ("failures", lambda: failure_throughput(args.seeds))]
-    # recovery_s (measured, loom.elastic's runtime): the runtime side adds its part here
+    parts.append(("recovery", lambda: recovery(args.recovery_runs)))  # measured: loom.elastic's runtime
     for name, run in parts:
         f, d = run()
         figures.update(f)
@@ -115,7 +166,8 @@ def main() -> None:
     for name, d in details.items():
         print(f"{name}: {d}")
     write_result("elastic", figures, {"scenario": SCENARIO.name, "template_overrides": TEMPLATE_OVERRIDES,
-                                      "repeats": args.repeats, "seeds": args.seeds, **details})
+                                      "repeats": args.repeats, "seeds": args.seeds,
+                                      "recovery_runs": args.recovery_runs, **details})
 
 
 if __name__ == "__main__":
