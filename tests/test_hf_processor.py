@@ -173,3 +173,64 @@ def test_a_full_processor_directory_gives_its_media_half(saved, tmp_path):
     clip, whisper = load_processor(tmp_path / "clip"), load_processor(tmp_path / "wh")
     assert (clip.family, clip.out_size, whisper.family) == ("clip", (16, 16), "whisper")
     assert whisper.source.nb_max_frames == 200
+
+
+def test_smart_resize_is_the_processors_size_for_size():
+    """The vectorised rule the cost model and balancer use equals Qwen2-VL's own ``smart_resize``."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as theirs
+
+    from loom.data.hf_processor import smart_resize
+
+    sizes = [(h, w) for h in range(3, 200, 7) for w in range(2, 260, 11) if max(h, w) / min(h, w) <= 200]
+    for factor, lo, hi in ((28, 56 * 56, 28 * 28 * 1280), (8, 24 * 24, 40 * 40), (8, 16 * 16, 48 * 48), (4, 1, 64)):
+        ours = smart_resize(sizes, factor, lo, hi).tolist()
+        assert ours == [list(theirs(h, w, factor, lo, hi)) for h, w in sizes], (factor, lo, hi)
+
+
+def test_encoders_from_the_config_directories_count_as_their_processors(tmp_path):
+    """``[model.vision] hf`` / ``[model.audio] hf`` = configs/hf/tiny-qwen2-vl / tiny-whisper: the
+    processor saved beside each config becomes the encoder's input step, so the model's token
+    counts, the cost model's (`arch_from_model`) and the collated rows agree, from metadata; a
+    Whisper directory without its feature extractor is refused naming the field."""
+    import dataclasses
+    from pathlib import Path
+
+    from loom.cost.arch_from_model import arch_from_model
+    from loom.cost.workload import sample_work
+    from loom.data.collate import collate, count_tokens
+    from loom.model.zoo import LlamaConfig
+    from loom.train.build import build_data, build_model, token_counters
+    from loom.train.config import AudioEncoderConfig, ConfigError, ModelConfig, TrainConfig, VisionEncoderConfig
+
+    hf = Path(__file__).resolve().parents[1] / "configs" / "hf"
+    llm = LlamaConfig(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    model_cfg = ModelConfig(vision=VisionEncoderConfig(hf=str(hf / "tiny-qwen2-vl")),
+                            audio=AudioEncoderConfig(hf=str(hf / "tiny-whisper")), llm=llm)
+    cfg = TrainConfig(model=model_cfg)
+    cfg.data = dataclasses.replace(cfg.data, global_batch_size=8,
+                                   demo=DemoConfig(num_samples=16, seed=3, sample_rate=RATE))
+    cfg.check()
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=0)
+    arch, counts = arch_from_model(model), token_counters(model)
+    samples = [dataset[i] for i in range(8)]
+    assert any(s.images for s in samples) and any(s.audios for s in samples)
+    for s in samples:
+        for item in s.meta.images:
+            assert counts["vision"](item) == arch.module("vision").llm_tokens(item)
+        for item in s.meta.audios:
+            assert counts["audio"](item) == arch.module("audio").llm_tokens(item) == 100
+    for s in samples:  # the sequence length collation makes (count_tokens) is the cost model's
+        assert count_tokens(s.meta, counts)["llm"] == sample_work(arch, [s.meta])["llm"].tokens
+    batch = collate(samples, tokenizer, counts, placeholder_ids=model.placeholder_ids)
+    loss = model.loss(batch)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.encoders["vision"].encoder.parameters())
+    bare = tmp_path / "whisper-without-extractor"
+    bare.mkdir()
+    (bare / "config.json").write_text((hf / "tiny-whisper" / "config.json").read_text())
+    cfg.model.audio = AudioEncoderConfig(hf=str(bare))
+    with pytest.raises(ConfigError, match="model.audio.hf = .*takes what its processor makes.*has none"):
+        build_model(cfg.model, tokenizer, seed=0, device="meta")
+

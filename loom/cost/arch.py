@@ -32,6 +32,7 @@ projector and a freeze list, so the simulator can plan models too large to build
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cached_property
@@ -102,6 +103,7 @@ class LayerArch:
     gated_mlp: bool = False
     causal: bool = False
     qkv_bias: bool = False
+    key_bias: bool = True  # with qkv_bias: whether the key projection has one too (Whisper's has none)
     linear_bias: bool = False
     norm: str = "layernorm"
     # embedding / head
@@ -273,7 +275,7 @@ class LayerArch:
         time = (self.time_in * self.time_embed + self.time_embed + self.time_embed**2 + self.time_embed
                 if self.time_embed else 0)
         if self.kind == "block":
-            biases = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
+            biases = (self.q_dim + (2 if self.key_bias else 1) * self.kv_dim) if self.qkv_bias else 0
             if self.linear_bias:
                 biases += h + (2 if self.gated_mlp else 1) * self.ffn + h
             norms = 2 * norm_params(self.norm, h)
@@ -336,6 +338,9 @@ class ModuleArch:
     # > 0: every item gives this many tokens whatever its size (an encoder that resizes its
     # input to a fixed size first, as Hugging Face SigLIP and CLIP take their config's image_size)
     item_tokens: int = 0
+    # (factor, min_pixels, max_pixels): images are first resized as Qwen2-VL's processor does
+    # (`loom.data.hf_processor.smart_resize`), then cut into patches
+    resize: tuple[int, int, int] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in MODULE_KINDS:
@@ -364,13 +369,20 @@ class ModuleArch:
 
     @property
     def merge(self) -> int:
-        return self.layers[-1].merge if self.layers[-1].kind == "projector" else 1
+        """Input tokens per LLM token: the product of the module's merging projectors (Qwen2-VL's
+        merger may sit before loom's projector)."""
+        return math.prod(l.merge for l in self.layers if l.kind == "projector")
 
     def num_tokens(self, item: Any) -> int:
         """The module's tokens for one item (an ``ImageMeta`` with ``height``/``width`` or an
         ``AudioMeta`` with ``num_samples``), before any merging projector."""
         if self.item_tokens:
             return self.item_tokens
+        if self.kind == "vision" and self.resize:
+            from loom.data.hf_processor import smart_resize
+
+            (h, w), = smart_resize([(int(item.height), int(item.width))], *self.resize).tolist()
+            return (h // self.patch) * (w // self.patch)
         if self.kind in ("vision", "generator"):  # a generator's item: a `GenerationMeta`
             return (int(item.height) // self.patch) * (int(item.width) // self.patch)
         if self.kind == "audio":

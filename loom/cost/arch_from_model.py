@@ -103,9 +103,76 @@ def _hf_vision_arch(name: str, model: MultimodalModel) -> ModuleArch:
     return ModuleArch(name, "vision", tuple(layers), patch=cfg.patch_size, item_tokens=encoder.tokens_per_image)
 
 
+def _qwen2vl_arch(name: str, model: MultimodalModel) -> ModuleArch:
+    """The Qwen2-VL vision tower (`loom.model.hf_qwen2vl.Qwen2VLVisionEncoder`), layer for layer:
+    the patch embedding (a bias-free conv over ``temporal_patch_size`` x ``patch_size``^2 pixels
+    per patch, rotary positions: no learned rows), pre-norm blocks (fused qkv and proj, fc1 /
+    fc2, all with biases; attention within each image), the merger (LayerNorm, 2x2 patches
+    concatenated, an MLP to ``hidden_size``: a merging projector), then loom's projector, which
+    sees the merged tokens (``scale`` = the merge side: a quarter of the patches at 2x2). Images
+    are cut into ``patch_size`` patches as they reach it; a Qwen2-VL processor in front
+    (``before_encoder``) resizes them first (`ModuleArch.resize`)."""
+    wrapper = model.encoders[name]
+    encoder = wrapper.encoder
+    cfg = encoder.config
+    h, m = cfg.embed_dim, cfg.spatial_merge_size
+    layers = []
+    for layer in model.module_layers(name):
+        trainable = _trainable(layer.module)
+        if layer.kind == "frontend":
+            layers.append(LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.in_channels,
+                                    patch=cfg.patch_size, temporal_patch=cfg.temporal_patch_size, frontend_bias=False))
+        elif layer.kind == "block":
+            layers.append(LayerArch(layer.name, "block", h, trainable, heads=cfg.num_heads, kv_heads=cfg.num_heads,
+                                    ffn=int(h * cfg.mlp_ratio), qkv_bias=True, linear_bias=True))
+        elif layer.kind == "head":  # the merger
+            layers.append(LayerArch(layer.name, "projector", h, trainable, projector="merger", merge=m * m,
+                                    out_hidden=cfg.hidden_size))
+        elif layer.kind == "projector":
+            arch = _projector_arch(layer.name, layer.module, cfg.hidden_size, trainable)
+            layers.append(dataclasses.replace(arch, scale=m))
+        else:
+            raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost "
+                            "description")
+    resize = tuple(getattr(wrapper.before_encoder, "resize", ()))
+    return ModuleArch(name, "vision", tuple(layers), patch=cfg.patch_size, resize=resize)
+
+
+def _whisper_arch(name: str, model: MultimodalModel) -> ModuleArch:
+    """The Whisper encoder (`loom.model.hf_whisper.WhisperAudioEncoder`), layer for layer: the
+    two-conv front-end over ``num_mel_bins`` (kernel 3, the second with stride 2; a learned row
+    per position), pre-norm blocks (q, v, out, fc1 and fc2 with biases, k without; GELU MLP), the
+    final LayerNorm, then the projector. Every clip is padded or cut to the same frames: a fixed
+    ``max_source_positions`` tokens per item (`ModuleArch.item_tokens`)."""
+    wrapper = model.encoders[name]
+    encoder = wrapper.encoder
+    cfg = encoder.config
+    h = cfg.d_model
+    layers = []
+    for layer in model.module_layers(name):
+        trainable = _trainable(layer.module)
+        if layer.kind == "frontend":
+            layers.append(LayerArch(layer.name, "frontend", h, trainable, frontend="conv1d",
+                                    in_channels=cfg.num_mel_bins, kernel=3, stride=2,
+                                    positions=cfg.max_source_positions))
+        elif layer.kind == "block":
+            layers.append(LayerArch(layer.name, "block", h, trainable, heads=cfg.encoder_attention_heads,
+                                    kv_heads=cfg.encoder_attention_heads, ffn=cfg.encoder_ffn_dim, qkv_bias=True,
+                                    key_bias=False, linear_bias=True))
+        elif layer.kind == "norm":
+            layers.append(LayerArch(layer.name, "norm", h, trainable))
+        elif layer.kind == "projector":
+            layers.append(_projector_arch(layer.name, layer.module, h, trainable))
+        else:
+            raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost "
+                            "description")
+    return ModuleArch(name, "audio", tuple(layers), item_tokens=cfg.max_source_positions)
+
+
 # Hugging Face encoder adapters (loom.model.hf_encoders) -> their description, by class name
 # (transformers stays optional: nothing here imports it). A family registered there adds its own.
-HF_ENCODER_ARCHS: dict[str, Callable[[str, MultimodalModel], ModuleArch]] = {"HFVisionEncoder": _hf_vision_arch}
+HF_ENCODER_ARCHS: dict[str, Callable[[str, MultimodalModel], ModuleArch]] = {
+    "HFVisionEncoder": _hf_vision_arch, "Qwen2VLVisionEncoder": _qwen2vl_arch, "WhisperAudioEncoder": _whisper_arch}
 
 
 def _generator_arch(model: MultimodalModel, name: str) -> ModuleArch:

@@ -435,6 +435,10 @@ def _item_tokens(module: ModuleArch, meta: MetadataArrays) -> tuple[np.ndarray, 
         return count, np.full(items, module.item_tokens, dtype=np.int64)
     if module.kind == "vision":
         hw = meta.image_hw
+        if module.resize and hw.size:  # Qwen2-VL's processor resizes first (`ModuleArch.resize`)
+            from loom.data.hf_processor import smart_resize
+
+            hw = smart_resize(hw, *module.resize)
         if hw.size and 0 <= hw.min() and hw.max() < 2**31:  # int32 floor division: twice as fast, same values
             h = hw.astype(np.int32)
             h //= module.patch

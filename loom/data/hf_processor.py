@@ -61,6 +61,14 @@ def _family_of(obj: Any) -> str | None:
     return FAMILIES.get(name)
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def has_processor(path: str | Path) -> bool:
+    """Whether directory ``path`` holds a saved processor (what `load_processor` reads)."""
+    return any((Path(path) / f).is_file() for f in PROCESSOR_FILES)
+
+
 def load_processor(path: str | Path) -> "HFProcessor":
     """The image processor or feature extractor saved in directory ``path`` (``save_pretrained``:
     ``preprocessor_config.json``, or a full processor's ``processor_config.json``); a one-line
@@ -70,7 +78,7 @@ def load_processor(path: str | Path) -> "HFProcessor":
     p = Path(path)
     if not p.is_dir():
         raise ValueError(f"{str(path)!r} is not a directory; point it at a processor saved with save_pretrained")
-    if not any((p / f).is_file() for f in ("preprocessor_config.json", "processor_config.json")):
+    if not has_processor(p):
         raise ValueError(f"{str(path)!r} has no preprocessor_config.json or processor_config.json")
     kind = ""
     try:
@@ -97,6 +105,27 @@ def load_processor(path: str | Path) -> "HFProcessor":
         raise ValueError(f"{str(path)!r} holds a {type(obj).__name__}; loom runs the image processors and feature "
                          f"extractors of {', '.join(sorted(FAMILIES))}")
     return HFProcessor(obj, family, str(path))
+
+
+def smart_resize(sizes: Any, factor: int, min_pixels: int, max_pixels: int) -> np.ndarray:
+    """Qwen2-VL's image size rule (Qwen2-VL §2.1, "Naive Dynamic Resolution"; its image
+    processor's ``smart_resize``) for many images at once: ``sizes`` ``[N, 2]`` (height, width)
+    -> ``[N, 2]``. Each side is rounded to a multiple of ``factor``; when the area then leaves
+    ``[min_pixels, max_pixels]``, both sides are scaled by one factor to bring it back (down:
+    floored to multiples, at least ``factor``; up: ceiled). Vectorised for the simulator and the
+    balancer (`loom.cost.workload`); a test checks it against the processor's own, size by size."""
+    hw = np.asarray(sizes, dtype=np.float64).reshape(-1, 2)
+    h, w = hw[:, 0], hw[:, 1]
+    hb, wb = np.round(h / factor) * factor, np.round(w / factor) * factor  # half to even, as round()
+    big = hb * wb > max_pixels
+    small = ~big & (hb * wb < min_pixels)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        down, up = np.sqrt(h * w / max_pixels), np.sqrt(min_pixels / (h * w))
+        hb = np.where(big, np.maximum(factor, np.floor(h / down / factor) * factor), hb)
+        wb = np.where(big, np.maximum(factor, np.floor(w / down / factor) * factor), wb)
+        hb = np.where(small, np.ceil(h * up / factor) * factor, hb)
+        wb = np.where(small, np.ceil(w * up / factor) * factor, wb)
+    return np.stack([hb, wb], axis=1).astype(np.int64)
 
 
 def _size(d: Any, *keys: str) -> tuple[int | None, ...]:
@@ -237,6 +266,16 @@ class EncoderProcessor:
     def num_tokens(self, item: ImageMeta | AudioMeta) -> int:
         """The encoder's tokens for an item of (header) metadata ``item`` once processed."""
         return self.encoder.num_tokens(self.processor.item_meta(item))
+
+    @property
+    def resize(self) -> tuple[int, int, int] | tuple[()]:
+        """``(factor, min_pixels, max_pixels)`` of a Qwen2-VL processor that resizes (`smart_resize`),
+        for the cost model's token rule (`loom.cost.arch.ModuleArch.resize`); ``()`` otherwise (the
+        other families' counts are fixed, the encoder's own ``num_tokens``)."""
+        p = self.processor
+        if p.family != "qwen2_vl" or not getattr(p.source, "do_resize", True):
+            return ()
+        return (p.patch * p.merge, int(p.min_pixels), int(p.max_pixels))
 
 
 def to_uint8(image: torch.Tensor) -> np.ndarray:

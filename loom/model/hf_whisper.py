@@ -54,6 +54,8 @@ class WhisperAudioEncoder(nn.Module):
     """A ``WhisperEncoder`` with loom's layer contract; its output is the ``last_hidden_state``
     of every clip, packed as ``[clips x max_source_positions, d_model]``."""
 
+    needs_processor = True  # it takes log-Mel features: a feature extractor makes them (loom.data.hf_processor)
+
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         config = model.config

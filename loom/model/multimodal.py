@@ -91,7 +91,10 @@ class ModalityEncoder(nn.Module):
             self._projector_kind = None
 
     def num_tokens(self, item: "ImageMeta | AudioMeta") -> int:
-        return self.encoder.num_tokens(item)
+        # a before_encoder that resizes or pads items (a Hugging Face processor,
+        # loom.data.hf_processor) says how many tokens the encoder makes of what it hands over
+        counter = getattr(self.before_encoder, "num_tokens", None)
+        return counter(item) if counter is not None else self.encoder.num_tokens(item)
 
     # ---- layer-list adapter --------------------------------------------------------------
     def layers(self) -> list[Layer]:

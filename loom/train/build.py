@@ -56,9 +56,10 @@ def build_model(
                 from loom.model.hf_encoders import encoder_from_config
 
                 module = encoder_from_config(hf_encoders[name])
+                before = _hf_processor(name, enc.hf, module)
             else:
-                module = VisionEncoder(enc) if modality == "image" else AudioEncoder(enc)
-            encoders[name] = ModalityEncoder(module, projector=cfg.projector, modality=modality)
+                module, before = VisionEncoder(enc) if modality == "image" else AudioEncoder(enc), None
+            encoders[name] = ModalityEncoder(module, projector=cfg.projector, modality=modality, before_encoder=before)
         generators: dict[str, ModalityGenerator] = {}
         if cfg.generator is not None:  # DistTrain's output projector + generator, the module "image"
             if not tokenizer.has(GEN_IMAGE_MARKER):
@@ -126,6 +127,29 @@ def _hf_encoder_config(name: str, path: str):
     except ValueError as e:
         raise ConfigError(f"model.{name}.hf = {path!r}: {e}; point it at a local Hugging Face encoder directory "
                           "of a registered family, or remove it to use the zoo encoder") from e
+
+
+def _hf_processor(name: str, path: str, encoder: torch.nn.Module):
+    """The image processor or feature extractor saved beside ``model.<name>.hf``'s config (its
+    ``preprocessor_config.json`` / ``processor_config.json``, as ``AutoProcessor`` finds it),
+    bound to ``encoder`` (`loom.data.hf_processor`): the encoder's ``before_encoder`` and its
+    token count from metadata; None without one. A `ConfigError` naming the field when it does
+    not fit the encoder, or when the encoder cannot run without one (Whisper)."""
+    from pathlib import Path
+
+    from loom.data.hf_processor import has_processor, load_processor
+
+    where = Path(path) if Path(path).is_dir() else Path(path).parent
+    if not has_processor(where):
+        if getattr(encoder, "needs_processor", False):
+            raise ConfigError(f"model.{name}.hf = {path!r}: a {type(encoder).__name__} takes what its processor makes, "
+                              f"and {str(where)!r} has none; save its feature extractor or processor there "
+                              "(save_pretrained writes preprocessor_config.json)")
+        return None
+    try:
+        return load_processor(where).for_encoder(encoder)
+    except ValueError as e:
+        raise ConfigError(f"model.{name}.hf = {path!r}: its processor: {e}") from e
 
 
 def token_counters(model: MultimodalModel) -> dict[str, Callable]:
