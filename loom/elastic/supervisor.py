@@ -74,13 +74,13 @@ class ElasticSupervisor:
     def __init__(self, cmd: list[str], run_dir: Path, first: Generation, num_ranks: int,
                  next_generation: Callable[[Generation, set[int]], Generation], env: dict[str, str] | None = None,
                  ranks_per_node: int = 1, kills: list[Kill] | None = None, settle_s: float = 0.3,
-                 stall_s: float = 120.0, echo: bool = True):
+                 stall_s: float = 120.0, echo: bool = True, log_every: int = 1):
         self.cmd, self.run_dir, self.num_ranks = cmd, run_dir, num_ranks
         self.gen, self.next_generation = first, next_generation
         self.env = dict(os.environ if env is None else env)
         self.ranks_per_node = ranks_per_node
         self.kills = list(kills or [])
-        self.settle_s, self.stall_s, self.echo = settle_s, stall_s, echo
+        self.settle_s, self.stall_s, self.echo, self.log_every = settle_s, stall_s, echo, log_every
         self.procs: dict[int, subprocess.Popen] = {}
         self.exits: dict[int, int] = {}
         self.dead: set[int] = set()
@@ -130,7 +130,7 @@ class ElasticSupervisor:
 
     def _watch(self, coord: Coordinator) -> ElasticOutcome:
         pending: dict[int, float] = {}  # deaths seen, not yet published
-        printed = 0
+        printed, shown_generation = 0, 0  # bytes of metrics.jsonl read; the generation of the last row
         last_progress = time.monotonic()
         metrics = self.run_dir / "metrics.jsonl"
         while True:
@@ -156,15 +156,19 @@ class ElasticSupervisor:
                 self._publish(coord, set(pending))
                 pending.clear()
             self._kill_due(coord)
-            if metrics.exists():
-                rows = metrics.read_text().splitlines()
-                if len(rows) > printed:
+            if metrics.exists() and metrics.stat().st_size > printed:
+                with open(metrics, "rb") as f:
+                    f.seek(printed)
+                    chunk = f.read()
+                complete = chunk[:chunk.rfind(b"\n") + 1]  # whole lines only
+                printed += len(complete)
+                for line in complete.decode().splitlines():
                     last_progress = time.monotonic()
-                for line in rows[printed:]:
                     row = json.loads(line)
-                    self._say(f"step {row['step']:4d}  loss {row['loss']:.4f}  generation {row['generation']}  "
-                              f"pipelines {row['pipelines']}  {row['step_time_s'] * 1e3:6.0f} ms")
-                printed = len(rows)
+                    if row["step"] % self.log_every == 0 or row["generation"] != shown_generation:
+                        self._say(f"step {row['step']:4d}  loss {row['loss']:.4f}  generation {row['generation']}  "
+                                  f"pipelines {row['pipelines']}  {row['step_time_s'] * 1e3:6.0f} ms")
+                    shown_generation = row["generation"]
             if len(self.exits) == len(self.procs):
                 return self._outcome()
             if time.monotonic() - last_progress > self.stall_s:

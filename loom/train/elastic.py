@@ -300,5 +300,6 @@ def launch(cfg: TrainConfig, run_dir: Path, config_path: Path, kills: list | Non
     env.setdefault("OMP_NUM_THREADS", "1")
     supervisor = ElasticSupervisor(worker_command(config_path, run_dir), run_dir, planner.first(),
                                    el.nodes * el.ranks_per_node, planner.next, env=env, ranks_per_node=el.ranks_per_node,
-                                   kills=kills, echo=echo, stall_s=max(60.0, 12 * el.timeout_s))
+                                   kills=kills, echo=echo, stall_s=max(60.0, 12 * el.timeout_s),
+                                   log_every=cfg.run.log_every)
     return supervisor.run()
