@@ -1,7 +1,7 @@
 """loom's data loader on LLaVA-format files against a plain ``torch.utils.data.DataLoader``, and
 checkpoint save / load seconds of the demo model (issue 13).
 
-    python -m benchmarks.data_throughput [--workers 2 --repeats 5 --steps 12 --warmup 2 --samples 512]
+    python -m benchmarks.data_throughput [--workers 2 --repeats 5 --steps 24 --warmup 2 --samples 512]
 
 What runs:
 
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workers", type=int, default=2, help="loom's ranks and the DataLoader's worker processes")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per side")
-    ap.add_argument("--steps", type=int, default=12, help="global batches per timed repeat")
+    ap.add_argument("--steps", type=int, default=24, help="global batches per timed repeat")
     ap.add_argument("--warmup", type=int, default=2, help="untimed global batches before the first repeat")
     ap.add_argument("--samples", type=int, default=512, help="samples written by loom data write-demo")
     ap.add_argument("--skip-checkpoints", action="store_true", help="only the loader figures")
