@@ -83,6 +83,7 @@ def _prepare(out: Path) -> None:
 
 def _config(case: str, index: int, out: Path) -> TrainConfig:
     llm = LlamaConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
+    rate = DemoConfig().sample_rate
     if case == "zoo-renamed":  # zoo encoders under free names, each consuming its modality
         small = dict(hidden_size=32, num_layers=1, num_heads=2)
         encoders = {"eye": VisionEncoderConfig(**small), "ear": AudioEncoderConfig(**small, modality="audio")}
@@ -91,6 +92,9 @@ def _config(case: str, index: int, out: Path) -> TrainConfig:
         modality = HF_ENCODERS[case].modality
         encoders = {"eye": ENCODER_CONFIGS[modality](hf=str(out / case))}
         mix = MIX[modality]
+        extractor = out / case / "preprocessor_config.json"  # a feature extractor takes clips at its rate
+        if extractor.is_file() and "sampling_rate" in json.loads(extractor.read_text()):
+            rate = json.loads(extractor.read_text())["sampling_rate"]
     model = ModelConfig(vision=None, audio=None, extra_encoders=encoders, llm=llm, projector="mlp")
     if index % 2 == 0 and len(encoders) == 1:  # the encoder on a rank of its own, the LLM on the other
         plan = Plan([ModuleSpec("eye"), ModuleSpec("llm")], num_microbatches=2)
@@ -98,7 +102,7 @@ def _config(case: str, index: int, out: Path) -> TrainConfig:
         plan = Plan([*(ModuleSpec(n) for n in encoders), ModuleSpec("llm", num_stages=2)], num_microbatches=2,
                     placement="first_stage")
     cfg = TrainConfig(model=model, plan=plan)
-    demo = DemoConfig(num_samples=32, seed=SEED, mix=mix)
+    demo = DemoConfig(num_samples=32, seed=SEED, mix=mix, sample_rate=rate)
     cfg.data = dataclasses.replace(cfg.data, global_batch_size=GLOBAL_BATCH, demo=demo)
     return cfg
 
