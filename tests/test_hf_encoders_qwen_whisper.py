@@ -68,6 +68,7 @@ def test_qwen2vl_two_stages_equal_the_models_forward_and_gradients():
                                lambda: enc.model(ctx["pixel_values"], ctx["image_grid_thw"]).pooler_output, cut=2)
     assert [l.kind for l in layers] == ["frontend", "block", "block", "block", "head"]
     assert [l.name for l in layers][::4] == ["model.patch_embed", "model.merger"]
+    assert all(a.module is b.module for a, b in zip(layers, enc.layers()))
     # variable token counts per image, from the image size alone
     from loom.data.sample import ImageMeta
 
@@ -103,6 +104,9 @@ def test_whisper_two_stages_equal_the_models_forward_and_gradients():
     assert {n for n, _ in layers[0].module.named_parameters()} == {
         "conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias", "embed_positions.weight"}
     assert enc.num_tokens(None) == 20 and not enc.model.embed_positions.weight.requires_grad
+    # the same modules at every call: runtimes tell a stage's layers apart by module identity
+    assert all(a.module is b.module for a, b in zip(enc.layers(), enc.layers()))
+    assert all(a.module is b.module for a, b in zip(layers, enc.layers()))
 
 
 @pytest.mark.parametrize("family", ["qwen2vl", "whisper"])

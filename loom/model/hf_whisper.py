@@ -77,6 +77,9 @@ class WhisperAudioEncoder(nn.Module):
         self.positions: int = config.max_source_positions
         self.frames: int = config.max_source_positions * model.conv1.stride[0] * model.conv2.stride[0]
         self.num_mel_bins: int = config.num_mel_bins
+        # one container for the life of the adapter: runtimes tell a stage's layers apart by
+        # module identity (loom.runtime.stage.build_stages); not registered, so not counted twice
+        object.__setattr__(self, "_frontend", _FrontEnd(model))
 
     def num_tokens(self, item: Any) -> int:
         """Every clip is padded or cut to ``2 * max_source_positions`` frames: a fixed count."""
@@ -117,7 +120,7 @@ class WhisperAudioEncoder(nn.Module):
                 return out[0] if isinstance(out, tuple) else out
             return run
 
-        return ([Layer("model", _FrontEnd(enc), embed, kind="frontend")]
+        return ([Layer("model", self._frontend, embed, kind="frontend")]
                 + [Layer(f"model.layers.{i}", layer, block(layer)) for i, layer in enumerate(enc.layers)]
                 + [Layer("model.layer_norm", enc.layer_norm, lambda x, ctx: enc.layer_norm(x).flatten(0, 1),
                          kind="norm")])
