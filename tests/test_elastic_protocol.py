@@ -88,3 +88,23 @@ def test_generations_after_failures():
     two = Generation(0, [[0, 1, 2], [3, 4, 5]], [], [6, 6])
     g3 = planner.next(two, {0, 3})
     assert g3.stop and "layer 0 has no surviving holder" in g3.stop, g3.stop
+
+
+@pytest.mark.parametrize("override, field", [
+    ("elastic.f=3", "elastic.nodes = 6: f = 3 needs"),
+    ('balance.default="orchmllm"', "balance = ['orchmllm']"),
+    ("elastic.ranks_per_node=2", "elastic.ranks_per_node = 2"),
+    ('run.device="cuda"', "run.device = 'cuda'"),
+    ("plan.modules.llm.data_parallel=2", "plan.modules.llm.data_parallel = 2"),
+    ("elastic.timeout_s=0", "elastic.timeout_s = 0"),
+    ("data.global_batch_size=2", "data.global_batch_size = 2"),
+])
+def test_elastic_config_refusals_name_the_field(override, field):
+    from pathlib import Path
+
+    from loom.train.config import ConfigError, load_config
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "elastic.toml"
+    with pytest.raises(ConfigError) as e:
+        load_config(config, [override])
+    assert field in str(e.value), str(e.value)

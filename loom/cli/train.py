@@ -141,8 +141,17 @@ def _train_elastic(cfg: TrainConfig, run_dir: Path, config_path: Path, dry_run: 
     for k in kills:
         if any(not 0 <= r < world for r in k.ranks):
             raise CliError(f"{KILL_ENV}: ranks {k.ranks}: the run has ranks 0..{world - 1}")
+    from loom.planner.oobleck import OobleckError, TemplateError
+    from loom.train.elastic import elastic_planner
+
+    try:  # the templates and the first instantiation, before any process starts
+        planner = elastic_planner(cfg)
+        first = planner.first()
+    except (OobleckError, TemplateError) as e:
+        raise CliError(f"[elastic]: {e}") from e
     print(f"loom: elastic run, {world} processes ({el.nodes} nodes), f = {el.f}, pipeline templates of "
-          f"{el.min_nodes} to {el.nodes - el.f * el.min_nodes} nodes; run dir {run_dir}", flush=True)
+          f"{planner.spec.template_sizes[0]} to {planner.spec.template_sizes[-1]} nodes, first pipelines "
+          f"{first.pipelines}; run dir {run_dir}", flush=True)
     if dry_run:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(config_to_toml(cfg))
@@ -154,7 +163,7 @@ def _train_elastic(cfg: TrainConfig, run_dir: Path, config_path: Path, dry_run: 
     (run_dir / LOGS).mkdir(exist_ok=True)
     (run_dir / LOGS / SUPERVISOR_PID).write_text(f"{os.getpid()}\n")
     write_status(run_dir, "running")
-    outcome = launch(cfg, run_dir, config_path, kills=kills)
+    outcome = launch(cfg, run_dir, config_path, kills=kills, planner=planner)
     write_status(run_dir, outcome.status)
     print(outcome.message, file=sys.stderr if outcome.returncode else sys.stdout, flush=True)
     return outcome.returncode

@@ -50,11 +50,6 @@ class ElasticConfig:
         need(self.nodes >= floor, "elastic.nodes", self.nodes,
              f"f = {self.f} needs f + 1 = {self.f + 1} pipelines of at least min_nodes = {self.min_nodes} nodes, "
              f"{floor} nodes; start with {floor} or more, or lower elastic.f / elastic.min_nodes")
-        llm_layers = cfg.model.llm.num_layers if not getattr(cfg.model.llm, "hf", "") else None
-        biggest = self.nodes - self.f * self.min_nodes  # the largest template (oobleck.md §3.2)
-        need(llm_layers is None or biggest * self.ranks_per_node <= llm_layers, "elastic.nodes", self.nodes,
-             f"the largest pipeline template has {biggest} nodes (nodes - f * min_nodes), more stages than "
-             f"model.llm.num_layers = {llm_layers}; use fewer nodes or more layers")
         batch = cfg.data.global_batch_size
         need(batch >= self.nodes // self.min_nodes, "data.global_batch_size", batch,
              f"every pipeline needs a sample of each global batch, and up to {self.nodes // self.min_nodes} "

@@ -289,13 +289,13 @@ def elastic_planner(cfg: TrainConfig):
 
 
 def launch(cfg: TrainConfig, run_dir: Path, config_path: Path, kills: list | None = None, echo: bool = True,
-           env: dict[str, str] | None = None):
+           env: dict[str, str] | None = None, planner=None):
     """Run ``cfg`` (with ``[elastic]``, its ``config.toml`` at ``config_path``) under the elastic
     supervisor; returns its `ElasticOutcome`. ``kills``: `Kill`s for demos and tests."""
     from loom.elastic.supervisor import ElasticSupervisor, worker_command
 
     el = cfg.elastic
-    planner = elastic_planner(cfg)
+    planner = planner if planner is not None else elastic_planner(cfg)
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
     supervisor = ElasticSupervisor(worker_command(config_path, run_dir), run_dir, planner.first(),
