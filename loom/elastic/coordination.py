@@ -86,6 +86,18 @@ class Coordinator:
                 out[m] = self.store.get(key).decode()
         return out
 
+    def wait_keys(self, keys: list[str], gen: int, timeout_s: float) -> None:
+        """Wait until every key exists; give up (`TimeoutError`) after ``timeout_s`` or as soon as
+        a generation newer than ``gen`` is published (a member died meanwhile)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.store.check(keys):
+            if self.latest() > gen:
+                raise RuntimeError(f"generation {self.latest()} published while waiting for generation {gen}'s members")
+            if time.monotonic() > deadline:
+                missing = [k for k in keys if not self.store.check([k])]
+                raise TimeoutError(f"waited {timeout_s:.0f} s for {missing}")
+            time.sleep(10 * POLL_S)
+
     def await_decision(self, gen: int, step: int, members: list[int], timeout_s: float) -> tuple[str, dict[int, dict]]:
         """Wait until every survivor decides the same (`decide`); returns the decision and, on
         commit, every member's payload."""

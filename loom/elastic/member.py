@@ -146,6 +146,10 @@ def form(coord: Coordinator, gen: Generation, rank: int, build: Callable[[object
     i = gen.pipeline_of(rank)
     ranks = gen.pipelines[i]
     local = ranks.index(rank)
+    # everyone at the rendezvous first (workers start, and leave the last generation, at their own
+    # pace), so the groups' own timeout (timeout_s, failure detection's backstop) only counts from here
+    store.set(f"g{n}/arrived/{rank}", "1")
+    coord.wait_keys([f"g{n}/arrived/{m}" for m in gen.members], n, max(300.0, 6 * timeout_s))
     dist.init_process_group("gloo", store=PrefixStore(f"g{n}/p{i}", store), rank=local, world_size=len(ranks),
                             timeout=timedelta(seconds=timeout_s))
     engine = build(gen.plans[i])
@@ -154,7 +158,8 @@ def form(coord: Coordinator, gen: Generation, rank: int, build: Callable[[object
     have = sorted(state.params) if state is not None and committed > 0 else []
     store.set(f"g{n}/held/{rank}", json.dumps({"held": trainable, "have": have, "committed": committed}))
     members = gen.members
-    store.wait([f"g{n}/held/{m}" for m in members], timedelta(seconds=timeout_s))
+    # members build their engines at their own pace (a loaded machine): wait long, but not past a new failure
+    coord.wait_keys([f"g{n}/held/{m}" for m in members], n, max(60.0, 6 * timeout_s))
     info = {m: json.loads(store.get(f"g{n}/held/{m}")) for m in members}
     steps = {m: v["committed"] for m, v in info.items()}
     if len(set(steps.values())) != 1:

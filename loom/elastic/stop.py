@@ -14,7 +14,6 @@ name, for a later restart once enough nodes are back.
 from __future__ import annotations
 
 import json
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,7 +33,7 @@ def save_survivors(coord: Coordinator, gen: Generation, rank: int, state: HeldSt
     survivors = gen.members
     have = sorted(state.params) if state is not None else []
     store.set(f"g{n}/stop/{rank}", json.dumps(have))
-    store.wait([f"g{n}/stop/{m}" for m in survivors], timedelta(seconds=timeout_s))
+    coord.wait_keys([f"g{n}/stop/{m}" for m in survivors], n, max(60.0, 6 * timeout_s))
     owner: dict[str, int] = {}
     for m in survivors:
         for name in json.loads(store.get(f"g{n}/stop/{m}")):
@@ -47,7 +46,7 @@ def save_survivors(coord: Coordinator, gen: Generation, rank: int, state: HeldSt
                     "optim": {k: state.optim[k] for k in mine if k in state.optim}}, out / f"rank{rank}.pt")
     store.set(f"g{n}/saved/{rank}", "1")
     if rank == survivors[0]:
-        store.wait([f"g{n}/saved/{m}" for m in survivors], timedelta(seconds=timeout_s))
+        coord.wait_keys([f"g{n}/saved/{m}" for m in survivors], n, max(60.0, 6 * timeout_s))
         files: dict[str, list[str]] = {}
         for k, m in sorted(owner.items()):
             files.setdefault(f"rank{m}.pt", []).append(k)
