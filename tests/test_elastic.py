@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -80,7 +81,7 @@ def test_survives_a_kill_then_stops_beyond_f_with_a_checkpoint(tmp_path):
     run.mkdir()
     (run / "config.toml").write_text(config_to_toml(cfg))
     out = launch(cfg, run, run / "config.toml", kills=[Kill([victim], first_step), Kill(second, second_step)],
-                 echo=False)
+                 echo=False, planner=planner)
 
     # beyond f: a clear message naming the numbers, a checkpoint, no hang
     assert out.returncode == 2, (note, out.message)
@@ -91,10 +92,13 @@ def test_survives_a_kill_then_stops_beyond_f_with_a_checkpoint(tmp_path):
 
     # the survivors are the processes that started: same PIDs, every generation, to the end
     pids, exits = read_pids(run), read_exits(run)
+    received = 0
     for r in survivors:
         assert exits[r].pid == pids[r] and exits[r].state == "stopped", (note, r, exits[r])
         log = (run / "logs" / f"rank{r}.log").read_text()
         assert "generation 0," in log and "generation 1," in log and "beyond f" in log, (note, r)
+        received += int(re.search(r"generation 1, .* received (\d+) parameters", log).group(1))
+    assert received > 0, note  # the re-formed pipelines copied layers (with their AdamW state)
 
     # every committed step once, in order; its samples exactly the global batch; its loss the reference's
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

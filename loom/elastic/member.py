@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Callable
@@ -233,7 +232,3 @@ def _recv_state(pg: ProcessGroupGloo, names: list[str], named: dict[str, torch.n
             sq = flat[at + n:at + 2 * n].view_as(p).clone()
             at += 2 * n
             opt_state[k] = {"step": step, "exp_avg": avg, "exp_avg_sq": sq}
-
-
-def finite(x: float) -> bool:
-    return math.isfinite(x)
