@@ -216,9 +216,10 @@ def test_a_config_with_every_field_set_round_trips(tmp_path):
     # needs data.source demo; run.profile cannot cut a generator; data.path is for file sources;
     # chat templates need a file source; balance.default must be "none" under microbatch_tokens;
     # model.llm.hf needs a Hugging Face model directory, test_hf_config's business; the encoder
-    # tables' hf, modality and further encoders: test_hf_encoder_config's)
+    # tables' hf, modality and further encoders: test_hf_encoder_config's; a processor needs hf:
+    # test_hf_processor's)
     kept = {"data.source", "data.path", "data.chat_template", "run.profile", "balance.default", "model.llm.hf",
-            "model.vision.hf", "model.vision.modality", "model.extra_encoders"}
+            "model.vision.hf", "model.vision.modality", "model.extra_encoders", "model.vision.processor"}
     same = [k for k, v in _leaves(cfg) if k in defaults and v == defaults[k] and k not in kept
             and not k.startswith("model.audio.")]
     assert same == [], same

@@ -234,3 +234,35 @@ def test_encoders_from_the_config_directories_count_as_their_processors(tmp_path
     with pytest.raises(ConfigError, match="model.audio.hf = .*takes what its processor makes.*has none"):
         build_model(cfg.model, tokenizer, seed=0, device="meta")
 
+
+
+def test_the_processor_field_overrides_or_removes_the_directorys_own(saved, tmp_path):
+    """``model.<name>.processor``: another directory's processor, ``"none"``, or refused naming
+    the field (unreadable, or without ``hf``)."""
+    from pathlib import Path
+
+    from loom.data.tokenizer import Tokenizer
+    from loom.train.build import build_model
+    from loom.train.config import ConfigError, ModelConfig, TrainConfig, VisionEncoderConfig
+
+    dirs, _, _ = saved
+    hf = str(Path(__file__).resolve().parents[1] / "configs" / "hf" / "tiny-qwen2-vl")
+
+    def vision(**fields):
+        cfg = ModelConfig(vision=VisionEncoderConfig(hf=hf, **fields), audio=None)
+        return build_model(cfg, Tokenizer(), device="meta").encoders["vision"]
+
+    big = ImageMeta(64, 64)
+    assert vision().num_tokens(big) == 36  # its own: at most 48 x 48 pixels
+    assert vision(processor=str(dirs["qwen2_vl"])).num_tokens(big) == 25  # the other: at most 40 x 40
+    none = vision(processor="none")
+    assert none.before_encoder is None and none.num_tokens(big) == 64  # the images as they come
+    with pytest.raises(ConfigError, match="model.vision.processor = .*is not a directory"):
+        vision(processor=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match=r"model.vision.processor = .*\(4, 2, 2\) but encoder"):
+        build_model(ModelConfig(vision=VisionEncoderConfig(hf=str(Path(hf).parent / "tiny-siglip"),
+                                                           processor=str(dirs["qwen2_vl"])), audio=None),
+                    Tokenizer(), device="meta")
+    cfg = TrainConfig(model=ModelConfig(vision=VisionEncoderConfig(processor=str(dirs["siglip"]))))
+    with pytest.raises(ConfigError, match="model.vision.processor"):
+        cfg.check()

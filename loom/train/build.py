@@ -56,7 +56,7 @@ def build_model(
                 from loom.model.hf_encoders import encoder_from_config
 
                 module = encoder_from_config(hf_encoders[name])
-                before = _hf_processor(name, enc.hf, module)
+                before = _hf_processor(name, enc.hf, module, getattr(enc, "processor", ""))
             else:
                 module, before = VisionEncoder(enc) if modality == "image" else AudioEncoder(enc), None
             encoders[name] = ModalityEncoder(module, projector=cfg.projector, modality=modality, before_encoder=before)
@@ -129,27 +129,32 @@ def _hf_encoder_config(name: str, path: str):
                           "of a registered family, or remove it to use the zoo encoder") from e
 
 
-def _hf_processor(name: str, path: str, encoder: torch.nn.Module):
-    """The image processor or feature extractor saved beside ``model.<name>.hf``'s config (its
-    ``preprocessor_config.json`` / ``processor_config.json``, as ``AutoProcessor`` finds it),
-    bound to ``encoder`` (`loom.data.hf_processor`): the encoder's ``before_encoder`` and its
-    token count from metadata; None without one. A `ConfigError` naming the field when it does
-    not fit the encoder, or when the encoder cannot run without one (Whisper)."""
+def _hf_processor(name: str, path: str, encoder: torch.nn.Module, processor: str = ""):
+    """The image processor or feature extractor of ``model.<name>.processor``, or by default the
+    one saved beside ``model.<name>.hf``'s config (its ``preprocessor_config.json`` /
+    ``processor_config.json``, as ``AutoProcessor`` finds it), bound to ``encoder``
+    (`loom.data.hf_processor`): the encoder's ``before_encoder`` and its token count from
+    metadata; None without one (or with ``processor = "none"``). A `ConfigError` naming the
+    field when it cannot be read, does not fit the encoder, or the encoder cannot run without
+    one (Whisper)."""
     from pathlib import Path
 
     from loom.data.hf_processor import has_processor, load_processor
 
-    where = Path(path) if Path(path).is_dir() else Path(path).parent
-    if not has_processor(where):
+    field = f"model.{name}.processor = {processor!r}" if processor else f"model.{name}.hf = {path!r}"
+    where = Path(processor) if processor and processor != "none" else (
+        Path(path) if Path(path).is_dir() else Path(path).parent)
+    if processor == "none" or (not processor and not has_processor(where)):
         if getattr(encoder, "needs_processor", False):
-            raise ConfigError(f"model.{name}.hf = {path!r}: a {type(encoder).__name__} takes what its processor makes, "
-                              f"and {str(where)!r} has none; save its feature extractor or processor there "
-                              "(save_pretrained writes preprocessor_config.json)")
+            raise ConfigError(f"{field}: a {type(encoder).__name__} takes what its processor makes, and "
+                              f"{'none is set' if processor else repr(str(where)) + ' has none'}; save its feature "
+                              f"extractor or processor there (save_pretrained writes preprocessor_config.json) or "
+                              f"set model.{name}.processor to its directory")
         return None
     try:
         return load_processor(where).for_encoder(encoder)
     except ValueError as e:
-        raise ConfigError(f"model.{name}.hf = {path!r}: its processor: {e}") from e
+        raise ConfigError(f"{field}: {'' if processor else 'its processor: '}{e}") from e
 
 
 def token_counters(model: MultimodalModel) -> dict[str, Callable]:

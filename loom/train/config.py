@@ -82,10 +82,14 @@ class VisionEncoderConfig(VisionConfig):
     Face encoder (a local directory or its ``config.json`` of a family in
     `loom.model.hf_encoders.HF_ENCODERS`), built from its config and initialised from the
     directory's ``*.safetensors`` when it has them (else from the run seed). With ``hf`` set the
-    zoo fields must keep their defaults. ``modality``: the sample items and marker it consumes."""
+    zoo fields must keep their defaults. ``modality``: the sample items and marker it consumes.
+    ``processor`` (with ``hf``): the directory of the Hugging Face image processor / feature
+    extractor that makes the encoder's inputs (`loom.data.hf_processor`); ``""``: the ``hf``
+    directory's own when it has one; ``"none"``: none."""
 
     hf: str = ""
     modality: str = "image"
+    processor: str = ""
 
 
 @dataclass
@@ -95,6 +99,7 @@ class AudioEncoderConfig(AudioConfig):
 
     hf: str = ""
     modality: str = "audio"
+    processor: str = ""
 
 
 # an encoder table's dataclass by the modality it consumes (loom.data.collate.MODALITY_KINDS)
@@ -383,6 +388,9 @@ class TrainConfig:
                          getattr(enc, changed[0]) if changed else None, f"model.{name}.hf builds the encoder from "
                          "its Hugging Face config, which fixes the shapes", f"remove model.{name}.{{{', '.join(changed)}}} "
                          "or the hf field")
+            _require(not getattr(enc, "processor", "") or getattr(enc, "hf", ""), f"model.{name}.processor",
+                     getattr(enc, "processor", ""), "a Hugging Face processor makes a Hugging Face encoder's inputs",
+                     f"set model.{name}.hf too, or remove model.{name}.processor")
             other = next((n for n, m in modalities.items() if m == modality), None)
             _require(other is None, f"model.{name}.modality", modality, f"model.{other} consumes the {modality}s "
                      f"already, and loom expands each marker to one encoder's tokens", f'set model.{other} = "none" '
