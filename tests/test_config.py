@@ -86,6 +86,7 @@ device = "cuda"
 log_every = 3
 dtype = "bf16"
 checkpoint_every = 11
+checkpoint_async = true
 tensorboard = true
 eval_every = 5
 
