@@ -111,7 +111,10 @@ class ElasticSupervisor:
             for r in range(self.num_ranks):
                 env = {**self.env, "RANK": str(r), "WORLD_SIZE": str(self.num_ranks), STORE_ENV: f"127.0.0.1:{port}",
                        "LOOM_SUPERVISOR_PID": str(os.getpid())}
-                self.procs[r] = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+                # the worker's output goes to its log from the start (it redirects itself once loaded)
+                with open(self.run_dir / "logs" / f"rank{r}.log", "ab") as log:
+                    self.procs[r] = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                                     stderr=log, start_new_session=True)
             self._say(f"loom: workers started, pids {[p.pid for p in self.procs.values()]} (ranks 0..{self.num_ranks - 1}); "
                       f"pipelines {self.gen.pipelines}, samples per step {self.gen.samples}")
             return self._watch(coord)
