@@ -131,5 +131,5 @@ def test_loom_train_dry_run_with_encoders_from_hf_configs(tmp_path):
             f"data.path={tmp_path / 'data' / 'train.json'}"]
     assert main(args) == 0
     written = load_config(tmp_path / "llava" / "config.toml")
-    assert list(written.model.encoder_configs()) == ["audio", "siglip"]
+    assert list(written.model.encoder_configs()) == ["siglip", "whisper"]
     assert written.model.extra_encoders["siglip"].hf.endswith("tiny-siglip") and written.model.llm.hf

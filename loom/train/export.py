@@ -194,7 +194,7 @@ def _module_of(fqn: str) -> str:
 def _describe(cfg: TrainConfig, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     group, name = module.split(".", 1)
     if group == "encoders":
-        config = getattr(cfg.model, name, None)
+        config = cfg.model.encoder_configs().get(name)  # any name ([model.<name>])
         kind = "encoder"
     else:
         config, kind = cfg.model.generator, "generator"
