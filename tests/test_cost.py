@@ -154,6 +154,8 @@ PUBLISHED = {
     "eva01-clip-g": 1.0e9,
     "llama32-1b": 1.24e9,
     "llama32-3b": 3.21e9,
+    # Oobleck's largest model (issue 14): Brown et al. 2020, Table 2.1
+    "gpt3-6.7b": 6.7e9,
 }
 # published as rounded or tower-with-merger figures: the computed size, and how far from the published
 APPROXIMATE = {
