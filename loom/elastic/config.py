@@ -68,6 +68,10 @@ class ElasticConfig:
             need(m.virtual_stages == 1, f"plan.modules.{m.name}.virtual_stages", m.virtual_stages,
                  "the templates place one stage per rank; use 1")
         need(cfg.model.generator is None, "model.generator", "set", "generators are not run elastically yet; remove it")
+        hf = cfg.hf_llm_config() if getattr(cfg.model.llm, "hf", "") else None
+        need(not getattr(hf, "tie_word_embeddings", False), "model.llm.hf", getattr(cfg.model.llm, "hf", ""),
+             "ties its embeddings (tie_word_embeddings), which the elastic runtime does not copy and sync as one "
+             "parameter yet; use an untied model")
         for name, value, why in (("run.checkpoint_every", cfg.run.checkpoint_every, "the survivors save only beyond f"),
                                  ("run.eval_every", cfg.run.eval_every, "evaluation is not run elastically yet"),
                                  ("data.microbatch_tokens", cfg.data.microbatch_tokens,
