@@ -51,6 +51,8 @@ def _eye(*extra: str, plan: str = '[{name="eye"}, {name="llm"}]') -> list[str]:
      r"plan\.modules\['vision'\]: unknown module name; the model has \['eye', 'llm'\]"),
     (_eye(f'model.eye.hf="{SIGLIP}"', plan='[{name="eye", tensor_parallel=2}, {name="llm"}]'),
      r"plan\.modules\['eye'\]\.tensor_parallel = 2: model\.eye\.hf is a Hugging Face encoder"),
+    ([f'model.vision.hf="{SIGLIP}"', 'run.profile="p.json"'],
+     r"run\.profile = 'p\.json': loom profile does not time Hugging Face encoders yet \(model\.vision\.hf\)"),
     (['model.generator={}', "data.demo.gen_image_size=16", 'model.image.modality="image"', 'model.vision="none"'],
      r"model\.image = 'table': an encoder needs a name"),
 ])

@@ -59,6 +59,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if cfg.model.generator is not None:
         raise CliError("model.generator: loom profile does not time generator layers yet; profile the model "
                        "without it (model.generator=none)")
+    hf = [name for name, enc in cfg.model.encoder_configs().items() if getattr(enc, "hf", "")]
+    if hf:  # its synthetic inputs are the zoo encoders' (loom.profile.inputs)
+        raise CliError(f"model.{hf[0]}.hf: loom profile times the zoo's encoders only, not Hugging Face ones yet; "
+                       "train without run.profile (the analytic cost model prices them) or profile a zoo encoder")
     try:
         check_settings(device=args.device, dtype=cfg.run.dtype)  # bf16 on a CUDA device without it
     except ValueError as e:

@@ -275,6 +275,10 @@ class TrainConfig:
                  "use a weight such as 1.0")
         _require(gen is None or not run.profile, "run.profile", run.profile, "loom profile does not time generator "
                  "layers yet, so a profile cannot cut a model with a generator", 'leave run.profile = ""')
+        hf = [n for n, enc in self.model.encoder_configs().items() if getattr(enc, "hf", "")]
+        _require(not hf or not run.profile, "run.profile", run.profile, f"loom profile does not time Hugging Face "
+                 f"encoders yet (model.{hf[0] if hf else ''}.hf), so a profile cannot cut this model",
+                 'leave run.profile = "" (the analytic cost model prices them)')
         if gen is not None and gen.image_size != self.data.demo.gen_image_size:
             raise ConfigError(f"model.generator.image_size = {gen.image_size} but data.demo.gen_image_size = "
                               f"{self.data.demo.gen_image_size}: the generator makes the images the demo asks for; "
