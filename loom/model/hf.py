@@ -60,9 +60,9 @@ def check_supported_config(config: Any) -> None:
                          "set it to false")
 
 
-def load_config(path: str | Path) -> Any:
-    """The Hugging Face config of ``path`` (a model directory or its ``config.json``), checked
-    with `check_supported_config`. ``ValueError`` naming the path otherwise."""
+def read_config(path: str | Path) -> Any:
+    """The Hugging Face config of ``path`` (a model directory or its ``config.json``), of any
+    family; a one-line ``ValueError`` naming the path when it cannot be read."""
     from transformers import AutoConfig
 
     p = Path(path)
@@ -72,9 +72,15 @@ def load_config(path: str | Path) -> Any:
     if not (source / "config.json").is_file() or (p.is_file() and p.name != "config.json"):
         raise ValueError(f"{str(path)!r} is neither a model directory with a config.json nor a config.json")
     try:
-        config = AutoConfig.from_pretrained(str(source))
+        return AutoConfig.from_pretrained(str(source))
     except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{str(path)!r}: transformers cannot read its config.json ({e})") from e
+        raise ValueError(f"{str(path)!r}: transformers cannot read its config.json ({' '.join(str(e).split())})") from e
+
+
+def load_config(path: str | Path) -> Any:
+    """The Hugging Face LLM config of ``path`` (`read_config`), checked with
+    `check_supported_config`."""
+    config = read_config(path)
     check_supported_config(config)
     return config
 

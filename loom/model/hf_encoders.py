@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 from torch import nn
 
+from loom.model.hf import read_config
 from loom.model.weights import SafetensorsWeights
 
 MODALITY_NAMES = ("image", "audio")  # what an encoder may consume (loom.data.collate.MODALITY_KINDS)
@@ -89,18 +90,7 @@ def encoder_family(config: Any) -> HFEncoderFamily:
 def load_encoder_config(path: str | Path) -> Any:
     """The Hugging Face config at ``path`` (a model directory or its ``config.json``) of a
     registered encoder family; a one-line ``ValueError`` naming the path otherwise."""
-    from transformers import AutoConfig
-
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{str(path)!r} does not exist")
-    source = p if p.is_dir() else p.parent
-    if not (source / "config.json").is_file() or (p.is_file() and p.name != "config.json"):
-        raise ValueError(f"{str(path)!r} is neither a model directory with a config.json nor a config.json")
-    try:
-        config = AutoConfig.from_pretrained(str(source))
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"{str(path)!r}: transformers cannot read its config.json ({' '.join(str(e).split())})") from e
+    config = read_config(path)
     encoder_family(config)
     return config
 
