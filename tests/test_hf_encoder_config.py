@@ -40,9 +40,6 @@ def _eye(*extra: str, plan: str = '[{name="eye"}, {name="llm"}]') -> list[str]:
     (_eye('model.eye.modality="audio"', f'model.eye.hf="{SIGLIP}"'),
      r"model\.eye\.hf = .*: a SigLIP vision encoder consumes images, but model\.eye\.modality is 'audio'"),
     (['model.vision.modality="audio"'], r"model\.vision\.modality = 'audio': \[model\.vision\] is the default image"),
-    # one encoder per modality
-    (['model.eye.modality="image"', 'plan.modules=[{name="vision"}, {name="audio"}, {name="eye"}, {name="llm"}]'],
-     r"model\.eye\.modality = 'image': model\.vision consumes the images already.*model\.vision = \"none\""),
     # an hf encoder's shapes come from its config
     ([f'model.vision.hf="{SIGLIP}"', "model.vision.hidden_size=32"],
      r"model\.vision\.hidden_size = 32: model\.vision\.hf builds the encoder from its Hugging Face config"),
@@ -135,3 +132,41 @@ def test_loom_train_dry_run_with_encoders_from_hf_configs(tmp_path):
     written = load_config(tmp_path / "llava" / "config.toml")
     assert list(written.model.encoder_configs()) == ["siglip", "whisper"]
     assert written.model.extra_encoders["siglip"].hf.endswith("tiny-siglip") and written.model.llm.hf
+
+
+def test_a_second_vision_tower_encodes_the_same_images_after_the_first():
+    """``[model.vision]`` (zoo) and ``[model.eye]`` (SigLIP) both consume the images: each
+    ``<image>`` expands to the vision tokens, then the SigLIP tokens (config order), with a
+    placeholder id each; collation, the BAM spans and the cost model agree on every length."""
+    from loom.cost.arch_from_model import arch_from_model
+    from loom.cost.workload import sample_tokens
+    from loom.data.bam import sample_spans
+    from loom.data.collate import collate, count_tokens
+    from loom.train.build import build_data, build_model, token_counters
+
+    cfg = load_config(None, ['model.audio="none"', f'model.eye.hf="{SIGLIP}"', "model.vision.hidden_size=32",
+                             IMAGES_ONLY, *TINY_LLM])
+    assert cfg.plan.module_names == ["vision", "eye", "llm"]  # the default layout places both
+    tokenizer, dataset = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=0)
+    image = tokenizer.token_id("<image>")
+    assert model.placeholder_ids == {"vision": image, "eye": tokenizer.vocab_size}  # past every text id
+    counts, arch = token_counters(model), arch_from_model(model)
+    n = 16
+    metas = [dataset.meta(i) for i in range(n)]
+    by_meta = [count_tokens(m, counts) for m in metas]
+    assert sample_tokens(arch, metas).tokens["llm"].tolist() == [c["llm"] for c in by_meta]
+    batch = collate([dataset[i] for i in range(n)], tokenizer, counts, model.placeholder_ids)
+    assert (batch.input_ids != tokenizer.pad_id).sum(1).tolist() == [c["llm"] for c in by_meta]
+    s = next(i for i, m in enumerate(metas) if len(m.images) >= 2)
+    ids = batch.input_ids[s].tolist()
+    first = ids.index(image)
+    vision = [counts["vision"](item) for item in metas[s].images]
+    eye = counts["eye"](metas[s].images[0])
+    assert ids[first:first + vision[0] + eye] == [image] * vision[0] + [tokenizer.vocab_size] * eye
+    assert [sp.kind for sp in sample_spans(metas[s], tokenizer.encode(dataset[s].text), tokenizer, counts)
+            if sp.kind != "text"] == ["vision", "eye"] * len(metas[s].images)
+    assert batch.modality_inputs["eye"]["images"] == batch.modality_inputs["vision"]["images"]
+    model.loss(batch).backward()
+    for name in ("vision", "eye"):
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.encoders[name].parameters()), name

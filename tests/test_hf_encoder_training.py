@@ -5,7 +5,8 @@ configs/hf/ (a family without one fails `test_every_registered_family_has_a_tiny
 ``[model.eye] hf = DIR`` (a renamed encoder), built from the config (random init) or, for the
 first family, from the directory's safetensors; alternately on a rank of its own and inside the
 LLM's first of 2 stages. One more case renames the zoo's encoders (``[model.eye]`` images,
-``[model.ear]`` audio). Batches go through the `Dispatcher` (items found by modality, costs
+``[model.ear]`` audio), another has two vision towers over the same images (a zoo ViT, then
+SigLIP: each marker expands to both towers' tokens). Batches go through the `Dispatcher` (items found by modality, costs
 from `arch_from_model`)."""
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_every_registered_family_has_a_tiny_config():
 
 
 def _cases() -> list[str]:
-    return [*_families(), "zoo-renamed"]
+    return [*_families(), "zoo-renamed", "two-towers"]
 
 
 def _prepare(out: Path) -> None:
@@ -85,10 +86,14 @@ def _prepare(out: Path) -> None:
 def _config(case: str, index: int, out: Path) -> TrainConfig:
     llm = LlamaConfig(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=64)
     rate = DemoConfig().sample_rate
+    small = dict(hidden_size=32, num_layers=1, num_heads=2)
     if case == "zoo-renamed":  # zoo encoders under free names, each consuming its modality
-        small = dict(hidden_size=32, num_layers=1, num_heads=2)
         encoders = {"eye": VisionEncoderConfig(**small), "ear": AudioEncoderConfig(**small, modality="audio")}
         mix = {"text": 0.2, "image": 0.3, "audio": 0.2, "image_audio": 0.3}
+    elif case == "two-towers":  # a zoo ViT and a SigLIP tower over the same images, in that order
+        siglip = str(ROOT / "configs" / "hf" / "tiny-siglip")
+        encoders = {"eye": VisionEncoderConfig(**small), "eye2": VisionEncoderConfig(hf=siglip)}
+        mix = MIX["image"]
     else:
         modality = HF_ENCODERS[case].modality
         encoders = {"eye": ENCODER_CONFIGS[modality](hf=str(out / case))}

@@ -45,7 +45,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loom.data.collate import MODALITIES, MODALITY_KINDS, TokenCounts, encoder_modalities, item_token_count
+from loom.data.collate import (MODALITIES, MODALITY_KINDS, TokenCounts, encoder_modalities, encoders_by_modality,
+                               item_token_count)
 from loom.data.sample import SampleMeta
 from loom.data.tokenizer import Tokenizer
 
@@ -168,16 +169,18 @@ def sample_spans(
     modality marker becomes one item of ``item_token_count`` tokens, and its metadata. The spans'
     lengths sum to the sample's collated length."""
     ids = np.asarray(text_ids, dtype=np.int64)
-    encoder_of = {m: enc for enc, m in encoder_modalities(token_counts).items()}
-    # a marker's span is named for the encoder of its modality (the modality, without one)
-    marker_id = {tokenizer.token_id(kind.marker): encoder_of.get(m, m) for m, kind in MODALITY_KINDS.items()}
-    kind_of = {encoder_of.get(m, m): kind for m, kind in MODALITY_KINDS.items()}
+    encoders_of = encoders_by_modality(encoder_modalities(token_counts))
+    # a marker's spans are named for the encoders of its modality, in order (the modality, without one)
+    marker_id = {tokenizer.token_id(kind.marker): m for m, kind in MODALITY_KINDS.items()}
+    kind_of = {encoders_of.get(m, [m])[0]: kind for m, kind in MODALITY_KINDS.items()}
     at = np.flatnonzero(np.isin(ids, list(marker_id)))
     next_item = {enc: 0 for enc in kind_of}
     spans: list[Span] = []
     prev = 0
     for pos in at.tolist():  # one step per item, not per token
-        enc = marker_id[int(ids[pos])]
+        modality = marker_id[int(ids[pos])]
+        encs = encoders_of.get(modality, [modality])
+        enc = encs[0]
         items = getattr(meta, kind_of[enc].sample_field)
         if enc not in token_counts or next_item[enc] >= len(items):
             raise ValueError(
@@ -187,8 +190,8 @@ def sample_spans(
             )
         if pos > prev:
             spans.append(Span(TEXT, pos - prev))
-        n = item_token_count(enc, token_counts[enc], items[next_item[enc]], meta.sample_id)
-        spans.append(Span(enc, n))
+        for e in encs:  # the item's tokens of every encoder of its modality
+            spans.append(Span(e, item_token_count(e, token_counts[e], items[next_item[enc]], meta.sample_id)))
         next_item[enc] += 1
         prev = pos + 1
     if ids.size > prev:

@@ -59,6 +59,7 @@ class TokenCounter:
 
     modality: str
     count: Callable[[Any], int]
+    placeholder: int | None = None  # its placeholder id where it is not the modality's marker's
 
     def __call__(self, item: ImageMeta | AudioMeta) -> int:
         return self.count(item)
@@ -80,17 +81,17 @@ def encoder_modality(encoder: str, count_fn: Any = None) -> str:
 
 
 def encoder_modalities(token_counts: TokenCounts) -> dict[str, str]:
-    """Each encoder's modality (`encoder_modality`), at most one encoder per modality: every
-    marker expands to its one encoder's tokens."""
-    out: dict[str, str] = {}
-    for encoder, fn in token_counts.items():
-        modality = encoder_modality(encoder, fn)
-        other = next((e for e, m in out.items() if m == modality), None)
-        if other is not None:
-            raise ValueError(
-                f"token_counts has two {modality} encoders, {other!r} and {encoder!r}: each "
-                f"{MODALITY_KINDS[modality].marker} expands to one encoder's tokens; keep one")
-        out[encoder] = modality
+    """Each encoder's modality (`encoder_modality`), in ``token_counts``' order. Several encoders
+    may consume one modality (a second vision tower): each marker then expands to every one's
+    tokens for the item, in that order."""
+    return {encoder: encoder_modality(encoder, fn) for encoder, fn in token_counts.items()}
+
+
+def encoders_by_modality(modalities: Mapping[str, str]) -> dict[str, list[str]]:
+    """Modality -> the encoders consuming it, in order (a marker's expansion order)."""
+    out: dict[str, list[str]] = {}
+    for encoder, modality in modalities.items():
+        out.setdefault(modality, []).append(encoder)
     return out
 
 # Generator name -> its generation marker in the text. Each marker becomes ``cond_tokens``
@@ -188,7 +189,9 @@ def count_tokens(meta: SampleMeta, token_counts: TokenCounts,
         items = _items_meta(meta, modalities[encoder])
         total = sum(item_token_count(encoder, count_fn, item, meta.sample_id) for item in items)
         counts[encoder] = total
-        llm += total - len(items)  # each marker id is replaced by the item's tokens
+        llm += total  # each marker id is replaced by its item's tokens of every encoder of the modality
+    for modality in set(modalities.values()):
+        llm -= len(_items_meta(meta, modality))
     if meta.generations:
         check_generations(meta, generations or {})
         for g in meta.generations:
@@ -311,11 +314,23 @@ def collate_ids(
         raise ValueError(
             f"placeholder_ids names unknown encoders {unknown}; use names from {list(token_counts)}"
         )
-    # per modality: its marker's id, and the placeholder of the encoder that consumes it
+    # per modality: its marker's id and the encoders that consume it; per encoder its placeholder
+    # (the first encoder of a modality: the marker's id by default; a further one needs its own)
     marker = {m: tokenizer.token_id(kind.marker) for m, kind in MODALITY_KINDS.items()}
-    encoder_of = {m: enc for enc, m in modalities.items()}
-    placeholder = {m: placeholder_ids.get(encoder_of[m], marker[m]) if m in encoder_of else marker[m]
-                   for m in MODALITY_KINDS}
+    encoders_of = encoders_by_modality(modalities)
+    encoder_of = {m: encs[0] for m, encs in encoders_of.items()}
+    placeholder = {}
+    for m, encs in encoders_of.items():
+        for j, enc in enumerate(encs):
+            own = placeholder_ids.get(enc, getattr(token_counts[enc], "placeholder", None))
+            if j and own is None:
+                raise ValueError(
+                    f"placeholder_ids has no entry for {enc!r}: a second {m} encoder (after {encs[0]!r}) needs a "
+                    f"placeholder id of its own; pass token_counts=token_counters(model) or "
+                    f"placeholder_ids=model.placeholder_ids")
+            placeholder[enc] = marker[m] if own is None else own
+    if len(set(placeholder.values())) != len(placeholder):
+        raise ValueError(f"placeholder_ids {placeholder} give two encoders one id; give each its own")
     # every sample's ids back to back: the expansion and the labels are a few array passes
     rows_in = [ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids, dtype=np.int64) for ids in text_ids]
     lengths = np.array([r.size for r in rows_in], dtype=np.int64)
@@ -326,7 +341,7 @@ def collate_ids(
     starts = np.cumsum(lengths) - lengths
     is_marker = {m: flat == marker[m] for m in MODALITY_KINDS}
     num_markers = {m: _row_sums(mask, starts, lengths).tolist() for m, mask in is_marker.items()}
-    item_tokens: dict[str, list[int]] = {m: [] for m in MODALITY_KINDS}
+    item_tokens: dict[str, list[int]] = {enc: [] for enc in modalities}
     generations = dict(generations or {})
     gen_marker = {g: tokenizer.token_id(m) for g, m in GENERATORS.items() if tokenizer.has(m)}
     is_gen = {g: flat == mid for g, mid in gen_marker.items()}
@@ -356,16 +371,32 @@ def collate_ids(
             )
         _check_modalities_covered(meta, modalities)
         for encoder, modality in modalities.items():
-            item_tokens[modality].extend(item_token_count(encoder, token_counts[encoder], item, meta.sample_id)
-                                         for item in _items_meta(meta, modality))
+            item_tokens[encoder].extend(item_token_count(encoder, token_counts[encoder], item, meta.sample_id)
+                                        for item in _items_meta(meta, modality))
+    # a modality with k encoders: each of its markers first becomes k copies, the j-th for encoder j
+    copies = np.ones_like(flat)
+    for m, encs in encoders_of.items():
+        if len(encs) > 1:
+            copies[is_marker[m]] = len(encs)
+    copy_index = np.zeros(flat.size, dtype=np.int64)
+    if (copies > 1).any():
+        at = np.repeat(np.arange(flat.size), copies)
+        copy_index = np.arange(at.size) - np.repeat(np.cumsum(copies) - copies, copies)
+        flat, not_target = flat[at], not_target[at]
+        is_marker = {m: mask[at] for m, mask in is_marker.items()}
+        is_gen = {g: mask[at] for g, mask in is_gen.items()}
+        lengths = _row_sums(copies, starts, lengths)
+        starts = np.cumsum(lengths) - lengths
     repeats = np.ones_like(flat)
     ids = flat.copy()
     is_placeholder = np.zeros(flat.size, dtype=bool)
-    for modality, mask in is_marker.items():
-        if item_tokens[modality]:  # each marker id becomes as many placeholder ids as its item's tokens
-            repeats[mask] = item_tokens[modality]
-            ids[mask] = placeholder[modality]
-            is_placeholder |= mask
+    for m, encs in encoders_of.items():
+        for j, encoder in enumerate(encs):
+            if item_tokens[encoder]:  # each marker (copy) becomes as many placeholder ids as its item's tokens
+                mask = is_marker[m] & (copy_index == j) if len(encs) > 1 else is_marker[m]
+                repeats[mask] = item_tokens[encoder]
+                ids[mask] = placeholder[encoder]
+                is_placeholder |= mask
     for g, mask in is_gen.items():  # each generation marker becomes cond_tokens copies of itself
         if g in generations and mask.any():
             repeats[mask] = generations[g].cond_tokens

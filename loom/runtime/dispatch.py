@@ -109,6 +109,7 @@ class _ShapeMemo:
     def __init__(self, fn) -> None:
         self.fn, self.memo = fn, {}
         self.modality = getattr(fn, "modality", None)  # a `TokenCounter`'s (`encoder_modality`)
+        self.placeholder = getattr(fn, "placeholder", None)  # and its placeholder id
 
     def __call__(self, item: ImageMeta | AudioMeta):
         n = self.memo.get(item)  # the metadata dataclasses are frozen: hashable by value

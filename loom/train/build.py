@@ -70,8 +70,7 @@ def build_model(
         model = MultimodalModel(
             encoders,
             llm if llm is not None else LlamaForCausalLM(llm_cfg),
-            placeholder_ids={name: tokenizer.token_id(MODALITY_KINDS[enc.modality].marker)
-                             for name, enc in encoders.items()},
+            placeholder_ids=placeholder_ids(encoders, tokenizer),
             generators=generators,
             generation_ids={name: tokenizer.token_id(GEN_IMAGE_MARKER) for name in generators},
         )
@@ -118,6 +117,23 @@ def _hf_llm(path: str, tokenizer: Tokenizer) -> torch.nn.Module:
     return causal_lm_from_config(config)
 
 
+def placeholder_ids(encoders: dict[str, ModalityEncoder], tokenizer: Tokenizer) -> dict[str, int]:
+    """Each encoder's placeholder id: the first encoder of a modality takes its marker's id; a
+    further one (a second vision tower, whose tokens follow the first's at every marker) an id
+    past the tokenizer's vocabulary, which no text holds (the LLM never embeds placeholder ids:
+    `MultimodalModel` masks them before its embedding)."""
+    out: dict[str, int] = {}
+    seen: set[str] = set()
+    for name, enc in encoders.items():
+        modality = enc.modality or encoder_modality_of_name(name)
+        if modality in seen:
+            out[name] = tokenizer.vocab_size + len(out) - len(seen)
+        else:
+            out[name] = tokenizer.token_id(MODALITY_KINDS[modality].marker)
+            seen.add(modality)
+    return out
+
+
 def _hf_encoder_config(name: str, path: str):
     """The Hugging Face config ``model.<name>.hf`` names; a `ConfigError` naming the field otherwise."""
     from loom.model.hf_encoders import load_encoder_config
@@ -159,9 +175,10 @@ def _hf_processor(name: str, path: str, encoder: torch.nn.Module, processor: str
 
 def token_counters(model: MultimodalModel) -> dict[str, Callable]:
     """Per encoder, the function from an item's metadata to its number of tokens, with the
-    modality of its items (`loom.data.collate.TokenCounter`; an encoder without one the
-    modality its name implies)."""
-    return {name: TokenCounter(enc.modality or encoder_modality_of_name(name), enc.num_tokens)
+    modality of its items and its placeholder id (`loom.data.collate.TokenCounter`; an encoder
+    without a modality the one its name implies)."""
+    return {name: TokenCounter(enc.modality or encoder_modality_of_name(name), enc.num_tokens,
+                               model.placeholder_ids.get(name))
             for name, enc in model.encoders.items()}
 
 

@@ -124,7 +124,8 @@ class ModelConfig:
     below) is a further encoder, kept in `extra_encoders` in the file's order. A table's
     ``modality`` (``"image"`` or ``"audio"``) says which sample items and marker it consumes:
     ``vision`` and ``audio`` imply theirs, an ``hf`` encoder its family's, other tables must set
-    it. One encoder per modality: each marker expands to its one encoder's tokens."""
+    it. Several encoders may consume one modality (a second vision tower): each encodes the same
+    items, and each marker expands to every one's tokens, in this order."""
 
     vision: VisionEncoderConfig | None = field(default_factory=VisionEncoderConfig)
     audio: AudioEncoderConfig | None = field(default_factory=AudioEncoderConfig)
@@ -363,8 +364,8 @@ class TrainConfig:
 
     def check_encoders(self) -> dict[str, str]:
         """Every encoder table's name, ``modality`` and ``hf`` config: returns the modality of
-        each encoder by name. One encoder per modality (each marker expands to one encoder's
-        tokens); a `ConfigError` naming the field otherwise."""
+        each encoder by name (several may share one: each marker then expands to every one's
+        tokens, in this order); a `ConfigError` naming the field otherwise."""
         gen = self.model.generator
         modalities: dict[str, str] = {}
         for name, enc in self.model.encoder_configs().items():
@@ -395,11 +396,7 @@ class TrainConfig:
             _require(not getattr(enc, "processor", "") or getattr(enc, "hf", ""), f"model.{name}.processor",
                      getattr(enc, "processor", ""), "a Hugging Face processor makes a Hugging Face encoder's inputs",
                      f"set model.{name}.hf too, or remove model.{name}.processor")
-            other = next((n for n, m in modalities.items() if m == modality), None)
-            _require(other is None, f"model.{name}.modality", modality, f"model.{other} consumes the {modality}s "
-                     f"already, and loom expands each marker to one encoder's tokens", f'set model.{other} = "none" '
-                     f"or remove [model.{name}]")
-            modalities[name] = modality
+            modalities[name] = modality  # several per modality: each marker expands to every one's tokens
         return modalities
 
     def hf_llm_config(self) -> Any:
