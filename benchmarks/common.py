@@ -224,6 +224,22 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def target_table(figures: dict[str, dict[str, Any]]) -> str:
+    """The figures against their targets (a ``[low, high]`` range or a bound in the direction of
+    ``better``), a row each: median, unit, spread, what the spread is, target, met."""
+    rows = []
+    for name, f in figures.items():
+        target = f["target"]
+        if isinstance(target, list):
+            met = target[0] <= f["value"] <= target[1]
+        else:
+            met = f["value"] <= target if f["better"] == "lower" else f["value"] >= target
+        spread = f"{f['spread'][0]}-{f['spread'][1]}" if "spread" in f else "-"
+        rows.append((name, f"{f['value']}", f["unit"], spread, f.get("spread_is", "-"), str(target),
+                     "yes" if met else "NO"))
+    return format_table(("figure", "median", "unit", "spread", "spread is", "target", "met"), rows)
+
+
 # ---- data ----------------------------------------------------------------------------------
 class TextDataset:
     """``batches`` global batches of text samples of exactly ``cfg.seq_len`` token ids (BOS,

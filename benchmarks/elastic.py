@@ -41,7 +41,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import format_table, start_run, summarize, write_result
+from benchmarks.common import start_run, summarize, target_table, write_result
 from loom.planner.oobleck_costs import layer_times
 from loom.planner.oobleck_failures import FailurePricer, FailureSettings, simulate_failures
 from loom.planner.oobleck_templates import plan_templates
@@ -157,12 +157,7 @@ def main() -> None:
         f, d = run()
         figures.update(f)
         details[name] = d
-    rows = []
-    for name, f in figures.items():
-        met = f["value"] <= f["target"] if f["better"] == "lower" else f["value"] >= f["target"]
-        rows.append((name, f"{f['value']}", f["unit"], f"{f['spread'][0]}-{f['spread'][1]}", f["spread_is"],
-                     str(f["target"]), "yes" if met else "NO"))
-    print(format_table(("figure", "median", "unit", "spread", "spread is", "target", "met"), rows))
+    print(target_table(figures))
     for name, d in details.items():
         print(f"{name}: {d}")
     write_result("elastic", figures, {"scenario": SCENARIO.name, "template_overrides": TEMPLATE_OVERRIDES,

@@ -36,7 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import format_table, median, start_run, write_result
+from benchmarks.common import median, start_run, target_table, write_result
 from loom.planner.orchestration import scenario_inputs
 from loom.planner.search import SearchSpace, all_plans, search
 from loom.sim.scenario import load_scenario
@@ -141,16 +141,7 @@ def main() -> None:
         f, d = run()
         figures.update(f)
         details[name] = d
-    rows = []
-    for name, f in figures.items():
-        target = f["target"]
-        if isinstance(target, list):
-            met = target[0] <= f["value"] <= target[1]
-        else:
-            met = f["value"] <= target if f["better"] == "lower" else f["value"] >= target
-        spread = f"{f['spread'][0]}-{f['spread'][1]}" if "spread" in f else "-"
-        rows.append((name, f"{f['value']}", f["unit"], spread, str(target), "yes" if met else "NO"))
-    print(format_table(("figure", "median", "unit", "min-max", "target", "met"), rows))
+    print(target_table(figures))
     for name, d in details.items():
         print(f"{name}: {d}")
     write_result("plan_search", figures, {"scenarios": {"orchestration": ORCHESTRATION.name, "search": SEARCH.name,
