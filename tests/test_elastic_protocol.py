@@ -108,3 +108,59 @@ def test_elastic_config_refusals_name_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         load_config(config, [override])
     assert field in str(e.value), str(e.value)
+
+
+def test_bubble_fill_is_refused_for_an_elastic_run():
+    from pathlib import Path
+
+    from loom.train.config import ConfigError, load_config
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "elastic.toml"
+    with pytest.raises(ConfigError, match="plan.bubble_fill = 'optimus'"):
+        load_config(config, ['plan.bubble_fill="optimus"', 'plan.placement="colocated"'])
+
+
+def test_loom_plan_prints_what_the_elastic_runtime_runs(capsys):
+    """``loom plan`` on an ``[elastic]`` config: the node specification, the templates, generation
+    0's pipelines and Eq. 2.6 samples, and each pipeline's plan and schedule, as the supervisor
+    decides them (not the config's own [plan], which the elastic runtime never runs)."""
+    from pathlib import Path
+
+    from loom.cli import main
+    from loom.train.config import load_config
+    from loom.train.elastic import elastic_planner
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "elastic.toml"
+    assert main(["plan", "--config", str(config)]) == 0
+    out = capsys.readouterr().out
+    cfg = load_config(config)
+    planner = elastic_planner(cfg)
+    gen = planner.first()
+    assert len(gen.pipelines) >= cfg.elastic.f + 1
+    assert f"f = {cfg.elastic.f}, n0 = {cfg.elastic.min_nodes}; templates of " \
+           f"{', '.join(map(str, planner.spec.template_sizes))} nodes" in out
+    for n, t in planner.templates.items():
+        assert f"template {n} nodes: {t.num_stages} stages" in out
+    assert f"pipelines {gen.pipelines}; samples per step {gen.samples} of {cfg.data.global_batch_size}" in out
+    assert sum(gen.samples) == cfg.data.global_batch_size
+    for i, (ranks, plan) in enumerate(zip(gen.pipelines, gen.plans)):
+        assert f"# pipeline {i}: ranks {ranks}, template {len(ranks)} nodes" in out
+        assert plan.to_toml() in out
+        assert plan.num_microbatches == gen.samples[i] // cfg.elastic.microbatch_size
+        assert f"rank {ranks[-1]} (pipeline rank {len(ranks) - 1}) = llm stage {len(ranks) - 1}" in out
+    assert out.count(f"{cfg.plan.schedule}: ") == len(gen.pipelines)  # one schedule per pipeline
+    assert cfg.plan.to_toml() not in out  # the config's [plan] alone is not what runs
+
+
+def test_loom_simulate_refuses_an_elastic_config_naming_the_section(capsys):
+    from pathlib import Path
+
+    from loom.cli import main
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "elastic.toml"
+    for extra in ([], ["--failure-interval", "600"]):
+        assert main(["simulate", "--config", str(config), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "[elastic]" in err and "--failures" in err, err
+    assert main(["plan", "--search", "--config", str(config)]) == 2
+    assert "[elastic]" in capsys.readouterr().err

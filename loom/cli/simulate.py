@@ -302,10 +302,24 @@ def cmd_failures(args: argparse.Namespace, scenario) -> int:
     return 0
 
 
+def refuse_elastic(config: str | None) -> None:
+    """A training config with ``[elastic]`` is no scenario: its pipelines change with failures,
+    which only ``--failures`` prices (on a scenario's cluster). Refused in one line."""
+    from loom.sim.scenario import read_scenario_tables
+
+    if config is not None and Path(config).is_file() and "elastic" in read_scenario_tables(Path(config)):
+        raise CliError(f"{config} has an [elastic] section: loom simulate prices one plan, an elastic run's pipelines "
+                       f"change as nodes fail; price Oobleck under failures with loom simulate --config SCENARIO "
+                       f"--failures TRACE (or --failure-interval SECONDS; a scenario such as "
+                       f"configs/sim/oobleck-gpt3-6.7b-30xa40.toml), and see the run's first layout with loom plan "
+                       f"--config {config}")
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
     """Simulate one iteration of each plan of a scenario and print a comparison table; with
     ``--policy``, each plan under each balancing policy, against the unbalanced ``none``; with
     ``--failures`` / ``--failure-interval``, a failure trace (`cmd_failures`)."""
+    refuse_elastic(args.config)
     if getattr(args, "failures", None) or getattr(args, "failure_interval", None) is not None:
         from loom.sim.scenario import load_scenario
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from loom.plan.plan import LLM
 from loom.cli.common import CliError, load_train_config
-from loom.train.checkpoint import CheckpointMeta, check_compatible, expected_shapes, latest_checkpoint
+from loom.train.checkpoint import CheckpointMeta, check_compatible, expected_shapes, latest_checkpoint, truncate_log
 from loom.train.config import TrainConfig, config_to_toml
 from loom.train.launch import Supervisor, is_loom_process
 from loom.train.status import LOGS, SUPERVISOR_PID, read_pids, read_status, read_supervisor_pid, write_status
@@ -126,9 +126,11 @@ def resume_target(args: argparse.Namespace) -> Path | None:
 KILL_ENV = "LOOM_KILL"  # demos and tests only: "RANK[,RANK...]@STEP[;...]", SIGKILLs by the elastic supervisor
 
 
-def _train_elastic(cfg: TrainConfig, run_dir: Path, config_path: Path, dry_run: bool) -> int:
+def _train_elastic(cfg: TrainConfig, run_dir: Path, config_path: Path, dry_run: bool, resume: Path | None = None) -> int:
     """An ``[elastic]`` run (docs/elastic.md): ``elastic.nodes`` workers under
-    `loom.elastic.supervisor.ElasticSupervisor`; ``LOOM_KILL`` kills ranks on cue (demos, tests)."""
+    `loom.elastic.supervisor.ElasticSupervisor`, from the checkpoint ``resume`` if given (any loom
+    checkpoint of the model: the survivors' one beyond f, or a run's under any plan);
+    ``LOOM_KILL`` kills ranks on cue (demos, tests)."""
     from loom.elastic.supervisor import Kill, worker_command
     from loom.train.elastic import launch
 
@@ -151,7 +153,8 @@ def _train_elastic(cfg: TrainConfig, run_dir: Path, config_path: Path, dry_run: 
         raise CliError(f"[elastic]: {e}") from e
     print(f"loom: elastic run, {world} processes ({el.nodes} nodes), f = {el.f}, pipeline templates of "
           f"{planner.spec.template_sizes[0]} to {planner.spec.template_sizes[-1]} nodes, first pipelines "
-          f"{first.pipelines}; run dir {run_dir}", flush=True)
+          f"{first.pipelines}; run dir {run_dir}" + (f"; continuing from {resume}" if resume is not None else ""),
+          flush=True)
     if dry_run:
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path.write_text(config_to_toml(cfg))
@@ -161,9 +164,13 @@ def _train_elastic(cfg: TrainConfig, run_dir: Path, config_path: Path, dry_run: 
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path.write_text(config_to_toml(cfg))
     (run_dir / LOGS).mkdir(exist_ok=True)
+    if resume is not None:  # the steps before the checkpoint stay; the earlier launch's pids and exits go
+        truncate_log(run_dir / "metrics.jsonl", CheckpointMeta.read(resume).step)
+        for stale in [*(run_dir / LOGS).glob("rank*.pid"), *(run_dir / LOGS).glob("rank*.exit.json")]:
+            stale.unlink()
     (run_dir / LOGS / SUPERVISOR_PID).write_text(f"{os.getpid()}\n")
     write_status(run_dir, "running")
-    outcome = launch(cfg, run_dir, config_path, kills=kills, planner=planner)
+    outcome = launch(cfg, run_dir, config_path, kills=kills, planner=planner, resume=resume)
     write_status(run_dir, outcome.status)
     print(outcome.message, file=sys.stderr if outcome.returncode else sys.stdout, flush=True)
     return outcome.returncode
@@ -182,10 +189,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = claim_run_dir(cfg, args.overwrite, args.dry_run, resume=resume is not None)
     config_path = run_dir / "config.toml"
     if cfg.elastic is not None:  # Oobleck: its own supervisor, not torchrun (loom.train.elastic)
-        if resume is not None:
-            raise CliError("--resume with [elastic]: an elastic run's survivors' save (checkpoints/elastic_step_N) "
-                           "cannot be resumed yet; start the run again (--overwrite)")
-        return _train_elastic(cfg, run_dir, config_path, args.dry_run)
+        return _train_elastic(cfg, run_dir, config_path, args.dry_run, resume)
     world = cfg.plan.world_size
     cmd = torchrun_command(cfg, config_path, run_dir, resume)
     print(f"loom: {world} processes, plan " + ", ".join(

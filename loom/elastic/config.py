@@ -67,6 +67,8 @@ class ElasticConfig:
                  "an elastic run keeps whole replicas (their copies are what survives a failure); use 0")
             need(m.virtual_stages == 1, f"plan.modules.{m.name}.virtual_stages", m.virtual_stages,
                  "the templates place one stage per rank; use 1")
+        need(cfg.plan.bubble_fill == "none", "plan.bubble_fill", cfg.plan.bubble_fill,
+             "the elastic workers run each pipeline's built schedule, unfilled; use 'none'")
         need(cfg.model.generator is None, "model.generator", "set", "generators are not run elastically yet; remove it")
         hf = cfg.hf_llm_config() if getattr(cfg.model.llm, "hf", "") else None
         need(not getattr(hf, "tie_word_embeddings", False), "model.llm.hf", getattr(cfg.model.llm, "hf", ""),

@@ -16,7 +16,7 @@ from typing import Mapping
 from loom.elastic.config import ElasticConfig
 from loom.elastic.layout import Generation
 from loom.plan.plan import Plan
-from loom.planner.oobleck import (LayerTimes, NodeSpecification, OobleckError, PipelineTemplate, best_instantiation,
+from loom.planner.oobleck import (Instantiation, LayerTimes, NodeSpecification, OobleckError, PipelineTemplate, best_instantiation,
                                   instantiate, layer_copies, layer_holders, node_specification, pipelines_of,
                                   plan_templates, reinstantiate, template_plan)
 
@@ -42,10 +42,16 @@ class ElasticPlanner:
         templates = plan_templates(times, spec.template_sizes, gpus_per_node=el.ranks_per_node, tensor_parallel=1)
         return cls(base, dict(layer_counts), spec, templates, batch, el)
 
-    def _generation(self, number: int, node_lists: list[list[int]], lost: list[int]) -> Generation:
-        inst = instantiate(self.templates, [len(p) for p in node_lists], self.batch, self.el.microbatch_size)
+    def instantiation(self, gen: Generation) -> Instantiation:
+        """The priced instantiation behind ``gen``'s pipelines: Eq. 2.6's samples and times,
+        each pipeline's microbatches (what `_generation` built its plans from)."""
+        inst = instantiate(self.templates, [len(p) for p in gen.pipelines], self.batch, self.el.microbatch_size)
         # instantiate prices sizes smallest first, the order reinstantiate returns and we keep
-        assert list(inst.pipeline_sizes) == [len(p) for p in node_lists]
+        assert list(inst.pipeline_sizes) == [len(p) for p in gen.pipelines]
+        return inst
+
+    def _generation(self, number: int, node_lists: list[list[int]], lost: list[int]) -> Generation:
+        inst = self.instantiation(Generation(number, node_lists, [], [], lost))
         plans = [template_plan(self.templates[len(p)], self.base, m, self.layer_counts)
                  for p, m in zip(node_lists, inst.microbatches)]
         return Generation(number, [list(p) for p in node_lists], plans, list(inst.distribution.samples), lost)

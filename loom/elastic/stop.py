@@ -6,9 +6,10 @@ once (by its lowest surviving holder), as plain ``torch.save`` files, with a man
                                                           "optim": {name: {step, exp_avg, exp_avg_sq}}}
     <run dir>/checkpoints/elastic_step_<N>/manifest.json {"step", "reason", "files", "missing"}
 
-No process group is needed (the failures may have taken every group's members). ``loom train
---resume`` does not read this format yet: the files hold the whole trainable state by parameter
-name, for a later restart once enough nodes are back.
+No process group is needed (the failures may have taken every group's members). After the workers
+exit, the supervisor's process joins the files into a regular loom checkpoint
+(``checkpoints/step_<N>``, `loom.train.elastic.survivors_checkpoint`), which ``loom train
+--resume`` continues from, elastically once enough nodes are back or under any plan.
 """
 
 from __future__ import annotations

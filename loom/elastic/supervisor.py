@@ -133,9 +133,10 @@ class ElasticSupervisor:
 
     def _watch(self, coord: Coordinator) -> ElasticOutcome:
         pending: dict[int, float] = {}  # deaths seen, not yet published
-        printed, shown_generation = 0, 0  # bytes of metrics.jsonl read; the generation of the last row
-        last_progress = time.monotonic()
         metrics = self.run_dir / "metrics.jsonl"
+        # bytes of metrics.jsonl read (a resumed run's earlier steps are not shown again); the last row's generation
+        printed, shown_generation = (metrics.stat().st_size if metrics.exists() else 0), 0
+        last_progress = time.monotonic()
         while True:
             if self.signum is not None:
                 self._kill_all(signal.SIGINT)
@@ -216,7 +217,7 @@ class ElasticSupervisor:
 
     def _outcome(self) -> ElasticOutcome:
         if self.gen.stop:
-            saved = sorted((self.run_dir / "checkpoints").glob("elastic_step_*"))
+            saved = sorted((self.run_dir / "checkpoints").glob("elastic_step_*"), key=lambda p: int(p.name.split("_")[-1]))
             where = saved[-1] if saved else "nothing saved"
             return ElasticOutcome("stopped: beyond f", f"loom: stopped beyond f: {self.gen.stop}; the survivors' state "
                                   f"at the last committed step is in {where}", 2, self.generations)
@@ -232,5 +233,6 @@ class ElasticSupervisor:
         return ElasticOutcome("completed", f"loom: completed{lost}; run dir {self.run_dir}", 0, self.generations)
 
 
-def worker_command(config: Path, run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "loom.train.elastic", "--config", str(config), "--run-dir", str(run_dir)]
+def worker_command(config: Path, run_dir: Path, resume: Path | None = None) -> list[str]:
+    return [sys.executable, "-m", "loom.train.elastic", "--config", str(config), "--run-dir", str(run_dir),
+            *(["--resume", str(resume)] if resume is not None else [])]

@@ -63,6 +63,7 @@ import os
 import pickle
 import shutil
 import time
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -462,3 +463,53 @@ def truncate_log(path: Path, step: int) -> None:
         except (ValueError, KeyError, TypeError):
             continue  # a line cut short by a stop
     _write_atomically(path, "".join(k + "\n" for k in kept))
+
+
+# ---- the whole model's state in one process (an elastic run's survivors; loom.train.elastic) ---
+def save_whole(run_dir: Path, step: int, cfg: TrainConfig, model: dict[str, torch.Tensor],
+               optim: dict[str, dict[str, torch.Tensor]]) -> Path:
+    """Write ``checkpoints/step_<step>`` from the whole model's state held by one process, with
+    the keys `Checkpointer` saves (``model.<fqn>``; ``optim.state.<fqn>.<key>``), then
+    ``meta.json`` and ``latest``, so `Checkpointer.load` (any plan) and `read_whole` (an elastic
+    run) resume from it. No process group: DCP saves in one process. No rank's RNG state: its
+    ``meta.json`` says ``world_size = 0``, which no run has, so none is restored."""
+    t0 = time.perf_counter()
+    target = step_dir(run_dir, step)
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    flat = {f"state.{name}.{key}": v for name, st in sorted(optim.items()) for key, v in sorted(st.items())}
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process")
+        dcp.save({"model": dict(model), "optim": flat}, storage_writer=dcp.FileSystemWriter(target))
+    meta = CheckpointMeta(FORMAT, step, 0, cfg.plan.to_dict(), model_config_hash(cfg),
+                          {k: list(v.shape) for k, v in model.items()}, round(time.perf_counter() - t0, 4))
+    _write_atomically(target / META, json.dumps(dataclasses.asdict(meta)))
+    _write_atomically(checkpoints_dir(run_dir) / LATEST, target.name + "\n")
+    return target
+
+
+def read_whole(ckpt: Path) -> tuple[int, dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """The whole model's state in one process, from any loom checkpoint (`save_whole`'s or a
+    run's, saved under any plan: DCP joins the shards): (step, ``{fqn: tensor}``, ``{fqn:
+    {step, exp_avg, exp_avg_sq}}``). No process group is needed. Read with `SafeReader`."""
+    ckpt = Path(ckpt)
+    meta = CheckpointMeta.read(ckpt)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    sd: dict[str, dict[str, torch.Tensor]] = {"model": {}, "optim": {}}
+    for key, md in SafeReader(ckpt).read_metadata().state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata) and key.startswith(("model.", "optim.state.")):
+            head, rest = key.split(".", 1)
+            sd[head][rest] = torch.empty(md.size, dtype=md.properties.dtype)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process")
+            dcp.load(sd, storage_reader=SafeReader(ckpt))
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException (a BaseException) has every rank's error
+        raise CheckpointError(f"checkpoint {ckpt}: cannot be read ({_reason(e)}); resume from another checkpoint") from e
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for k, v in sd["optim"].items():
+        name, key = k[len("state."):].rsplit(".", 1)
+        optim.setdefault(name, {})[key] = v
+    return meta.step, sd["model"], optim

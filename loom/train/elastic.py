@@ -12,7 +12,10 @@ targets (one all-reduce over every member), then the layer-wise gradient sum and
 newer generation, the step is voted ``abort`` (if not yet voted), the rank keeps its parameters
 and optimizer state, drops its groups and joins the next generation, which redoes the same step
 with the same samples. When the supervisor says the failures went beyond ``f``, the survivors
-save what they hold (`loom.elastic.stop`) and exit with `STOP_EXIT`.
+save what they hold (`loom.elastic.stop`) and exit with `STOP_EXIT`; the supervisor's process
+then joins the parts into a regular loom checkpoint (`survivors_checkpoint`), which ``loom train
+--resume`` continues from, elastically (``--resume CKPT`` here: every worker starts from the whole
+state it reads, `loom.train.checkpoint.read_whole`) or under any plan (`Checkpointer.load`).
 
 The generation's first member writes ``metrics.jsonl`` (per committed step: loss, generation,
 each pipeline's sample indices, the commit time) and ``elastic.jsonl`` (each generation formed).
@@ -41,6 +44,7 @@ from loom.plan.plan import LLM
 from loom.runtime.dispatch import Dispatcher
 from loom.runtime.engine import ParallelEngine
 from loom.train.build import build_data, build_model, generation_specs, token_counters
+from loom.train.checkpoint import expected_shapes, read_whole, save_whole
 from loom.train.config import TrainConfig, load_config
 from loom.train.launch import SUPERVISOR_ENV, die_with_parent
 from loom.train.main import _own_output
@@ -74,10 +78,14 @@ class ElasticWorker:
         return engine
 
     # ---- the loop ------------------------------------------------------------------------------
-    def train(self) -> int:
+    def train(self, resume: Path | None = None) -> int:
         cfg, coord = self.cfg, self.coord
         state: HeldState | None = None
         committed, number = 0, 0
+        if resume is not None:  # every rank holds the whole state: form loads its part, copies nothing
+            committed, params, optim = read_whole(resume)
+            state = HeldState(params, optim)
+            print(f"rank {self.rank}: resumed from {resume} at step {committed}", flush=True)
         while committed < cfg.run.steps:
             gen = coord.generation(number)
             if gen.stop:
@@ -226,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="loom elastic worker (started by loom train with an [elastic] section)")
     ap.add_argument("--config", required=True)
     ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--resume", default=None, metavar="CHECKPOINT", help="a loom checkpoint directory to continue from")
     args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     rank = int(os.environ["RANK"])
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config)
         coord = Coordinator(connect(os.environ[STORE_ENV], cfg.elastic.timeout_s))
-        code = ElasticWorker(cfg, run_dir, rank, coord).train()
+        code = ElasticWorker(cfg, run_dir, rank, coord).train(Path(args.resume) if args.resume else None)
     except BaseException as e:  # noqa: BLE001 - every way a worker ends is recorded
         state, reason = classify(e)
         traceback.print_exc()
@@ -288,18 +297,53 @@ def elastic_planner(cfg: TrainConfig):
     return ElasticPlanner.build(cfg.plan, model.layer_counts(), times, cfg.data.global_batch_size, cfg.elastic)
 
 
+def survivors_checkpoint(cfg: TrainConfig, run_dir: Path, saved: Path) -> Path | None:
+    """Join the survivors' save beyond ``f`` (``saved``: ``checkpoints/elastic_step_<N>``, one
+    file per survivor, `loom.elastic.stop`) into the regular checkpoint ``checkpoints/step_<N>``
+    (`save_whole`; ``latest`` names it). In one process, after the workers exit. Parameters
+    nobody trained (frozen ones) and persistent buffers are the seed's, as on every worker.
+    None when a parameter had no surviving copy (the manifest's ``missing``)."""
+    manifest = json.loads((saved / "manifest.json").read_text())
+    if manifest["missing"]:
+        return None
+    params: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for name in manifest["files"]:
+        part = torch.load(saved / name, weights_only=True)
+        params.update(part["params"])
+        optim.update(part["optim"])
+    names = list(expected_shapes(cfg))  # every parameter and persistent buffer, model order
+    if not set(names) <= set(params):
+        tokenizer, _ = build_data(cfg)
+        model = build_model(cfg.model, tokenizer, seed=cfg.run.seed)
+        seeded = {f"{layer.name}.{k}": v for m in cfg.plan.module_names for layer in model.module_layers(m)
+                  for k, v in layer.module.state_dict().items()}
+        params = {n: params[n] if n in params else seeded[n] for n in names}
+    return save_whole(run_dir, int(manifest["step"]), cfg, {n: params[n] for n in names}, optim)
+
+
 def launch(cfg: TrainConfig, run_dir: Path, config_path: Path, kills: list | None = None, echo: bool = True,
-           env: dict[str, str] | None = None, planner=None):
+           env: dict[str, str] | None = None, planner=None, resume: Path | None = None):
     """Run ``cfg`` (with ``[elastic]``, its ``config.toml`` at ``config_path``) under the elastic
-    supervisor; returns its `ElasticOutcome`. ``kills``: `Kill`s for demos and tests."""
+    supervisor, from the checkpoint ``resume`` if given; returns its `ElasticOutcome`. Beyond ``f``
+    the survivors' save becomes a regular checkpoint (`survivors_checkpoint`). ``kills``: `Kill`s
+    for demos and tests."""
     from loom.elastic.supervisor import ElasticSupervisor, worker_command
 
     el = cfg.elastic
     planner = planner if planner is not None else elastic_planner(cfg)
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
-    supervisor = ElasticSupervisor(worker_command(config_path, run_dir), run_dir, planner.first(),
+    supervisor = ElasticSupervisor(worker_command(config_path, run_dir, resume), run_dir, planner.first(),
                                    el.nodes * el.ranks_per_node, planner.next, env=env, ranks_per_node=el.ranks_per_node,
                                    kills=kills, echo=echo, stall_s=max(60.0, 12 * el.timeout_s),
                                    log_every=cfg.run.log_every)
-    return supervisor.run()
+    out = supervisor.run()
+    saved = sorted((run_dir / "checkpoints").glob("elastic_step_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    if out.returncode == 2 and saved and (saved[-1] / "manifest.json").is_file():
+        ckpt = survivors_checkpoint(cfg, run_dir, saved[-1])
+        if ckpt is not None:
+            out.message += f"; checkpoint {ckpt.name}: continue with loom train --resume {run_dir}"
+        else:
+            out.message += "; some parameters had no surviving copy (manifest.json's missing): it cannot be resumed"
+    return out
