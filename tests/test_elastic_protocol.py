@@ -164,3 +164,50 @@ def test_loom_simulate_refuses_an_elastic_config_naming_the_section(capsys):
         assert len(err.splitlines()) == 1 and "[elastic]" in err and "--failures" in err, err
     assert main(["plan", "--search", "--config", str(config)]) == 2
     assert "[elastic]" in capsys.readouterr().err
+
+
+def test_survivors_save_becomes_a_regular_checkpoint(tmp_path):
+    """Beyond f the survivors' per-rank files (`loom.elastic.stop`) are joined, in one process, into
+    ``checkpoints/step_<N>`` with `Checkpointer`'s keys (``latest`` names it); it reads back
+    exactly, passes the resume check against the model, and a save with a parameter that had no
+    surviving copy is left unjoined."""
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from loom.train.build import build_data, build_model
+    from loom.train.checkpoint import (CheckpointMeta, check_compatible, expected_shapes, latest_checkpoint,
+                                       read_whole)
+    from loom.train.config import load_config
+    from loom.train.elastic import survivors_checkpoint
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "elastic.toml",
+                      ["model.llm.hidden_size=32", "model.llm.intermediate_size=64", "model.vision.hidden_size=32",
+                       "model.audio.hidden_size=32"])
+    tokenizer, _ = build_data(cfg)
+    model = build_model(cfg.model, tokenizer, seed=7)  # another seed: the values must come from the files
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    optim = {n: {"step": torch.tensor(3.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+             for n, p in params.items()}
+    saved = tmp_path / "checkpoints" / "elastic_step_3"
+    saved.mkdir(parents=True)
+    names = sorted(params)
+    files = {"rank0.pt": names[::2], "rank3.pt": names[1::2]}
+    for f, mine in files.items():
+        torch.save({"step": 3, "params": {k: params[k] for k in mine}, "optim": {k: optim[k] for k in mine}}, saved / f)
+    manifest = {"step": 3, "reason": "test", "files": files, "missing": []}
+    (saved / "manifest.json").write_text(json.dumps(manifest))
+    ckpt = survivors_checkpoint(cfg, tmp_path, saved)
+    assert ckpt == tmp_path / "checkpoints" / "step_3" == latest_checkpoint(tmp_path)
+    meta = CheckpointMeta.read(ckpt)
+    assert meta.step == 3 and meta.world_size == 0
+    check_compatible(ckpt, meta, expected_shapes(cfg))
+    step, got, got_optim = read_whole(ckpt)
+    assert step == 3 and set(got) == set(params) and set(got_optim) == set(optim)
+    for n in params:
+        assert torch.equal(got[n], params[n])
+        for k in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(got_optim[n][k], optim[n][k])
+    (saved / "manifest.json").write_text(json.dumps({**manifest, "missing": [names[0]]}))
+    assert survivors_checkpoint(cfg, tmp_path / "other", saved) is None
