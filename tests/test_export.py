@@ -6,6 +6,7 @@ world of 1 over a gloo HashStore), so the export reads trained weights, not the 
 import json
 from datetime import timedelta
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -40,9 +41,11 @@ def hf_source(directory: Path, tied: bool) -> Path:
     return directory
 
 
-def trained_run(tmp: Path, overrides: list[str]) -> tuple[Path, torch.Tensor]:
+def trained_run(tmp: Path, overrides: list[str],
+                probe: Callable[[torch.nn.Module], Any] | None = None) -> tuple[Path, torch.Tensor]:
     """``tmp/run``: a run of ``overrides`` after one step, checkpointed as step_1, and loom's
-    logits of `IDS` through the LLM's layer list."""
+    logits of `IDS` through the LLM's layer list (with ``probe``: and ``probe(model)`` of the
+    trained model, as a third item)."""
     cfg = load_config(None, overrides)
     run_dir = tmp / "run"
     run_dir.mkdir(parents=True)
@@ -59,9 +62,10 @@ def trained_run(tmp: Path, overrides: list[str]) -> tuple[Path, torch.Tensor]:
         llm = adapter_for(run.engine.executor.model.llm)
         with torch.no_grad():
             logits = run_layers(llm.layers(), None, llm.context({"input_ids": IDS}))
+            probed = probe(run.engine.executor.model) if probe is not None else None
     finally:
         dist.destroy_process_group()
-    return run_dir, logits
+    return (run_dir, logits) if probe is None else (run_dir, logits, probed)
 
 
 def load_exported(out: Path) -> tuple[torch.nn.Module, torch.Tensor]:
@@ -168,3 +172,94 @@ def test_refusals_are_one_line_and_name_the_fix(zoo_run, tmp_path, capsys):
     (other / "config.toml").write_text(config_to_toml(load_config(None, TEXT_ONLY + ZOO + ["model.llm.hidden_size=32"])))
     assert "is of another model" in error(str(other), "--hf", str(tmp_path / "o"))
     assert not (tmp_path / "o").exists(), "nothing is written before every check passed"
+
+
+# ---- Hugging Face encoders as Hugging Face directories -------------------------------------------
+HF_CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "hf"
+# [model.<name>] hf = configs/hf/<dir>: each registered family, two under the zoo's names
+HF_ENCODERS = {"siglip": "tiny-siglip", "clip": "tiny-clip", "vision": "tiny-qwen2-vl", "audio": "tiny-whisper"}
+
+
+def encoder_inputs(qwen_dir: Path = HF_CONFIGS / "tiny-qwen2-vl",
+                   whisper_dir: Path = HF_CONFIGS / "tiny-whisper") -> dict[str, dict[str, Any]]:
+    """One input per encoder: pixels for SigLIP / CLIP, what the processors in ``qwen_dir`` and
+    ``whisper_dir`` (by default the sources') make of an image (Qwen2-VL) and of a clip (Whisper)."""
+    g = torch.Generator().manual_seed(5)
+    image = (torch.rand(3, 40, 56, generator=g) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    clip = (torch.rand(12000, generator=g) - 0.5).numpy()
+    qwen = transformers.AutoImageProcessor.from_pretrained(qwen_dir)([image], return_tensors="pt")
+    whisper = transformers.AutoFeatureExtractor.from_pretrained(whisper_dir)([clip], sampling_rate=16000,
+                                                                            return_tensors="pt")
+    pixels = torch.rand(2, 3, 32, 32, generator=g)
+    return {"siglip": {"images": list(pixels)}, "clip": {"images": list(pixels)},
+            "vision": {"pixel_values": qwen["pixel_values"], "image_grid_thw": qwen["image_grid_thw"]},
+            "audio": {"input_features": whisper["input_features"]}}
+
+
+def loom_encoder_outputs(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Each trained encoder's output on `encoder_inputs`, before its projector."""
+    return {name: model.encoders[name].encoder(**inputs) for name, inputs in encoder_inputs().items()}
+
+
+@pytest.fixture(scope="module")
+def hf_encoders_run(tmp_path_factory) -> tuple[Path, torch.Tensor, dict[str, torch.Tensor]]:
+    return trained_run(tmp_path_factory.mktemp("hf_encoders"), [
+        *(f'model.{name}.hf="{HF_CONFIGS / d}"' for name, d in HF_ENCODERS.items()), *ZOO,
+        'plan.modules=[{name="siglip"}, {name="clip"}, {name="vision"}, {name="audio"}, {name="llm"}]',
+        'plan.placement="first_stage"', "plan.num_microbatches=1", "data.global_batch_size=2",
+        "data.demo.mix={image_audio=1.0}", "data.demo.sample_rate=16000", "data.demo.max_image_size=32"],
+        probe=loom_encoder_outputs)
+
+
+def test_hf_encoders_export_as_hf_directories(hf_encoders_run, tmp_path, capsys):
+    run_dir, logits, loom_out = hf_encoders_run
+    out = tmp_path / "out"
+    assert main(["export", str(run_dir), "--hf", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Hugging Face encoders audio (WhisperEncoder), clip (CLIPVisionModel)" in printed, printed
+    torch.testing.assert_close(load_exported(out)[1], logits)
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+    from transformers.models.whisper.modeling_whisper import WhisperEncoder
+
+    classes = {"siglip": transformers.AutoModel, "clip": transformers.AutoModel,
+               "vision": Qwen2VisionTransformerPretrainedModel, "audio": WhisperEncoder}
+    index = json.loads((out / "loom_modules.json").read_text())
+    inputs = encoder_inputs(out / "vision", out / "audio")  # by the processors of the exported directories
+    for name, cls in classes.items():
+        model, info = cls.from_pretrained(out / name, output_loading_info=True)
+        assert not any(info.values()), (name, info)
+        assert next(model.parameters()).dtype == torch.float32
+        src = json.loads((HF_CONFIGS / HF_ENCODERS[name] / "config.json").read_text())
+        got = json.loads((out / name / "config.json").read_text())
+        changed = {k for k in src if k != "transformers_version" and got.get(k) != src[k]}
+        assert changed == ({"vision_use_head"} if name == "siglip" else set()), (name, changed)
+        with torch.no_grad():
+            if name == "vision":
+                hf_out = model(inputs[name]["pixel_values"], grid_thw=inputs[name]["image_grid_thw"]).pooler_output
+            elif name == "audio":
+                hf_out = model(inputs[name]["input_features"]).last_hidden_state.flatten(0, 1)
+            else:
+                hf_out = model(pixel_values=torch.stack(inputs[name]["images"])).last_hidden_state.flatten(0, 1)
+        torch.testing.assert_close(hf_out, loom_out[name], rtol=1e-5, atol=1e-5, msg=name)
+        entry = index["modules"][f"encoders.{name}"]
+        assert entry["kind"] == "hf_encoder" and entry["hf"]["directory"] == name
+        assert set(entry["tensors"]) and all(".projector." in k for k in entry["tensors"]), entry["tensors"]
+        assert entry["hf"]["untrained"] == ({"post_layernorm.weight": "init", "post_layernorm.bias": "init"}
+                                            if name == "clip" else {}), name
+    # the processors beside them, as the source had them
+    for name, auto in (("vision", transformers.AutoImageProcessor), ("audio", transformers.AutoFeatureExtractor)):
+        assert (out / name / "preprocessor_config.json").read_text() == (
+            HF_CONFIGS / HF_ENCODERS[name] / "preprocessor_config.json").read_text()
+        assert type(auto.from_pretrained(out / name)).__name__ == type(auto.from_pretrained(
+            HF_CONFIGS / HF_ENCODERS[name])).__name__
+    assert not (out / "siglip" / "preprocessor_config.json").exists()  # the source has none
+    with safe_open(out / "loom_modules.safetensors", "pt") as f:
+        assert all(".projector." in k for k in f.keys())
+    # the whole model rebuilds from the export: loom's projectors plus each HF directory's tensors
+    cfg = load_config(out / "loom_config.toml")
+    loom_model = build_model(cfg.model, build_data(cfg)[0], device="cpu")
+    hf_state = {f"encoders.{n}.encoder.model.{k}": v for n in classes for k, v in load_file(out / n / "model.safetensors").items()}
+    loaded = loom_model.load_state_dict({**load_file(out / "loom_modules.safetensors"), **hf_state}, strict=False)
+    assert all(k.startswith("llm.") for k in loaded.missing_keys), loaded.missing_keys
+    assert set(loaded.unexpected_keys) == {"encoders.clip.encoder.model.post_layernorm.weight",
+                                           "encoders.clip.encoder.model.post_layernorm.bias"}

@@ -16,10 +16,29 @@ and RNG states stay on disk). It writes into ``OUT_DIR``:
   ``cat(freqs, freqs)``, untied head), and `zoo_llama_config` carries every field that changes
   the function. The weights are the checkpoint's fp32 master weights, and ``config.json`` says
   ``float32`` so that ``from_pretrained`` does not cast them.
+- ``<name>/`` for each Hugging Face encoder (``[model.<name>] hf = DIR``): ``config.json`` (the
+  encoder's own config: the vision config of a full SigLIP / CLIP / Qwen2-VL config, Whisper's
+  whole config), ``model.safetensors`` and the processor files (``preprocessor_config.json``,
+  ``processor_config.json``) copied from the encoder's processor source (``model.<name>.processor``,
+  else the ``hf`` directory). The adapters wrap the unmodified model, so checkpoint key
+  ``encoders.<name>.encoder.model.<hf name>`` -> ``<hf name>``, checked name for name and shape
+  for shape against the class's state dict. Each loads with no missing or unexpected keys by the
+  class the adapter wraps (`HF_ENCODER_CLASSES`): ``AutoModel`` for SigLIP and CLIP vision;
+  ``Qwen2VisionTransformerPretrainedModel.from_pretrained`` (transformers has no Auto class for
+  the Qwen2-VL vision config); ``WhisperEncoder.from_pretrained`` for Whisper (``AutoModel`` of a
+  Whisper config is the encoder-decoder ``WhisperModel``, whose decoder loom never had, and
+  ``WhisperForAudioClassification`` adds an untrained classifier: the bare encoder is the one
+  class that loads exactly what was trained). What the adapter drops because loom never runs it:
+  SigLIP's pooling head (the config is written with ``vision_use_head = false``, so the model has
+  none) and CLIP's ``post_layernorm`` (it normalises the pooled class token only; written from the
+  source's safetensors when the ``hf`` directory has them, else with LayerNorm's initial ones and
+  zeros, and listed as ``untrained`` in ``loom_modules.json``).
 - ``loom_modules.safetensors`` and ``loom_modules.json``: loom's own encoders, projectors and
   generators (zoo modules transformers cannot load) under their names in the whole model
-  (``encoders.vision.encoder...``), described per module (kind, config, projector, tensor
-  shapes); ``loom_config.toml`` is the run's config, from which `loom.train.build.build_model`
+  (``encoders.vision.encoder...``), and every encoder's projector (HF has no class for it:
+  ``encoders.<name>.projector...``), described per module (kind, config, projector, tensor
+  shapes; for a Hugging Face encoder also where it went: its directory, class and processor
+  files); ``loom_config.toml`` is the run's config, from which `loom.train.build.build_model`
   rebuilds them.
 
 Every refusal is an `ExportError` (a `ConfigError`: ``loom`` prints it as one line).
@@ -65,6 +84,7 @@ class ExportResult:
     model_type: str  # the exported config's model_type
     llm_tensors: int  # tensors in model.safetensors
     loom_modules: list[str] = field(default_factory=list)  # modules in loom_modules.safetensors
+    hf_encoders: dict[str, str] = field(default_factory=dict)  # encoder name -> its HF class, in out_dir/<name>/
 
 
 # ---- the run and its checkpoint ---------------------------------------------------------------
@@ -185,17 +205,126 @@ def _llm_config(cfg: TrainConfig, state: dict[str, torch.Tensor]) -> tuple[Any, 
     return zoo_llama_config(cfg.model.llm, embed.shape[0]), "zoo"
 
 
+# ---- Hugging Face encoders as Hugging Face directories -----------------------------------------
+# the adapter's wrapped class -> how a user loads the exported directory
+HF_ENCODER_CLASSES = {
+    "SiglipVisionModel": "transformers.AutoModel (SiglipVisionModel)",
+    "CLIPVisionModel": "transformers.AutoModel (CLIPVisionModel)",
+    "Qwen2VisionTransformerPretrainedModel":
+        "transformers.models.qwen2_vl.modeling_qwen2_vl.Qwen2VisionTransformerPretrainedModel",
+    "WhisperEncoder": "transformers.models.whisper.modeling_whisper.WhisperEncoder",
+}
+
+
+@dataclass
+class HFEncoderExport:
+    """One Hugging Face encoder, ready to write into ``out_dir/<name>/``."""
+
+    name: str
+    config: Any  # the HF config written as config.json
+    cls: str  # the class whose state dict the tensors are
+    tensors: dict[str, torch.Tensor]  # HF names
+    untrained: dict[str, str]  # HF name -> where its values come from (the adapter dropped it)
+    processor_files: list[Path]
+
+
+def _encoder_prefix(name: str) -> str:
+    return f"encoders.{name}.encoder.model."
+
+
+def _hf_encoder(cfg: TrainConfig, name: str, enc_cfg: Any, state: dict[str, torch.Tensor]) -> HFEncoderExport:
+    """The encoder ``[model.<name>] hf = ...`` of the run as its Hugging Face class's tensors:
+    refused (naming the field) when its config is unreadable, or when the checkpoint does not map
+    onto the class name for name and shape for shape."""
+    import copy
+
+    from loom.data.hf_processor import PROCESSOR_FILES
+    from loom.model.hf_encoders import encoder_from_config, encoder_weights, load_encoder_config
+
+    field = f"model.{name}.hf = {enc_cfg.hf!r}"
+    try:
+        source_config = load_encoder_config(enc_cfg.hf)
+    except ValueError as e:
+        raise ExportError(f"{field}: {e}; the export takes the encoder's config from there: restore that "
+                          f"directory") from e
+    with torch.device("meta"):
+        adapted = encoder_from_config(source_config).model  # the class the adapter wraps, and its config
+        config = copy.deepcopy(adapted.config)
+        if getattr(config, "vision_use_head", False) and not getattr(adapted, "use_head", True):
+            config.vision_use_head = False  # the adapter dropped SigLIP's pooling head: loom never trained it
+        model = type(adapted)(config)
+    cls = type(model).__name__
+    prefix = _encoder_prefix(name)
+    saved = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    expected = model.state_dict()
+    extra = [n for n in saved if n not in expected]
+    if extra:
+        raise ExportError(f"{field}: the checkpoint's encoder {name} does not map onto {cls} (unexpected "
+                          f"{extra[:3]}); refusing to export a different model")
+    source = encoder_weights(enc_cfg.hf)
+    tensors: dict[str, torch.Tensor] = {}
+    untrained: dict[str, str] = {}
+    for hf_name, meta in expected.items():
+        if hf_name in saved:
+            value = saved[hf_name]
+        else:  # a part loom's adapter dropped (CLIP's post_layernorm): the source's values, else its init
+            where = source.key(f"model.{hf_name}") if source is not None else None
+            if where is not None and where in source.source.where:
+                value, untrained[hf_name] = source.tensor(f"model.{hf_name}").to(meta.dtype), "source"
+            else:
+                owner = model.get_submodule(hf_name.rsplit(".", 1)[0]) if "." in hf_name else model
+                if not hasattr(owner, "reset_parameters"):
+                    raise ExportError(f"{field}: the checkpoint's encoder {name} lacks {hf_name} of {cls}, and "
+                                      f"neither {enc_cfg.hf!r} has it nor can it be initialised; refusing to "
+                                      f"export a different model")
+                fresh = copy.deepcopy(owner).to_empty(device="cpu")
+                fresh.reset_parameters()
+                value, untrained[hf_name] = fresh.state_dict()[hf_name.rsplit(".", 1)[-1]], "init"
+        if list(value.shape) != list(meta.shape):
+            raise ExportError(f"{field}: {hf_name} has shape {list(value.shape)} in the checkpoint and "
+                              f"{list(meta.shape)} in {cls}; refusing to export a different model")
+        tensors[hf_name] = value.contiguous()
+    processor = getattr(enc_cfg, "processor", "")
+    where = Path(processor) if processor and processor != "none" else (
+        Path(enc_cfg.hf) if Path(enc_cfg.hf).is_dir() else Path(enc_cfg.hf).parent)
+    files = [where / f for f in PROCESSOR_FILES if processor != "none" and (where / f).is_file()]
+    config.architectures = [cls]
+    config.dtype = str(next(iter(tensors.values())).dtype).removeprefix("torch.") if tensors else None
+    return HFEncoderExport(name, config, cls, tensors, untrained, files)
+
+
+def _write_hf_encoder(out_dir: Path, enc: HFEncoderExport) -> dict[str, Any]:
+    """``out_dir/<name>/``: config.json, model.safetensors, the processor files; its description."""
+    from safetensors.torch import save_file
+
+    target = out_dir / enc.name
+    target.mkdir()
+    save_file(enc.tensors, str(target / HF_WEIGHTS), metadata={"format": "pt"})
+    enc.config.save_pretrained(target)
+    for f in enc.processor_files:
+        shutil.copyfile(f, target / f.name)
+    return {"directory": enc.name, "class": enc.cls, "load_with": HF_ENCODER_CLASSES.get(enc.cls, enc.cls),
+            "model_type": enc.config.model_type, "tensors": len(enc.tensors), "untrained": enc.untrained,
+            "processor_files": [f.name for f in enc.processor_files],
+            "processor_source": str(enc.processor_files[0].parent) if enc.processor_files else None}
+
+
 # ---- loom's own modules -----------------------------------------------------------------------
 def _module_of(fqn: str) -> str:
     """``encoders.vision.encoder.blocks.0.w`` -> ``encoders.vision``."""
     return ".".join(fqn.split(".")[:2])
 
 
-def _describe(cfg: TrainConfig, module: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _describe(cfg: TrainConfig, module: str, tensors: dict[str, torch.Tensor],
+              hf: dict[str, Any] | None = None) -> dict[str, Any]:
     group, name = module.split(".", 1)
     if group == "encoders":
         config = cfg.model.encoder_configs().get(name)  # any name ([model.<name>])
         kind = "encoder"
+        if hf is not None:  # the encoder went to its HF directory; its projector is here
+            return {"kind": "hf_encoder", "name": name, "projector": cfg.model.projector,
+                    "config": dataclasses.asdict(config), "hf": hf,
+                    "tensors": {k: list(v.shape) for k, v in tensors.items()}}
     else:
         config, kind = cfg.model.generator, "generator"
     return {
@@ -240,7 +369,15 @@ def export_run(run_dir: Path | str, out_dir: Path | str, step: int | None = None
     dtypes = {v.dtype for v in hf_tensors.values()}
     if len(dtypes) == 1:  # loom's master weights (fp32): from_pretrained keeps what was trained
         config.dtype = str(next(iter(dtypes))).removeprefix("torch.")
-    loom_state = {k: v.contiguous() for k, v in state.items() if not k.startswith(LLM_PREFIX)}
+    hf_encoders = [_hf_encoder(cfg, name, enc, state) for name, enc in sorted(cfg.model.encoder_configs().items())
+                   if getattr(enc, "hf", "")]
+    for enc in hf_encoders:
+        if enc.name in (HF_WEIGHTS, LOOM_WEIGHTS, LOOM_INDEX, LOOM_CONFIG, "config.json", "generation_config.json"):
+            raise ExportError(f"[model.{enc.name}]: the encoder's directory would overwrite the export's file "
+                              f"{enc.name}; rename the encoder")
+    in_hf_dirs = tuple(_encoder_prefix(enc.name) for enc in hf_encoders)
+    loom_state = {k: v.contiguous() for k, v in state.items()
+                  if not k.startswith(LLM_PREFIX) and not k.startswith(in_hf_dirs)}
     modules = sorted({_module_of(k) for k in loom_state})
 
     _claim_out_dir(out_dir, run_dir, overwrite)
@@ -251,14 +388,18 @@ def export_run(run_dir: Path | str, out_dir: Path | str, step: int | None = None
         generation = (source if source.is_dir() else source.parent) / "generation_config.json"
         if generation.is_file():
             shutil.copyfile(generation, out_dir / "generation_config.json")
+    written = {f"encoders.{enc.name}": _write_hf_encoder(out_dir, enc) for enc in hf_encoders}
     if loom_state:
         save_file(loom_state, str(out_dir / LOOM_WEIGHTS), metadata={"format": "pt"})
+    if loom_state or written:
+        described = sorted(set(modules) | set(written))
         index = {
             "format": FORMAT, "run": str(run_dir), "checkpoint": ckpt.name, "step": meta.step, "config": LOOM_CONFIG,
-            "modules": {m: _describe(cfg, m, {k: v for k, v in loom_state.items() if _module_of(k) == m})
-                        for m in modules},
+            "modules": {m: _describe(cfg, m, {k: v for k, v in loom_state.items() if _module_of(k) == m},
+                                     written.get(m)) for m in described},
         }
         (out_dir / LOOM_INDEX).write_text(json.dumps(index, indent=2) + "\n")
     shutil.copyfile(run_dir / "config.toml", out_dir / LOOM_CONFIG)
     return ExportResult(out_dir, ckpt, meta.step, kind, config.model_type, len(hf_tensors),
-                        [m.split(".", 1)[1] for m in modules])
+                        [m.split(".", 1)[1] for m in modules if m not in written],
+                        {enc.name: enc.cls for enc in hf_encoders})
