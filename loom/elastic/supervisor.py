@@ -170,8 +170,10 @@ class ElasticSupervisor:
                     last_progress = time.monotonic()
                     row = json.loads(line)
                     if row["step"] % self.log_every == 0 or row["generation"] != shown_generation:
+                        took = "(its leader died: from the votes)" if row["step_time_s"] is None else \
+                            f"{row['step_time_s'] * 1e3:6.0f} ms"
                         self._say(f"step {row['step']:4d}  loss {row['loss']:.4f}  generation {row['generation']}  "
-                                  f"pipelines {row['pipelines']}  {row['step_time_s'] * 1e3:6.0f} ms")
+                                  f"pipelines {row['pipelines']}  {took}")
                     shown_generation = row["generation"]
             if len(self.exits) == len(self.procs):
                 return self._outcome()

@@ -107,6 +107,7 @@ class ElasticWorker:
                 number = self.next_generation(gen.number)
                 continue
             if formed.leader:
+                self.backfill(committed, gen.number)
                 _append(self.run_dir / EVENTS, {"event": "formed", "generation": gen.number, "time": time.time(),
                                                  "form_s": round(time.time() - t0, 3), "pipelines": gen.pipelines,
                                                  "samples": gen.samples, "lost": gen.lost, "step": committed})
@@ -167,7 +168,7 @@ class ElasticWorker:
             if cfg.optim.max_grad_norm > 0:
                 ctx["grad_norm"] = formed.clip(cfg.optim.max_grad_norm)
             payload = {"loss": {m: float(t) for m, t in losses.items()},
-                       "samples": ctx["share"] if formed.local == 0 else None}
+                       "samples": ctx["share"] if formed.local == 0 else None, "grad_norm": ctx.get("grad_norm")}
             coord.vote(gen.number, ctx["step"], self.rank, payload)
             verdict, payloads = coord.await_decision(gen.number, ctx["step"], gen.members, 3 * self.timeout)
             if verdict != "commit":
@@ -214,8 +215,33 @@ class ElasticWorker:
             print(f"step {k:5d}/{cfg.run.steps}  loss {loss:.4f}  generation {gen.number}  "
                   f"{seconds * 1e3:7.1f} ms/step", flush=True)
 
+    def backfill(self, committed: int, number: int) -> None:
+        """The ``metrics.jsonl`` rows of committed steps whose leader died between the commit and
+        its row, rebuilt from the votes (the store keeps them; every member of the committing
+        generation voted ``ok`` with its loss share, the first ranks with their samples). Called by
+        a leader once every member of generation ``number`` is there: no live rank still writes."""
+        path = self.run_dir / "metrics.jsonl"
+        rows = path.read_text().splitlines() if path.exists() else []
+        done = json.loads(rows[-1])["step"] + 1 if rows else 0
+        for k in range(done, committed):
+            for g in range(number - 1, -1, -1):
+                gen = self.coord.generation(g)
+                votes = self.coord.votes(g, k, gen.members) if gen.pipelines and not gen.stop else {}
+                if len(votes) == len(gen.members) and all(v.startswith("ok") for v in votes.values()):
+                    payloads = {m: json.loads(v[2:]) for m, v in votes.items()}
+                    row = {"step": k, "loss": sum(sum(payloads[m]["loss"].values()) for m in sorted(payloads)),
+                           "generation": g, "pipelines": [len(p) for p in gen.pipelines],
+                           "samples": [payloads[p[0]]["samples"] for p in gen.pipelines], "step_time_s": None,
+                           "time": time.time(), "lr": self.cfg.optim.lr * lr_lambda(self.cfg)(k), "backfilled": True}
+                    if payloads[gen.members[0]].get("grad_norm") is not None:
+                        row["grad_norm"] = payloads[gen.members[0]]["grad_norm"]
+                    _append(path, row)
+                    break
+
     def stop(self, gen: Generation, state: HeldState | None, committed: int) -> int:
         where = save_survivors(self.coord, gen, self.rank, state, committed, self.run_dir, self.all_names, self.timeout)
+        if self.rank == gen.members[0]:  # every survivor is in stop now (save_survivors waited for them)
+            self.backfill(committed, gen.number)
         print(f"rank {self.rank}: beyond f: {gen.stop}; saved to {where}", flush=True)
         return STOP_EXIT
 
