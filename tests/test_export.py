@@ -263,3 +263,23 @@ def test_hf_encoders_export_as_hf_directories(hf_encoders_run, tmp_path, capsys)
     assert all(k.startswith("llm.") for k in loaded.missing_keys), loaded.missing_keys
     assert set(loaded.unexpected_keys) == {"encoders.clip.encoder.model.post_layernorm.weight",
                                            "encoders.clip.encoder.model.post_layernorm.bias"}
+
+
+def test_an_hf_encoder_that_does_not_map_onto_its_class_is_refused():
+    from loom.train.export import _hf_encoder
+
+    cfg = load_config(None, [f'model.siglip.hf="{HF_CONFIGS / "tiny-siglip"}"'])
+    enc_cfg = cfg.model.encoder_configs()["siglip"]
+    from loom.model.hf_encoders import encoder_from_config, load_encoder_config
+
+    prefix = "encoders.siglip.encoder.model."
+    state = {prefix + k: v for k, v in encoder_from_config(load_encoder_config(enc_cfg.hf)).model.state_dict().items()}
+    exported = _hf_encoder(cfg, "siglip", enc_cfg, state)
+    assert exported.cls == "SiglipVisionModel" and not exported.untrained and not exported.config.vision_use_head
+    with pytest.raises(ExportError, match=r"model.siglip.hf = .*does not map onto SiglipVisionModel .*head.probe"):
+        _hf_encoder(cfg, "siglip", enc_cfg, {**state, prefix + "head.probe": torch.zeros(1)})
+    with pytest.raises(ExportError, match=r"does not map onto SiglipVisionModel \(missing \['post_layernorm.bias'\]"):
+        _hf_encoder(cfg, "siglip", enc_cfg, {k: v for k, v in state.items() if not k.endswith("post_layernorm.bias")})
+    state[prefix + "post_layernorm.weight"] = torch.ones(3)
+    with pytest.raises(ExportError, match=r"post_layernorm.weight has shape \[3\] in the checkpoint and \[64\]"):
+        _hf_encoder(cfg, "siglip", enc_cfg, state)

@@ -257,10 +257,12 @@ def _hf_encoder(cfg: TrainConfig, name: str, enc_cfg: Any, state: dict[str, torc
     prefix = _encoder_prefix(name)
     saved = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
     expected = model.state_dict()
+    dropped = set(expected) - set(adapted.state_dict())  # what the adapter removed (CLIP's post_layernorm)
     extra = [n for n in saved if n not in expected]
-    if extra:
-        raise ExportError(f"{field}: the checkpoint's encoder {name} does not map onto {cls} (unexpected "
-                          f"{extra[:3]}); refusing to export a different model")
+    missing = [n for n in expected if n not in saved and n not in dropped]
+    if extra or missing:
+        raise ExportError(f"{field}: the checkpoint's encoder {name} does not map onto {cls} (missing "
+                          f"{missing[:3]}, unexpected {extra[:3]}); refusing to export a different model")
     source = encoder_weights(enc_cfg.hf)
     tensors: dict[str, torch.Tensor] = {}
     untrained: dict[str, str] = {}
