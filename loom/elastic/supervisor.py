@@ -135,7 +135,8 @@ class ElasticSupervisor:
         pending: dict[int, float] = {}  # deaths seen, not yet published
         metrics = self.run_dir / "metrics.jsonl"
         # bytes of metrics.jsonl read (a resumed run's earlier steps are not shown again); the last row's generation
-        printed, shown_generation = (metrics.stat().st_size if metrics.exists() else 0), 0
+        printed = metrics.stat().st_size if metrics.exists() else 0
+        shown_generation = 0 if printed == 0 else -1  # a resumed run shows its first step
         last_progress = time.monotonic()
         while True:
             if self.signum is not None:
