@@ -211,3 +211,43 @@ def test_survivors_save_becomes_a_regular_checkpoint(tmp_path):
             assert torch.equal(got_optim[n][k], optim[n][k])
     (saved / "manifest.json").write_text(json.dumps({**manifest, "missing": [names[0]]}))
     assert survivors_checkpoint(cfg, tmp_path / "other", saved) is None
+
+
+def test_rows_of_a_dead_leader_are_rebuilt_from_the_votes(tmp_path):
+    """A generation's first rank killed between a commit and its ``metrics.jsonl`` row: the next
+    leader writes the missing rows from the votes (each committing generation's, not an aborted
+    one's), in step order."""
+    import json
+    from datetime import timedelta
+    from pathlib import Path
+
+    from torch.distributed import TCPStore
+
+    from loom.elastic.coordination import Coordinator
+    from loom.runtime.local import free_port
+    from loom.train.config import load_config
+    from loom.train.elastic import ElasticWorker
+
+    coord = Coordinator(TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False,
+                                 timeout=timedelta(seconds=10)))
+    coord.publish(Generation(0, [[0, 1], [2, 3]], [], [2, 2]))
+    coord.publish(Generation(1, [[0, 1, 2]], [], [4], lost=[3]))
+    ok = {0: {"loss": {"llm": 1.0}, "samples": [5, 6], "grad_norm": 2.0}, 1: {"loss": {"llm": 0.5}, "samples": None},
+          2: {"loss": {"llm": 0.25}, "samples": [7, 8]}, 3: {"loss": {"llm": 0.125}, "samples": None}}
+    for r in range(4):  # step 1 committed in generation 0; step 2 aborted there (rank 3 died), redone in 1
+        coord.vote(0, 1, r, {**ok[r], "grad_norm": 2.0})
+        coord.vote(0, 2, r, None if r == 3 else ok[r])
+    for r in range(3):
+        coord.vote(1, 2, r, {"loss": {"llm": 0.5}, "samples": [9, 10, 11, 12] if r == 0 else None, "grad_norm": 1.5})
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "loss": 3.0}) + "\n")
+    worker = ElasticWorker.__new__(ElasticWorker)  # only what backfill reads: no model, no data
+    worker.cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "elastic.toml")
+    worker.run_dir, worker.coord = tmp_path, coord
+    worker.backfill(3, 2)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[1]["generation"] == 0 and rows[1]["loss"] == 1.875 and rows[1]["samples"] == [[5, 6], [7, 8]]
+    assert rows[1]["grad_norm"] == 2.0 and rows[1]["pipelines"] == [2, 2] and rows[1]["backfilled"]
+    assert rows[2]["generation"] == 1 and rows[2]["loss"] == 1.5 and rows[2]["samples"] == [[9, 10, 11, 12]]
+    worker.backfill(3, 2)  # nothing missing: nothing written
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
