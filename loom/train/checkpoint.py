@@ -47,6 +47,10 @@ one, the final one and the SIGTERM one wait for it first); at each step boundary
 only while one is in flight), and only then does rank 0 write ``meta.json`` and ``latest``;
 a failed save raises there on every rank, naming the checkpoint directory.
 
+In one process, without a process group (an elastic run's survivors, `loom.train.elastic`):
+`save_whole` writes the whole model's state under the same keys (no RNG; ``world_size = 0`` in
+``meta.json``), `read_whole` reads any checkpoint back whole.
+
 Nothing in a checkpoint is unpickled unsafely: every saved value is a tensor (DCP reads tensor
 data with ``torch.load(weights_only=True)``), loom's own metadata is JSON, and DCP's pickled
 ``.metadata`` is read by `SafeReader` with an unpickler that admits only DCP's metadata
