@@ -71,6 +71,30 @@ def _encoder_layer_arch(layer: Any, encoder: Any) -> LayerArch:
     raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost description")
 
 
+def _hf_encoder_layers(name: str, model: MultimodalModel, own: Callable[[Any, bool], LayerArch | None],
+                       hidden: int, projector_hidden: int | None = None, projector_scale: int = 1) -> tuple[LayerArch, ...]:
+    """A Hugging Face encoder's layers described in order: each family's own kinds by ``own``
+    (None: not one of its kinds), then what every family shares: LayerNorms of ``hidden`` and
+    loom's projector (on ``projector_hidden``, seeing ``projector_scale``-merged tokens); any
+    other kind has no cost description and is refused."""
+    encoder = model.encoders[name].encoder
+    layers = []
+    for layer in model.module_layers(name):
+        trainable = _trainable(layer.module)
+        arch = own(layer, trainable)
+        if arch is None and layer.kind == "norm":
+            arch = LayerArch(layer.name, "norm", hidden, trainable)
+        elif arch is None and layer.kind == "projector":
+            arch = _projector_arch(layer.name, layer.module, projector_hidden or hidden, trainable)
+            if projector_scale != 1:
+                arch = dataclasses.replace(arch, scale=projector_scale)
+        if arch is None:
+            raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost "
+                            "description")
+        layers.append(arch)
+    return tuple(layers)
+
+
 def _hf_vision_arch(name: str, model: MultimodalModel) -> ModuleArch:
     """A Hugging Face SigLIP / CLIP vision tower (`loom.model.hf_vision.HFVisionEncoder`), layer
     for layer: the patch embedding (SigLIP: conv with bias and a position per patch; CLIP: conv
@@ -82,25 +106,19 @@ def _hf_vision_arch(name: str, model: MultimodalModel) -> ModuleArch:
     encoder = wrapper.encoder
     cfg = encoder.config
     h, patches = cfg.hidden_size, (cfg.image_size // cfg.patch_size) ** 2
-    layers = []
-    for layer in model.module_layers(name):
-        trainable = _trainable(layer.module)
+
+    def own(layer: Any, trainable: bool) -> LayerArch | None:
         if layer.kind == "frontend":
-            layers.append(LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.num_channels,
-                                    patch=cfg.patch_size, positions=patches + (1 if encoder.is_clip else 0),
-                                    cls_token=encoder.is_clip, frontend_bias=not encoder.is_clip))
-        elif layer.kind == "block":
-            layers.append(LayerArch(layer.name, "block", h, trainable, heads=cfg.num_attention_heads,
-                                    kv_heads=cfg.num_attention_heads, ffn=cfg.intermediate_size, qkv_bias=True,
-                                    linear_bias=True))
-        elif layer.kind == "norm":
-            layers.append(LayerArch(layer.name, "norm", h, trainable))
-        elif layer.kind == "projector":
-            layers.append(_projector_arch(layer.name, layer.module, h, trainable))
-        else:
-            raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost "
-                            "description")
-    return ModuleArch(name, "vision", tuple(layers), patch=cfg.patch_size, item_tokens=encoder.tokens_per_image)
+            return LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.num_channels,
+                             patch=cfg.patch_size, positions=patches + (1 if encoder.is_clip else 0),
+                             cls_token=encoder.is_clip, frontend_bias=not encoder.is_clip)
+        if layer.kind == "block":
+            return LayerArch(layer.name, "block", h, trainable, heads=cfg.num_attention_heads,
+                             kv_heads=cfg.num_attention_heads, ffn=cfg.intermediate_size, qkv_bias=True, linear_bias=True)
+        return None
+
+    layers = _hf_encoder_layers(name, model, own, h)
+    return ModuleArch(name, "vision", layers, patch=cfg.patch_size, item_tokens=encoder.tokens_per_image)
 
 
 def _qwen2vl_arch(name: str, model: MultimodalModel) -> ModuleArch:
@@ -116,26 +134,22 @@ def _qwen2vl_arch(name: str, model: MultimodalModel) -> ModuleArch:
     encoder = wrapper.encoder
     cfg = encoder.config
     h, m = cfg.embed_dim, cfg.spatial_merge_size
-    layers = []
-    for layer in model.module_layers(name):
-        trainable = _trainable(layer.module)
+
+    def own(layer: Any, trainable: bool) -> LayerArch | None:
         if layer.kind == "frontend":
-            layers.append(LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.in_channels,
-                                    patch=cfg.patch_size, temporal_patch=cfg.temporal_patch_size, frontend_bias=False))
-        elif layer.kind == "block":
-            layers.append(LayerArch(layer.name, "block", h, trainable, heads=cfg.num_heads, kv_heads=cfg.num_heads,
-                                    ffn=int(h * cfg.mlp_ratio), qkv_bias=True, linear_bias=True))
-        elif layer.kind == "head":  # the merger
-            layers.append(LayerArch(layer.name, "projector", h, trainable, projector="merger", merge=m * m,
-                                    out_hidden=cfg.hidden_size))
-        elif layer.kind == "projector":
-            arch = _projector_arch(layer.name, layer.module, cfg.hidden_size, trainable)
-            layers.append(dataclasses.replace(arch, scale=m))
-        else:
-            raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost "
-                            "description")
+            return LayerArch(layer.name, "frontend", h, trainable, frontend="patch", in_channels=cfg.in_channels,
+                             patch=cfg.patch_size, temporal_patch=cfg.temporal_patch_size, frontend_bias=False)
+        if layer.kind == "block":
+            return LayerArch(layer.name, "block", h, trainable, heads=cfg.num_heads, kv_heads=cfg.num_heads,
+                             ffn=int(h * cfg.mlp_ratio), qkv_bias=True, linear_bias=True)
+        if layer.kind == "head":  # the merger
+            return LayerArch(layer.name, "projector", h, trainable, projector="merger", merge=m * m,
+                             out_hidden=cfg.hidden_size)
+        return None
+
+    layers = _hf_encoder_layers(name, model, own, h, projector_hidden=cfg.hidden_size, projector_scale=m)
     resize = tuple(getattr(wrapper.before_encoder, "resize", ()))
-    return ModuleArch(name, "vision", tuple(layers), patch=cfg.patch_size, resize=resize)
+    return ModuleArch(name, "vision", layers, patch=cfg.patch_size, resize=resize)
 
 
 def _whisper_arch(name: str, model: MultimodalModel) -> ModuleArch:
@@ -148,25 +162,19 @@ def _whisper_arch(name: str, model: MultimodalModel) -> ModuleArch:
     encoder = wrapper.encoder
     cfg = encoder.config
     h = cfg.d_model
-    layers = []
-    for layer in model.module_layers(name):
-        trainable = _trainable(layer.module)
+
+    def own(layer: Any, trainable: bool) -> LayerArch | None:
         if layer.kind == "frontend":
-            layers.append(LayerArch(layer.name, "frontend", h, trainable, frontend="conv1d",
-                                    in_channels=cfg.num_mel_bins, kernel=3, stride=2,
-                                    positions=cfg.max_source_positions))
-        elif layer.kind == "block":
-            layers.append(LayerArch(layer.name, "block", h, trainable, heads=cfg.encoder_attention_heads,
-                                    kv_heads=cfg.encoder_attention_heads, ffn=cfg.encoder_ffn_dim, qkv_bias=True,
-                                    key_bias=False, linear_bias=True))
-        elif layer.kind == "norm":
-            layers.append(LayerArch(layer.name, "norm", h, trainable))
-        elif layer.kind == "projector":
-            layers.append(_projector_arch(layer.name, layer.module, h, trainable))
-        else:
-            raise TypeError(f"{layer.name}: layer kind {layer.kind!r} of a {type(encoder).__name__} has no cost "
-                            "description")
-    return ModuleArch(name, "audio", tuple(layers), item_tokens=cfg.max_source_positions)
+            return LayerArch(layer.name, "frontend", h, trainable, frontend="conv1d", in_channels=cfg.num_mel_bins,
+                             kernel=3, stride=2, positions=cfg.max_source_positions)
+        if layer.kind == "block":
+            return LayerArch(layer.name, "block", h, trainable, heads=cfg.encoder_attention_heads,
+                             kv_heads=cfg.encoder_attention_heads, ffn=cfg.encoder_ffn_dim, qkv_bias=True,
+                             key_bias=False, linear_bias=True)
+        return None
+
+    layers = _hf_encoder_layers(name, model, own, h)
+    return ModuleArch(name, "audio", layers, item_tokens=cfg.max_source_positions)
 
 
 # Hugging Face encoder adapters (loom.model.hf_encoders) -> their description, by class name
