@@ -11,7 +11,7 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.multiprocessing as mp
@@ -222,6 +222,20 @@ def format_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def run_parts(parts: Sequence[tuple[str, Callable[[], tuple[dict[str, Any], Any]]]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run each named part of a benchmark (a callable returning its figures and details); print
+    the figures against their targets (`target_table`) and each part's details; return both."""
+    figures, details = {}, {}
+    for name, run in parts:
+        f, d = run()
+        figures.update(f)
+        details[name] = d
+    print(target_table(figures))
+    for name, d in details.items():
+        print(f"{name}: {d}")
+    return figures, details
 
 
 def target_table(figures: dict[str, dict[str, Any]]) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import start_run, summarize, target_table, write_result
+from benchmarks.common import run_parts, start_run, summarize, write_result
 from loom.planner.oobleck_costs import layer_times
 from loom.planner.oobleck_failures import FailurePricer, FailureSettings, simulate_failures
 from loom.planner.oobleck_templates import plan_templates
@@ -150,16 +150,9 @@ def main() -> None:
     ap.add_argument("--recovery-runs", type=int, default=2, help="elastic launches for recovery_s (2 kills each)")
     args = ap.parse_args()
     start_run()
-    figures, details = {}, {}
     parts = [("templates", lambda: template_time(args.repeats)), ("failures", lambda: failure_throughput(args.seeds))]
     parts.append(("recovery", lambda: recovery(args.recovery_runs)))  # measured: loom.elastic's runtime
-    for name, run in parts:
-        f, d = run()
-        figures.update(f)
-        details[name] = d
-    print(target_table(figures))
-    for name, d in details.items():
-        print(f"{name}: {d}")
+    figures, details = run_parts(parts)
     write_result("elastic", figures, {"scenario": SCENARIO.name, "template_overrides": TEMPLATE_OVERRIDES,
                                       "repeats": args.repeats, "seeds": args.seeds,
                                       "recovery_runs": args.recovery_runs, **details})

@@ -36,7 +36,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import median, start_run, target_table, write_result
+from benchmarks.common import median, run_parts, start_run, write_result
 from loom.planner.orchestration import scenario_inputs
 from loom.planner.search import SearchSpace, all_plans, search
 from loom.sim.scenario import load_scenario
@@ -132,18 +132,11 @@ def main() -> None:
     ap.add_argument("--skip-regret", action="store_true", help="skip simulating every plan of the small space")
     args = ap.parse_args()
     start_run()
-    figures, details = {}, {}
     parts = [("orchestration", lambda: orchestration(args.repeats)), ("search", lambda: whole_search(args.search_repeats)),
              ("megatron_mfu", megatron_mfu)]
     if not args.skip_regret:
         parts.append(("regret", regret))
-    for name, run in parts:
-        f, d = run()
-        figures.update(f)
-        details[name] = d
-    print(target_table(figures))
-    for name, d in details.items():
-        print(f"{name}: {d}")
+    figures, details = run_parts(parts)
     write_result("plan_search", figures, {"scenarios": {"orchestration": ORCHESTRATION.name, "search": SEARCH.name,
                                                         "text": TEXT.name, "regret": [SEARCH.name, *REGRET_OVERRIDES]},
                                           "repeats": args.repeats, "search_repeats": args.search_repeats, **details})
