@@ -137,3 +137,13 @@ def token_batch(vocab_size: int, samples: int, length: int, seed: int) -> tuple[
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, vocab_size, (samples, length), generator=g)
     return ids, torch.cat([ids[:, 1:], torch.full((samples, 1), -100)], dim=1)
+
+
+def assert_layerwise_init_equals_whole(a: Any, b: Any, module: str) -> None:
+    """Module ``module`` of ``a`` materialised one layer at a time (last first, as a stage may)
+    and of ``b`` all at once, both from the same seed, hold equal tensors."""
+    for index in reversed(range(len(a.module_layers(module)))):
+        a.materialise(module, "cpu", index, index + 1)
+    b.materialise(module, "cpu")
+    for key, value in a.encoders[module].state_dict().items():
+        assert torch.equal(value, b.encoders[module].state_dict()[key]), key

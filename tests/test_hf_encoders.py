@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from loom.model.hf_vision import HFVisionEncoder, vision_model_from_config  # noqa: E402
 from loom.model.layers import run_layers  # noqa: E402
+from reference import assert_layerwise_init_equals_whole  # noqa: E402
 
 VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, image_size=16,
               patch_size=4)
@@ -67,12 +68,7 @@ def test_in_a_multimodal_model_materialised_per_layer(family):
 
     a, b = build(), build()
     assert a.encoders["camera"].projector[0].in_features == 32  # from the encoder's config
-    count = len(a.module_layers("camera"))
-    for index in reversed(range(count)):
-        a.materialise("camera", "cpu", index, index + 1)
-    b.materialise("camera", "cpu")
-    for key, value in a.encoders["camera"].state_dict().items():
-        assert torch.equal(value, b.encoders["camera"].state_dict()[key]), key
+    assert_layerwise_init_equals_whole(a, b, "camera")
     tokens = a.encoders["camera"](images=[torch.rand(3, 8, 8)])
     assert tokens.shape == (a.encoders["camera"].num_tokens(None), 64)
     empty = a.encoders["camera"](images=[])

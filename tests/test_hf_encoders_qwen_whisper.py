@@ -14,6 +14,7 @@ transformers = pytest.importorskip("transformers")
 from loom.model.hf_qwen2vl import Qwen2VLVisionEncoder, patchify, qwen2vl_encoder_from_config  # noqa: E402
 from loom.model.hf_whisper import WhisperAudioEncoder, whisper_encoder_from_config  # noqa: E402
 from loom.model.layers import run_layers  # noqa: E402
+from reference import assert_layerwise_init_equals_whole  # noqa: E402
 
 QWEN = dict(depth=3, embed_dim=32, hidden_size=48, num_heads=4, patch_size=4, spatial_merge_size=2,
             temporal_patch_size=2)
@@ -124,12 +125,7 @@ def test_in_a_multimodal_model_materialised_per_layer(family):
         return model
 
     a, b = build(), build()
-    count = len(a.module_layers("media"))
-    for index in reversed(range(count)):
-        a.materialise("media", "cpu", index, index + 1)
-    b.materialise("media", "cpu")
-    for key, value in a.encoders["media"].state_dict().items():
-        assert torch.equal(value, b.encoders["media"].state_dict()[key]), key
+    assert_layerwise_init_equals_whole(a, b, "media")
     enc = a.encoders["media"]
     if family == "qwen2vl":
         # the rotary table, a context module, is recomputed (to_empty leaves it garbage)
