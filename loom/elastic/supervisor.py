@@ -7,7 +7,7 @@ when one dies publishes a failure notice: the dead ranks, then the next generati
 loss through a communication error, a timeout or the notice itself, and re-form. Deaths within
 ``settle_s`` of each other count as one failure (a node's processes, simultaneous kills).
 
-For demos and tests, ``kills`` SIGKILLs ranks when a rank starts a step (``loom train --kill``).
+For demos and tests, ``kills`` SIGKILLs ranks when a rank starts a step (``LOOM_KILL=RANK[,RANK...]@STEP[;...]`` in `loom train`'s environment).
 It prints the run's progress from ``metrics.jsonl`` and the events (deaths, generations).
 """
 
@@ -49,7 +49,7 @@ class Kill:
             ranks, step = text.split("@")
             return cls([int(r) for r in ranks.split(",")], int(step))
         except ValueError as e:
-            raise ValueError(f"--kill {text!r}: expected RANK[,RANK...]@STEP, e.g. 3@5") from e
+            raise ValueError(f"LOOM_KILL {text!r}: expected RANK[,RANK...]@STEP, e.g. 3@5") from e
 
 
 @dataclass
@@ -215,7 +215,7 @@ class ElasticSupervisor:
                     if p.poll() is None:
                         os.kill(p.pid, signal.SIGKILL)
                         self._event({"event": "kill", "rank": r, "pid": p.pid, "step": kill.step, "time": time.time()})
-                        self._say(f"loom: --kill: SIGKILL to rank {r} (pid {p.pid}) at step {kill.step}")
+                        self._say(f"loom: LOOM_KILL: SIGKILL to rank {r} (pid {p.pid}) at step {kill.step}")
                 self.kills.remove(kill)
 
     def _outcome(self) -> ElasticOutcome:
