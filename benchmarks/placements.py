@@ -376,13 +376,11 @@ def core_sharing(profile: Any, no_sharing: bool) -> Any:
     """This host's cores shared by the 2 ranks, with the profile's measured CPU slowdown beside
     a busy rank (`benchmarks.sim_fidelity.round_sharing` at this world size); None: a core each."""
     from benchmarks.sim_fidelity import host_cores
-    from loom.sim.sharing import CoreSharing, contention_slowdown
+    from loom.sim.sharing import profile_sharing
 
     if no_sharing:
         return None
-    c = profile.contention
-    slowdown = contention_slowdown(float(c["cpu_ratio"]), int(c["busy"]), WORLD_SIZE) if c else ()
-    return CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE, slowdown=slowdown)
+    return profile_sharing(profile, host_cores(), WORLD_SIZE)
 
 
 def predictions(cfg: BenchConfig, profile_path: Path, timed_steps: list[int],

@@ -120,7 +120,7 @@ from loom.runtime.stage import trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.timeline import events_from_dicts, events_to_dicts
 from loom.sim.dispatch import DISPATCH, Links, metadata_bytes, price_dispatch
-from loom.sim.sharing import CoreSharing, contention_slowdown
+from loom.sim.sharing import CoreSharing, profile_sharing
 from loom.sim.simulator import simulate
 from loom.train.build import build_data, build_model
 from loom.train.rank import build_rank
@@ -412,7 +412,7 @@ def simulator_speed(repeats: int = 3) -> tuple[float, dict[str, Any]]:
 # ---- main ------------------------------------------------------------------------------------
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rounds", type=int, default=3,
+    ap.add_argument("--rounds", type=int, default=5,
                     help="rounds of (a `loom profile` stored to a file, then the timed steps of every case)")
     ap.add_argument("--steps", type=int, default=3, help="timed steps of every case per round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps of every case per round, before them")
@@ -442,9 +442,7 @@ def round_sharing(profile: Profile, no_sharing: bool, contention: bool = True) -
     `contention_slowdown`) where it has one (and ``contention``); None with ``--no-sharing``."""
     if no_sharing:
         return None
-    c = profile.contention
-    slowdown = (contention_slowdown(float(c["cpu_ratio"]), int(c["busy"]), WORLD_SIZE) if c and contention else ())
-    return CoreSharing(cores=host_cores(), ranks_per_host=WORLD_SIZE, slowdown=slowdown)
+    return profile_sharing(profile, host_cores(), WORLD_SIZE, contention)
 
 
 def compare_round(selected: list[Case], models: list[CaseModel], measured: list[dict], steps: list[int],

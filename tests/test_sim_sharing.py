@@ -173,3 +173,65 @@ def test_cpu_seconds_is_the_core_time_received():
     """One core, ranks 0 and 1 on a host: [0, 2) and [1, 3) overlap on [1, 2) at 1/2 each."""
     got = cpu_seconds(CoreSharing(cores=1, ranks_per_host=2), [0, 1], [1, 1], [[(0.0, 2.0)], [(1.0, 3.0)]])
     assert got == pytest.approx([1.5, 1.5])
+
+
+# ---- the scheduler's wake-up delay (Communication.wake_delay) ---------------------------------
+def test_wake_delay_is_added_to_blocked_receives_on_a_full_host():
+    """A 2-stage LLM, F=1, B=2 per stage, free messages, on one core. Stage 1 waits for the
+    first activation, which arrives at t=1. With two microbatches stage 0 goes straight on to
+    the second forward, so the core is taken at the arrival and the receive ends ``wake_s``
+    later; with one microbatch stage 0 then waits for the gradient, the core is free and the
+    receive ends at the arrival. With a spare core nothing changes."""
+    def first_receive_end(microbatches: int, cores: int, wake: float) -> tuple[float, float]:
+        plan = Plan([ModuleSpec("llm", num_stages=2)], num_microbatches=microbatches).resolve({"llm": 4})
+        cost = UniformCostModel(plan, forward=1.0, backward=2.0)
+        r = simulate(build_schedule(plan), plan, cost,
+                     sharing=CoreSharing(cores=cores, ranks_per_host=2, wake_s=wake))
+        return next(e.end_s for e in r.timeline if e.rank == 1 and e.kind == "recv_act"), r.iteration_time
+
+    assert first_receive_end(2, 1, 0.0)[0] == pytest.approx(1.0, abs=0.01)
+    assert first_receive_end(2, 1, 0.25)[0] == pytest.approx(1.25, abs=0.01)
+    assert first_receive_end(1, 1, 0.25)[0] == pytest.approx(1.0, abs=0.01)
+    assert first_receive_end(2, 2, 0.25) == pytest.approx(first_receive_end(2, 2, 0.0))
+    assert first_receive_end(1, 1, 0.25)[1] == pytest.approx(first_receive_end(1, 1, 0.0)[1])
+
+
+def test_wake_delays_count_the_ranks_computing_at_the_arrival():
+    from loom.sim.sharing import wake_delays
+
+    sharing = CoreSharing(cores=2, ranks_per_host=3, wake_s=0.1)
+    spans = [[(0.0, 1.0)], [(0.5, 2.0)], []]  # units 0 and 1 compute; unit 2 waits
+    got = wake_delays(sharing, [0, 1, 2], [1, 1, 1], spans, [[], [], [0.7, 0.2, None, 1.5]])
+    assert got == [[], [], [0.1, 0.0, 0.0, 0.0]]  # both cores taken only on [0.5, 1.0)
+    # a tensor-parallel unit of 2 ranks fills both cores alone
+    assert wake_delays(sharing, [0, 2], [2, 1], [[(0.0, 1.0)], []], [[], [0.5]]) == [[], [0.1]]
+    # on another host the busy ranks do not count
+    other = CoreSharing(cores=1, ranks_per_host=1, wake_s=0.1)
+    assert wake_delays(other, [0, 1], [1, 1], [[(0.0, 1.0)], []], [[], [0.5]]) == [[], [0.0]]
+    with pytest.raises(SharingError, match="wake_s"):
+        CoreSharing(cores=1, ranks_per_host=1, wake_s=-0.1)
+
+
+def test_profile_sharing_and_the_measured_wake_delay():
+    """`Communication.wake_delay`: the median over sizes of ``latency_full - latency`` (never
+    negative; 0 without the measurement), carried into `CoreSharing` with the contention table."""
+    from types import SimpleNamespace
+
+    from loom.cost.profile_comm import Communication
+    from loom.cost.profile_fit import LinearFit
+    from loom.sim.sharing import profile_sharing
+
+    line = LinearFit.fit([(0, 1e-4), (1e6, 6e-4)])
+    comm = Communication(send_post=line, recv_ready=line, latency=line, all_reduce=line,
+                         latency_full=LinearFit.fit([(0, 2.1e-3), (5e5, 2.35e-3), (1e6, 9e-3)]))
+    assert comm.wake_delay() == pytest.approx(2.0e-3)
+    assert Communication.from_dict(comm.to_dict()).wake_delay() == pytest.approx(2.0e-3)
+    assert Communication(send_post=line, recv_ready=line, latency=line, all_reduce=line).wake_delay() == 0.0
+    faster = Communication(send_post=line, recv_ready=line, latency=line, all_reduce=line,
+                           latency_full=LinearFit.fit([(0, 0.5e-4), (1e6, 1e-4)]))
+    assert faster.wake_delay() == 0.0
+    profile = SimpleNamespace(comm=comm, contention={"busy": 4, "cpu_ratio": 1.3})
+    sharing = profile_sharing(profile, cores=2, ranks_per_host=4)
+    assert sharing.wake_s == pytest.approx(2.0e-3) and sharing.slowdown == pytest.approx((1.0, 1.1, 1.2, 1.3))
+    assert profile_sharing(profile, 2, 4, contention=False).slowdown == ()
+    assert profile_sharing(SimpleNamespace(comm=None, contention=None), 2, 1) == CoreSharing(2, 1)

@@ -25,6 +25,10 @@ class Communication:
       waiting, the sender computing on meanwhile;
     - ``recv_ready_idle``, ``latency_idle``: the same with the sender waiting instead of
       computing (for comparison; the cost model uses the two above);
+    - ``latency_full``: ``latency`` with every core of the host computing while the receiver
+      waits (the sender and ``cores - 1`` co-running processes): the woken receiver, and
+      gloo's thread that reads the message, must first win a core from a computing process
+      (`wake_delay`);
     - ``all_reduce``: a gradient bucket's flatten + all-reduce + unflatten on ``world`` ranks.
     """
 
@@ -35,6 +39,17 @@ class Communication:
     world: int = 2
     recv_ready_idle: LinearFit | None = None
     latency_idle: LinearFit | None = None
+    latency_full: LinearFit | None = None
+
+    def wake_delay(self) -> float:
+        """Seconds a receiver blocked on a message loses when the message arrives while every
+        core of its host computes: the median over the measured sizes of ``latency_full`` less
+        ``latency`` (0 without the measurement, or where the host had cores to spare). The
+        simulator's core sharing (`loom.sim.sharing.CoreSharing.wake_s`) adds it to such
+        receives; processor sharing alone would hand the receiver its share of a core at once."""
+        if self.latency_full is None or not self.latency_full.points:
+            return 0.0
+        return max(statistics.median(t - self.latency.time(b) for b, t in self.latency_full.points), 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return {k: (asdict(v) if isinstance(v, LinearFit) else v) for k, v in self.__dict__.items() if v is not None}

@@ -252,7 +252,8 @@ class Profile:
                 f"{self.device.get('threads')} thread(s), {self.dtype}")
         tail = []
         if self.comm:
-            for what in ("send_post", "recv_ready", "latency", "recv_ready_idle", "latency_idle", "all_reduce"):
+            for what in ("send_post", "recv_ready", "latency", "recv_ready_idle", "latency_idle", "latency_full",
+                         "all_reduce"):
                 f = getattr(self.comm, what)
                 if f is None:
                     continue

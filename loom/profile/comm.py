@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from loom.cost.profile_comm import Communication, fit_communication
+from loom.profile.corun import CoRunners
 from loom.runtime.comm import P2PCommunicator
 from loom.runtime.local import run_local
 
@@ -29,6 +30,29 @@ def compute_for(seconds: float) -> None:
 
 
 MESSAGE_SIZES = (0, 16_384, 262_144, 1_048_576, 4_194_304)
+
+
+def early_receiver(comm: Any, rank: int, t: torch.Tensor, token: torch.Tensor, busy: bool) -> float:
+    """Seconds from the end of rank 0's post of ``t`` to the end of rank 1's receive, which was
+    already waiting: rank 1 waits in recv while rank 0 computes, then rank 0 posts and computes
+    on (``busy``) or waits. Collective: both ranks call it, both get the figure."""
+    dist.barrier()
+    stamp = torch.zeros(2, dtype=torch.float64)
+    if rank == 0:
+        compute_for(0.002)
+        comm.send(t, 1, tag=2)
+        stamp[0] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for both processes
+        if busy:
+            compute_for(0.006)
+        comm.recv(1, tag=4)
+        comm.wait_sends()
+    elif rank == 1:
+        comm.recv(0, tag=2)
+        stamp[1] = time.perf_counter()
+        comm.send(token, 0, tag=4)
+        comm.wait_sends()
+    dist.all_reduce(stamp)
+    return float(stamp[1] - stamp[0])
 
 
 def message_pass(comm: Any, rank: int, sizes: Sequence[int] = MESSAGE_SIZES, repeats: int = 2
@@ -62,26 +86,9 @@ def message_pass(comm: Any, rank: int, sizes: Sequence[int] = MESSAGE_SIZES, rep
                 rows["recv_ready" + suffix].append([nbytes, time.perf_counter() - t0])
                 comm.send(token, 0, tag=3)
                 comm.wait_sends()
-            # an early receiver: it waits in recv while the sender computes, then posts and
-            # computes on or waits
-            dist.barrier()
-            stamp = torch.zeros(2, dtype=torch.float64)
+            latency = early_receiver(comm, rank, t, token, busy)
             if rank == 0:
-                compute_for(0.002)
-                comm.send(t, 1, tag=2)
-                stamp[0] = time.perf_counter()  # CLOCK_MONOTONIC: one clock for both processes
-                if busy:
-                    compute_for(0.006)
-                comm.recv(1, tag=4)
-                comm.wait_sends()
-            elif rank == 1:
-                comm.recv(0, tag=2)
-                stamp[1] = time.perf_counter()
-                comm.send(token, 0, tag=4)
-                comm.wait_sends()
-            dist.all_reduce(stamp)
-            if rank == 0:
-                rows["latency" + suffix].append([nbytes, float(stamp[1] - stamp[0])])
+                rows["latency" + suffix].append([nbytes, latency])
         # a gradient bucket as the executor syncs it: 4 tensors flattened, summed, unflattened
         grads = [torch.randn(max(nbytes // 16, 1)) for _ in range(4)]
         dist.barrier()
@@ -93,10 +100,25 @@ def message_pass(comm: Any, rank: int, sizes: Sequence[int] = MESSAGE_SIZES, rep
     return rows
 
 
-def _comm_worker(rank: int, world_size: int, sizes: list[int], repeats: int, out_path: str) -> None:
+def full_host_pass(comm: Any, rank: int, sizes: Sequence[int] = MESSAGE_SIZES, repeats: int = 2
+                   ) -> dict[str, list[list[float]]]:
+    """``latency`` as `message_pass` measures it, under the name ``latency_full``: run while
+    co-running processes keep the host's other cores computing (`measure_communication`)."""
+    token = torch.zeros(1)
+    rows: dict[str, list[list[float]]] = {"latency_full": []}
+    for nbytes in [n for n in sizes for _ in range(repeats)]:
+        latency = early_receiver(comm, rank, torch.randn(nbytes // 4), token, busy=True)
+        if rank == 0:
+            rows["latency_full"].append([nbytes, latency])
+    return rows
+
+
+def _comm_worker(rank: int, world_size: int, sizes: list[int], repeats: int, out_path: str,
+                 full_host: bool = False) -> None:
     # the runtime's own communicator, so the fits include its header message and bookkeeping
     comm = P2PCommunicator(torch.device("cpu"))
-    passes = [message_pass(comm, rank, sizes) for _ in range(repeats + 2)][2:]
+    measure = full_host_pass if full_host else message_pass
+    passes = [measure(comm, rank, sizes) for _ in range(repeats + 2)][2:]
     gathered = [None] * world_size
     dist.all_gather_object(gathered, passes)
     if rank == 0:
@@ -104,10 +126,24 @@ def _comm_worker(rank: int, world_size: int, sizes: list[int], repeats: int, out
 
 
 def measure_communication(sizes: Sequence[int] = MESSAGE_SIZES, repeats: int = 9) -> Communication:
-    """Message and all-reduce costs on two local gloo processes (one thread each); see
+    """Message and all-reduce costs on two local gloo processes (one thread each), then the
+    early receiver's latency again with the host's other cores computing; see
     `Communication`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "comm.json")
         run_local(_comm_worker, 2, list(sizes), repeats, out, threads=1)
         passes = json.loads(Path(out).read_text())
+        # the host full: the sender computes and co-runners keep every other core busy, so a
+        # woken receiver waits for a core (`Communication.wake_delay`); on one core the sender
+        # alone fills it, and ``latency`` already is that case
+        co_runners = host_cores() - 1
+        if co_runners > 0:
+            with CoRunners(co_runners):
+                run_local(_comm_worker, 2, list(sizes), repeats, out, True, threads=1)
+            passes += json.loads(Path(out).read_text())
     return fit_communication(passes, world=2)
+
+
+def host_cores() -> int:
+    """The cores this process (and the processes it starts) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

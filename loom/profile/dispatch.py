@@ -35,8 +35,8 @@ def _dispatch_worker(rank: int, world_size: int, make: Callable[..., Any], args:
     dispatcher = make(*args)
     size = len(dispatcher.dataset)
     rows = []
-    for b in sizes:
-        for r in range(repeats + 1):  # the first of each size warms caches (token counts, shapes)
+    for r in range(repeats + 1):  # the first round warms caches (token counts, shapes)
+        for b in sizes:  # sizes interleaved, so a drift in the machine's speed hits each alike
             start = (b * 7919 * (r + 1)) % size
             indices = [(start + i) % size for i in range(b)]
             dist.barrier()
@@ -78,7 +78,7 @@ def fit_dispatch(per_rank: Sequence[Sequence[Sequence[float]]], world_size: int)
 
 
 def measure_dispatch(make: Callable[..., Any], args: tuple, world_size: int,
-                     sizes: Sequence[int] = BATCH_SIZES, repeats: int = 3) -> dict[str, Any]:
+                     sizes: Sequence[int] = BATCH_SIZES, repeats: int = 7) -> dict[str, Any]:
     """The dispatcher's host-work fit (module docstring) on ``world_size`` local gloo processes,
     each building its `Dispatcher` as ``make(*args)`` (a module-level function: the processes
     are spawned). Batches of ``sizes`` samples, ``repeats`` timed dispatches of each."""

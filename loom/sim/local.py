@@ -35,7 +35,7 @@ from loom.data.sample import SampleMeta
 from loom.plan.plan import Plan
 from loom.sim.dispatch import Links
 from loom.sim.scenario import Scenario, ScenarioError
-from loom.sim.sharing import CoreSharing, contention_slowdown
+from loom.sim.sharing import CoreSharing, profile_sharing
 
 
 def local_cluster(profile: Profile, ranks: int, memory_bytes: float) -> Cluster:
@@ -91,10 +91,7 @@ class LocalScenario(Scenario):
         return statistics.median(a + c * batch_size for a, c in self._dispatch_lines)
 
     def core_sharing(self, plan: Plan) -> CoreSharing:
-        c = self.profile.contention
-        world = plan.world_size
-        slowdown = contention_slowdown(float(c["cpu_ratio"]), int(c["busy"]), world) if c and world > 1 else ()
-        return CoreSharing(cores=self.cores, ranks_per_host=world, slowdown=slowdown)
+        return profile_sharing(self.profile, self.cores, plan.world_size)
 
     def step_seconds(self, plan: Plan, policy: str = "none", step: int = 0) -> float:
         """The predicted wall time of one ``loom train`` step of ``plan``: the simulated

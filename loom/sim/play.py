@@ -12,7 +12,8 @@ at the last arrival plus ``cost.clip_time()``, so the optimizer steps wait for e
 backward. Because
 messages carry their arrival times and no resource is shared between units, the order in which
 units advance changes no time, so the result is exact. Core sharing (`loom.sim.sharing`) enters
-as fixed stretch factors per compute action, set between plays by `simulate`'s fixed point.
+as fixed stretch factors per compute action and wake-up delays per blocked receive, set between
+plays by `simulate`'s fixed point.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class Play:
 
     def __init__(self, schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork],
                  part_work: PartWork, *, link_contention: bool = False, step: int = 0, start: float = 0.0,
-                 stretch: list[list[float]] | None = None, clip: bool = False):
+                 stretch: list[list[float]] | None = None, wake: list[list[float]] | None = None,
+                 clip: bool = False):
         self.units = sorted(schedule.actions)
         n = len(self.units)
         self.actions = [schedule.actions[u] for u in self.units]
@@ -79,6 +81,10 @@ class Play:
         self.cpu: list[float] | None = None  # per unit, CPU seconds under core sharing (`simulate` sets it)
         self.messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
         self.arrivals: list[list[float]] = [[] for _ in range(n)]  # per unit, each receive's message arrival, in order
+        # per unit, per receive in order: its message's arrival where the receive waited for it,
+        # else None; and the wake-up delay each such receive meets (core sharing's fixed point)
+        self.blocked: list[list[float | None]] = [[] for _ in range(n)]
+        self.wake = wake
         self.waiting: dict[tuple, int] = {}  # message key -> the unit blocked on it
         self.arrived: dict[tuple[str, int], dict[int, float]] = {}  # stage -> {unit: arrival} at its grad sync
         # gradient clipping's world all-reduce: who must join, who has (unit -> arrival), who is through
@@ -190,8 +196,12 @@ class Play:
         arrival = posted.pop(0)
         if not posted:
             del self.messages[key]
+        k = len(self.arrivals[u])
         self.arrivals[u].append(arrival)
+        self.blocked[u].append(arrival if arrival > t else None)
         end = arrival if arrival > t else t
+        if arrival > t and self.wake is not None and k < len(self.wake[u]):
+            end += self.wake[u][k]
         self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
                                             a.microbatch, t, end, self.step))
         return end

@@ -23,11 +23,20 @@ second of CPU beside other busy ranks. ``slowdown[k - 1]`` is that factor with `
 host computing at once, measured by the profiler (`loom.profile.contention`, built into a table
 by `contention_slowdown`); an action then needs ``solo x slowdown`` of core-time, and the fixed
 point serves it at ``min(1, c / k) / slowdown(k)`` of its solo work per second.
+
+Processor sharing hands a rank that wakes its share of a core at once. A real scheduler does
+not: a rank blocked in a receive whose message arrives while every core of its host computes
+waits for a computing process to be preempted (and gloo's thread that reads the message waits
+too), about a scheduler slice. ``wake_s`` is that delay, measured by the profiler
+(`loom.cost.profile_comm.Communication.wake_delay`); the fixed point adds it to every receive
+that blocked and whose message arrived while ``c`` or more ranks of the host were computing
+(`wake_delays`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -46,6 +55,9 @@ class CoreSharing:
     # CPU seconds per second of solo work with k ranks of the host computing at once, at index
     # k - 1 (past the end: the last entry; empty: 1, no cost beyond the time slicing)
     slowdown: tuple[float, ...] = ()
+    # seconds a blocked receive loses when its message arrives with every core of the host
+    # computing (the scheduler's wake-up latency; 0: none)
+    wake_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("cores", "ranks_per_host"):
@@ -56,6 +68,8 @@ class CoreSharing:
         if bad:
             raise SharingError(f"slowdown = {self.slowdown!r}: give positive finite CPU-time factors (1.0: none), "
                                f"not {bad}")
+        if not (isinstance(self.wake_s, (int, float)) and np.isfinite(self.wake_s) and self.wake_s >= 0):
+            raise SharingError(f"wake_s = {self.wake_s!r}: give the wake-up delay in seconds, 0 or more")
 
     def host_of(self, rank: int) -> int:
         return rank // self.ranks_per_host
@@ -88,6 +102,17 @@ class CoreSharing:
                 done = w
             end = max(end, t)
         return end
+
+
+def profile_sharing(profile: Any, cores: int, ranks_per_host: int, contention: bool = True) -> CoreSharing:
+    """``ranks_per_host`` ranks sharing ``cores`` cores, priced from a `loom.cost.profile_file.Profile`:
+    the CPU slowdown of its contention measurement (`contention_slowdown`; not with
+    ``contention=False``) and the wake-up delay of its communication fits, where it has them."""
+    c = profile.contention
+    slowdown = (contention_slowdown(float(c["cpu_ratio"]), int(c["busy"]), ranks_per_host)
+                if c and contention and ranks_per_host > 1 else ())
+    wake = profile.comm.wake_delay() if profile.comm is not None else 0.0
+    return CoreSharing(cores=cores, ranks_per_host=ranks_per_host, slowdown=slowdown, wake_s=wake)
 
 
 def contention_slowdown(cpu_ratio: float, busy: int, ranks_per_host: int) -> tuple[float, ...]:
@@ -156,6 +181,33 @@ def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int]
             new[u] = np.maximum(1.0, old * np.sqrt(ratio[k:k + n])).tolist()
             k += n
     return new, worst
+
+
+def wake_delays(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
+                spans: list[list[tuple[float, float]]], blocked: list[list[float | None]]) -> list[list[float]]:
+    """Per unit, per receive in order, the wake-up delay it meets: ``sharing.wake_s`` where the
+    receive blocked and its message arrived (``blocked[u][k]``, None where it did not block)
+    while ranks of the unit's host filled every core (compute spans ``spans``, ``unit_ranks``
+    ranks a unit), else 0."""
+    out = [[0.0] * len(b) for b in blocked]
+    if sharing.wake_s <= 0:
+        return out
+    hosts: dict[int, list[int]] = {}
+    for u, r in enumerate(first_rank):
+        hosts.setdefault(sharing.host_of(r), []).append(u)
+    for units in hosts.values():
+        flat = np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2)
+        weights = np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64)
+        owner = np.array([u for u in units for _ in spans[u]])
+        for u in units:
+            for k, at in enumerate(blocked[u]):
+                if at is None:
+                    continue
+                # the other units' ranks computing then (the receiver's own next action starts at it)
+                busy = weights[(flat[:, 0] <= at) & (at < flat[:, 1]) & (owner != u)].sum()
+                if busy >= sharing.cores:
+                    out[u][k] = sharing.wake_s
+    return out
 
 
 def cpu_seconds(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],

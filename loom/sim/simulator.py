@@ -56,7 +56,7 @@ from loom.sim.dispatch import DISPATCH, DispatchCost
 from loom.sim.memory import peak_memory, peak_memory_of
 from loom.sim.play import DeadlockError, Play
 from loom.sim.result import SimResult
-from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, cpu_seconds, restretch
+from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, cpu_seconds, restretch, wake_delays
 from loom.sim.work import PartWork, work_table
 
 __all__ = ["DeadlockError", "SimResult", "peak_memory", "simulate"]
@@ -120,13 +120,16 @@ def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Microbatc
         return Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step,
                     start=head, clip=clip).run()
     stretch: list[list[float]] = [[] for _ in range(plan.num_units)]
+    wake: list[list[float]] = [[] for _ in range(plan.num_units)]
     for _ in range(MAX_ROUNDS):
         play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head,
-                    stretch=stretch, clip=clip).run()
+                    stretch=stretch, wake=wake, clip=clip).run()
         unit_ranks = [plan.spec(play.roles[u][0]).ranks_per_unit for u in play.units]
         stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch)
-        if worst <= TOLERANCE:
+        woken = wake_delays(sharing, play.first_rank, unit_ranks, play.spans, play.blocked)
+        if worst <= TOLERANCE and woken == wake:
             break
+        wake = woken
     play.cpu = cpu_seconds(sharing, play.first_rank, unit_ranks, play.spans)
     return play
 
