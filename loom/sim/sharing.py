@@ -153,19 +153,26 @@ def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSha
     return received[np.searchsorted(times, spans[:, 1])] - received[np.searchsorted(times, spans[:, 0])]
 
 
+def host_spans(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
+               spans: list[list[tuple[float, float]]]) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
+    """Per host: its units, their compute spans stacked ``[n, 2]`` in unit order, and each
+    span's weight (the ranks of its unit)."""
+    hosts: dict[int, list[int]] = {}
+    for u, r in enumerate(first_rank):
+        hosts.setdefault(sharing.host_of(r), []).append(u)
+    return [(units, np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2),
+             np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64))
+            for units in hosts.values()]
+
+
 def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int], solo: list[list[float]],
               spans: list[list[tuple[float, float]]], stretch: list[list[float]]) -> tuple[list[list[float]], float]:
     """New stretch factors from one play: per unit, per compute action in order, the factor by
     which its span must change so that it receives its ``solo`` time; returns them with the
     largest relative shortfall or excess of service seen (0 at the fixed point)."""
-    hosts: dict[int, list[int]] = {}
-    for u, r in enumerate(first_rank):
-        hosts.setdefault(sharing.host_of(r), []).append(u)
     new = [list(s) for s in stretch]
     worst = 0.0
-    for units in hosts.values():
-        flat_spans = np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2)
-        weights = np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64)
+    for units, flat_spans, weights in host_spans(sharing, first_rank, unit_ranks, spans):
         got = service(flat_spans, weights, sharing.cores, sharing)
         need = np.array([d for u in units for d in solo[u]], dtype=np.float64)
         ok = need > 0
@@ -192,12 +199,7 @@ def wake_delays(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[in
     out = [[0.0] * len(b) for b in blocked]
     if sharing.wake_s <= 0:
         return out
-    hosts: dict[int, list[int]] = {}
-    for u, r in enumerate(first_rank):
-        hosts.setdefault(sharing.host_of(r), []).append(u)
-    for units in hosts.values():
-        flat = np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2)
-        weights = np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64)
+    for units, flat, weights in host_spans(sharing, first_rank, unit_ranks, spans):
         owner = np.array([u for u in units for _ in spans[u]])
         for u in units:
             for k, at in enumerate(blocked[u]):
@@ -215,12 +217,7 @@ def cpu_seconds(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[in
     """Per unit, the core-time (CPU seconds) its compute actions received over their spans
     ``spans[u]``: at the fixed point, each action's solo time times the slowdown it met."""
     out = [0.0] * len(spans)
-    hosts: dict[int, list[int]] = {}
-    for u, r in enumerate(first_rank):
-        hosts.setdefault(sharing.host_of(r), []).append(u)
-    for units in hosts.values():
-        flat = np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2)
-        weights = np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64)
+    for units, flat, weights in host_spans(sharing, first_rank, unit_ranks, spans):
         got = service(flat, weights, sharing.cores)
         k = 0
         for u in units:
