@@ -274,3 +274,24 @@ class TextDataset:
 
     def __getitem__(self, index: int) -> Sample:
         return self.samples[index]
+
+
+def llm_only_config(cfg: Any, plan: Any, **run: Any) -> Any:
+    """The `TrainConfig` of an LLM-only zoo Llama of ``cfg``'s sizes (``vocab``, ``hidden``,
+    ``layers``, ``heads``, ``kv_heads``, ``intermediate``, ``seq_len``; ``seed``,
+    ``global_batch``) under ``plan``, with ``run`` fields set (``steps``, ``dtype``...). The
+    benchmarks feed it their own text batches; its demo data is text-only so the config check
+    (no image or audio samples for a model without encoders) holds. Checked."""
+    from dataclasses import replace
+
+    from loom.model.zoo import LlamaConfig
+    from loom.train.config import ModelConfig, TrainConfig
+
+    model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
+        num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
+    train = TrainConfig(model=model, plan=plan)
+    train.run = replace(train.run, seed=cfg.seed, **run)
+    train.data = replace(train.data, global_batch_size=cfg.global_batch,
+                         demo=replace(train.data.demo, mix={"text": 1.0}))
+    return train

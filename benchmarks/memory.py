@@ -53,7 +53,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 
 import torch
 
-from benchmarks.common import TextDataset, WorkerGroup, figure, format_table, median, peak_rss_mb, spread_of, start_run, write_result
+from benchmarks.common import TextDataset, WorkerGroup, llm_only_config, figure, format_table, median, peak_rss_mb, spread_of, start_run, write_result
 from loom.balance.policy import make_layout, sample_costs
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch_from_model import arch_from_model
@@ -62,14 +62,13 @@ from loom.cost.memory import DTYPE_BYTES
 from loom.cost.workload import sample_work
 from loom.data.sampler import GlobalBatchSampler
 from loom.data.tokenizer import SPECIAL_TOKENS
-from loom.model.zoo import LlamaConfig
 from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.profile.memory_meter import MemoryMeter
 from loom.runtime.stage import trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.sim.simulator import simulate
 from loom.train.build import build_model
-from loom.train.config import ModelConfig, TrainConfig
+from loom.train.config import TrainConfig
 from loom.train.rank import build_rank
 
 NAME = "memory"
@@ -121,13 +120,8 @@ BF16_CASES = {"zero0_bf16", "zero2_bf16", "zero3_bf16"}
 def train_config(cfg: BenchConfig, spec: ModuleSpec, dtype: str = "fp32") -> TrainConfig:
     """The run a case trains: the zoo Llama of ``cfg`` under the plan of one LLM ``spec``, in
     ``dtype`` (``run.dtype``), 1F1B."""
-    model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
-        num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
     plan = Plan([replace(spec)], num_microbatches=cfg.microbatches, schedule="1f1b")
-    train = TrainConfig(model=model, plan=plan)
-    train.run = replace(train.run, seed=cfg.seed, steps=10, dtype=dtype)
-    train.data = replace(train.data, global_batch_size=cfg.global_batch)
+    train = llm_only_config(cfg, plan, steps=10, dtype=dtype)
     return train.check()
 
 

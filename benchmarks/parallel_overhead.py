@@ -59,6 +59,7 @@ import torch.distributed as dist
 from benchmarks.common import (
     TextDataset,
     WorkerGroup,
+    llm_only_config,
     format_table,
     median,
     peak_rss_mb,
@@ -70,10 +71,9 @@ from loom.data.collate import collate, split_microbatches
 from loom.data.sampler import GlobalBatchSampler
 from loom.model.layers import run_layers
 from loom.model.multimodal import loss_sum
-from loom.model.zoo import LlamaConfig
 from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.train.build import build_model
-from loom.train.config import ModelConfig, TrainConfig
+from loom.train.config import TrainConfig
 from loom.train.rank import build_rank, make_lr_scheduler, make_optimizer
 
 NAME = "parallel_overhead"
@@ -107,16 +107,10 @@ class BenchConfig:
 def train_config(cfg: BenchConfig, total_steps: int, case: str = "fsdp") -> TrainConfig:
     """The run both sides train: an LLM-only zoo model, one stage, on 2 ranks: DP 2 with ZeRO 3
     (case ``fsdp``) or TP 2 (case ``tp``)."""
-    model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
-        num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
     spec = (ModuleSpec(LLM, data_parallel=WORLD_SIZE, zero_stage=3) if case == "fsdp"
             else ModuleSpec(LLM, tensor_parallel=WORLD_SIZE))
-    plan = Plan([spec], num_microbatches=cfg.microbatches)
-    train = TrainConfig(model=model, plan=plan)
-    train.run = replace(train.run, seed=cfg.seed, steps=total_steps)
+    train = llm_only_config(cfg, Plan([spec], num_microbatches=cfg.microbatches), steps=total_steps)
     train.optim = replace(train.optim, lr=cfg.lr)
-    train.data = replace(train.data, global_batch_size=cfg.global_batch)
     return train.check()
 
 

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import (TextDataset, WorkerGroup, figure, format_table, median, peak_rss_mb, start_run, summarize,
+from benchmarks.common import (TextDataset, WorkerGroup, llm_only_config, figure, format_table, median, peak_rss_mb, start_run, summarize,
                                write_result)
 from loom.data.collate import collate, split_microbatches
 from loom.data.sample import Batch
@@ -60,10 +60,9 @@ from loom.data.sampler import GlobalBatchSampler
 from loom.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 from loom.model.layers import Layer, run_layers
 from loom.model.multimodal import MultimodalModel, loss_sum
-from loom.model.zoo import LlamaConfig
 from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.train.build import build_model as build_run_model
-from loom.train.config import ModelConfig, TrainConfig
+from loom.train.config import TrainConfig
 from loom.train.rank import build_rank, make_lr_scheduler, make_optimizer
 
 NAME = "pipeline_overhead"
@@ -107,14 +106,9 @@ def train_config(cfg: BenchConfig, total_steps: int) -> TrainConfig:
     """The run both sides train: an LLM-only zoo model, two LLM stages with loom's default even
     split (the torch side cuts at the same layers), ``optim.lr``, and ``run.steps`` (every step
     the side runs, so the LR schedule is that of a run of this length)."""
-    model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
-        vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
-        num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))
     plan = Plan([ModuleSpec(LLM, num_stages=WORLD_SIZE)], num_microbatches=cfg.microbatches, schedule="1f1b")
-    train = TrainConfig(model=model, plan=plan)
-    train.run = replace(train.run, seed=cfg.seed, steps=total_steps)
+    train = llm_only_config(cfg, plan, steps=total_steps)
     train.optim = replace(train.optim, lr=cfg.lr)
-    train.data = replace(train.data, global_batch_size=cfg.global_batch)
     return train.check()
 
 
