@@ -649,8 +649,11 @@ def main(argv=None) -> dict:
         "core_sharing": None if args.no_sharing else {
             "cores": host_cores(), "ranks_per_host": WORLD_SIZE,
             "model": "loom.sim.sharing (processor sharing, fixed point; CPU slowdown beside busy ranks from the "
-                     "first profile's contention measurement, loom.profile.contention)",
+                     "first profile's contention measurement, loom.profile.contention; the wake-up delay of a "
+                     "receive that blocked and whose message arrived with every core computing, from the first "
+                     "profile's latency_full fit, Communication.wake_delay)",
             "contention": contention,
+            "wake_s": round(measured_rounds[0][0].comm.wake_delay(), 6) if measured_rounds else None,
             "without_slowdown": {k: round(statistics.median(rd[k] for rd in without), 4) for k in (
                 "median_abs_rel_error", "action_median_abs_rel_error", "cpu_median_abs_rel_error")} if without else None},
         "kind_errors_per_round": [{k: round(v, 4) for k, v in rd["kind_errors"].items()} for rd in rounds],
