@@ -1,7 +1,7 @@
 """Simulator fidelity: the simulator's prediction against what ``loom train`` measures, per step
 and per action (issue 8, point 5 and its acceptance).
 
-What runs: ``--rounds`` rounds (default 3), each
+What runs: ``--rounds`` rounds (default 5), each
 
 1. **a profile**, from a separate ``loom profile`` run of the demo model (configs/demo.toml),
    one thread, with co-running processes standing in for the other ranks (none by default: the
@@ -80,7 +80,7 @@ Figures:
 - ``sim_seconds_1024gpu_64mb``: seconds of one ``simulate`` of a 1024-GPU plan (simulated, not
   a measurement of training).
 
-    python benchmarks/sim_fidelity.py [--rounds 3 --steps 3 --warmup 1 --cases 0,3 --profile PATH --out DIR]
+    python benchmarks/sim_fidelity.py [--rounds 5 --steps 3 --warmup 1 --cases 0,3 --profile PATH --out DIR]
 """
 
 from __future__ import annotations
