@@ -9,6 +9,7 @@ import resource
 import statistics
 import subprocess
 import sys
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -18,7 +19,10 @@ import torch.multiprocessing as mp
 
 from loom.data.sample import Sample, SampleMeta
 from loom.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from loom.model.zoo import LlamaConfig
+from loom.plan.plan import Plan
 from loom.runtime.local import start_local
+from loom.train.config import ModelConfig, TrainConfig
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
@@ -276,17 +280,12 @@ class TextDataset:
         return self.samples[index]
 
 
-def llm_only_config(cfg: Any, plan: Any, **run: Any) -> Any:
+def llm_only_config(cfg: Any, plan: Plan, **run: Any) -> TrainConfig:
     """The `TrainConfig` of an LLM-only zoo Llama of ``cfg``'s sizes (``vocab``, ``hidden``,
     ``layers``, ``heads``, ``kv_heads``, ``intermediate``, ``seq_len``; ``seed``,
     ``global_batch``) under ``plan``, with ``run`` fields set (``steps``, ``dtype``...). The
     benchmarks feed it their own text batches; its demo data is text-only so the config check
-    (no image or audio samples for a model without encoders) holds. Checked."""
-    from dataclasses import replace
-
-    from loom.model.zoo import LlamaConfig
-    from loom.train.config import ModelConfig, TrainConfig
-
+    (no image or audio samples for a model without encoders) holds."""
     model = ModelConfig(vision=None, audio=None, llm=LlamaConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, num_layers=cfg.layers, num_heads=cfg.heads,
         num_kv_heads=cfg.kv_heads, intermediate_size=cfg.intermediate, max_seq_len=cfg.seq_len))

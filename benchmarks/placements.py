@@ -375,7 +375,7 @@ def predict_step(pm: PlacementModel, step: int, profile: Any, decide_s: float, s
 def core_sharing(profile: Any, no_sharing: bool) -> Any:
     """This host's cores shared by the 2 ranks, with the profile's measured CPU slowdown beside
     a busy rank (`benchmarks.sim_fidelity.round_sharing` at this world size); None: a core each."""
-    from benchmarks.sim_fidelity import host_cores
+    from loom.runtime.local import host_cores
     from loom.sim.sharing import profile_sharing
 
     if no_sharing:

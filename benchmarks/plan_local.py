@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     start_run()
     work = Path(args.out or tempfile.mkdtemp(prefix="plan_local_"))
     work.mkdir(parents=True, exist_ok=True)
-    from loom.cli.search import host_cores
+    from loom.runtime.local import host_cores
 
     ranks = args.ranks or host_cores()
 

@@ -116,6 +116,7 @@ from loom.data.sampler import GlobalBatchSampler
 from loom.data.sample import SampleMeta
 from loom.plan.plan import LLM, ModuleSpec, Plan
 from loom.profile.corun import CoRunners
+from loom.runtime.local import host_cores
 from loom.runtime.stage import trainable_stages
 from loom.schedule.generators import build_schedule
 from loom.schedule.timeline import events_from_dicts, events_to_dicts
@@ -353,11 +354,6 @@ def kind_totals(events: list) -> dict[tuple[int, str], float]:
         if kind is not None:
             out[(e.rank, kind)] = out.get((e.rank, kind), 0.0) + e.duration_s
     return out
-
-
-def host_cores() -> int:
-    """The cores this process (and the ranks it starts) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def per_step_kinds(steps: list[list]) -> dict[tuple[int, str], list[float]]:

@@ -55,6 +55,7 @@ def local_scenario(args: argparse.Namespace):
     from loom.cost.arch_from_model import arch_from_model
     from loom.cost.profile_file import ProfileError, load_profile_for
     from loom.data.sampler import GlobalBatchSampler
+    from loom.runtime.local import host_cores
     from loom.sim.local import LocalScenario, local_cluster
     from loom.train.build import build_data, build_model
     from loom.train.config import load_config
@@ -84,11 +85,6 @@ def local_scenario(args: argparse.Namespace):
         global_batch_size=cfg.data.global_batch_size, llm_batching="packed" if cfg.data.pack_sequences else "padded",
         dtype=cfg.run.dtype, max_grad_norm=cfg.optim.max_grad_norm, microbatch_tokens=cfg.data.microbatch_tokens,
         profile=profile, batches=lambda step: [dataset.meta(i) for i in sampler.batch(step)], cores=cores)
-
-
-def host_cores() -> int:
-    """The cores this process (and the ranks ``loom train`` starts) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def memory_bytes() -> float:

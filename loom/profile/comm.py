@@ -18,7 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from loom.cost.profile_comm import Communication, fit_communication
 from loom.profile.corun import CoRunners
 from loom.runtime.comm import P2PCommunicator
-from loom.runtime.local import run_local
+from loom.runtime.local import host_cores, run_local
 
 
 def compute_for(seconds: float) -> None:
@@ -143,7 +143,3 @@ def measure_communication(sizes: Sequence[int] = MESSAGE_SIZES, repeats: int = 9
             passes += json.loads(Path(out).read_text())
     return fit_communication(passes, world=2)
 
-
-def host_cores() -> int:
-    """The cores this process (and the processes it starts) may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -19,6 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def host_cores() -> int:
+    """The cores this process (and the local ranks it starts) may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

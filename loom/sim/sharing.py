@@ -36,9 +36,10 @@ that blocked and whose message arrived while ``c`` or more ranks of the host wer
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+
+from loom.cost.profile_file import Profile
 
 
 class SharingError(ValueError):
@@ -104,7 +105,7 @@ class CoreSharing:
         return end
 
 
-def profile_sharing(profile: Any, cores: int, ranks_per_host: int, contention: bool = True) -> CoreSharing:
+def profile_sharing(profile: Profile, cores: int, ranks_per_host: int, contention: bool = True) -> CoreSharing:
     """``ranks_per_host`` ranks sharing ``cores`` cores, priced from a `loom.cost.profile_file.Profile`:
     the CPU slowdown of its contention measurement (`contention_slowdown`; not with
     ``contention=False``) and the wake-up delay of its communication fits, where it has them."""
