@@ -135,9 +135,14 @@ def start_run() -> None:
     _run_start_load = load_avg_1m()
 
 
+# what `loom bench` itself writes into the tree: not a change to the code a result measures
+BENCH_OUTPUTS = ("benchmarks/results", "docs/reproduction.md")
+
+
 def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
-    """``commit`` (HEAD) and ``dirty`` (uncommitted changes outside ``benchmarks/results/``,
-    which a run itself rewrites) of the checkout a result comes from; both None outside git."""
+    """``commit`` (HEAD) and ``dirty`` (uncommitted changes outside what a benchmark run itself
+    rewrites: ``benchmarks/results/`` and ``docs/reproduction.md``, which ``paper_setups``
+    generates) of the checkout a result comes from; both None outside git."""
     def git(*args: str) -> str | None:
         try:
             done = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=30)
@@ -149,7 +154,7 @@ def git_state(repo: Path = REPO_ROOT) -> dict[str, Any]:
     if head is None:
         return {"commit": None, "dirty": None}
     # pathspecs from the top of the work tree, wherever ``repo`` is inside it
-    status = git("status", "--porcelain", "--", ":(top)", ":(top,exclude)benchmarks/results")
+    status = git("status", "--porcelain", "--", ":(top)", *(f":(top,exclude){p}" for p in BENCH_OUTPUTS))
     return {"commit": head.strip(), "dirty": None if status is None else bool(status.strip())}
 
 

@@ -46,7 +46,7 @@ def test_write_result_records_where_it_comes_from(tmp_path):
         write_result("y", {"a": {"value": 1.0, "unit": "ms"}}, {}, results_dir=tmp_path)
 
 
-def test_dirty_ignores_the_results_directory(tmp_path):
+def test_dirty_ignores_what_a_benchmark_run_writes(tmp_path):
     def git(*args):
         subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
 
@@ -54,11 +54,14 @@ def test_dirty_ignores_the_results_directory(tmp_path):
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     (tmp_path / "code.py").write_text("a = 1\n")
     (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "reproduction.md").write_text("at 0000000\n")
     git("add", ".")
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "init")
     state = git_state(tmp_path)
     assert len(state["commit"]) == 40 and state["dirty"] is False
     (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"new": 1}\n')
+    (tmp_path / "docs" / "reproduction.md").write_text("at 1111111\n")  # paper_setups regenerates it
     assert git_state(tmp_path)["dirty"] is False
     assert git_state(tmp_path / "benchmarks" / "results")["dirty"] is False  # from a subdirectory too
     (tmp_path / "code.py").write_text("a = 2\n")
