@@ -219,6 +219,15 @@ def test_message_costs_are_charged_to_the_compute_around_them(quick_profile: Pro
     assert d("vision", 0, "backward") == pytest.approx(2e-3)
     assert b.transfer_time(0, 1, LLM, 0, w) == pytest.approx(5e-3 - 2e-3)
     assert b.transfer_time(1, 1, LLM, 0, w) == 0.0
+    # the communicator threads' CPU: none measured, none charged; else the fits at the message's bytes
+    assert b.transfer_cpu(0, 1, LLM, 0, w) == (0.0, 0.0)
+    nbytes = b.activation_bytes(LLM, 0, w)
+    threads = dataclasses.replace(quick_profile, comm=dataclasses.replace(
+        comm, thread_send=LinearFit(1e-4, 1e-9, [[0, 1e-4]]), thread_recv=LinearFit(2e-4, 0.0, [[0, 2e-4]])))
+    c = ProfiledCostModel(threads, tiny_model(), plan())
+    assert c.transfer_cpu(0, 1, LLM, 0, w) == pytest.approx((1e-4 + nbytes * 1e-9, 2e-4))
+    assert c.transfer_cpu(1, 1, LLM, 0, w) == (0.0, 0.0)
+    assert Communication.from_dict(threads.comm.to_dict()).thread_cpu(1e6) == pytest.approx((1e-4 + 1e-3, 2e-4))
     # frozen encoder: no gradient goes back to it
     frozen = ProfiledCostModel(with_comm, tiny_model(freeze=["vision"]), plan())
     base = ProfiledCostModel(quick_profile, tiny_model(freeze=["vision"]), plan())

@@ -175,6 +175,53 @@ def test_cpu_seconds_is_the_core_time_received():
     assert got == pytest.approx([1.5, 1.5])
 
 
+# ---- the communicator threads' CPU (CostModel.transfer_cpu) --------------------------------
+class ThreadCost(UniformCostModel):
+    """Messages that take 1 s and cost each end's communicator threads ``cpu`` CPU seconds."""
+
+    def __init__(self, plan, cpu):
+        super().__init__(plan, forward=1.0, backward=2.0, transfer=1.0)
+        self.cpu = cpu
+
+    def transfer_cpu(self, src_unit, dst_unit, module, stage, work):
+        return self.cpu, self.cpu
+
+
+def test_communicator_threads_take_cores_from_compute():
+    """A 2-stage LLM, 2 microbatches, F=1, B=2, messages of 1 s, both stages on a host of 2
+    cores. Stage 0's first activation moves over [1, 2] while stage 0 computes its second
+    forward; with each end's threads using 1 CPU second over it (2 cores of load), the forward
+    gets 2/3 of a core until 2, then a core of its own: it ends at 2 + 1/3 instead of 2. The
+    threads' CPU is in each process's CPU time; without sharing it is not priced."""
+    plan = Plan([ModuleSpec("llm", num_stages=2)], num_microbatches=2).resolve({"llm": 4})
+    sharing = CoreSharing(cores=2, ranks_per_host=2)
+
+    def second_forward(cpu: float):
+        r = simulate(build_schedule(plan), plan, ThreadCost(plan, cpu), sharing=sharing)
+        f1 = next(e for e in r.timeline if e.rank == 0 and e.kind == "forward" and e.microbatch == 1)
+        return (f1.start_s, f1.end_s), r
+
+    assert second_forward(0.0)[0] == pytest.approx((1.0, 2.0), abs=0.01)
+    span, threaded = second_forward(1.0)
+    assert span == pytest.approx((1.0, 2.0 + 1 / 3), abs=0.02)
+    plain = second_forward(0.0)[1]
+    # 4 messages, each costing its sender and its receiver 1 CPU second
+    assert sum(threaded.cpu.values()) == pytest.approx(sum(plain.cpu.values()) + 8.0, rel=0.01)
+    alone = simulate(build_schedule(plan), plan, ThreadCost(plan, 1.0))
+    assert alone.cpu == alone.compute
+
+
+def test_service_shares_the_cores_with_background_load():
+    """One core: a compute span [0, 2) beside a background load of half a core on [0, 1)
+    receives 1/1.5 on [0, 1) and 1 on [1, 2); the background does not count as a busy rank for
+    the CPU slowdown."""
+    spans, weights = np.array([[0.0, 2.0]]), np.ones(1)
+    bg = (np.array([[0.0, 1.0]]), np.array([0.5]))
+    assert service(spans, weights, 1, None, bg) == pytest.approx([1 / 1.5 + 1])
+    slow = CoreSharing(cores=1, ranks_per_host=2, slowdown=(1.0, 2.0))
+    assert service(spans, weights, 1, slow, bg) == pytest.approx([1 / 1.5 + 1])
+
+
 # ---- the scheduler's wake-up delay (Communication.wake_delay) ---------------------------------
 def test_wake_delay_is_added_to_blocked_receives_on_a_full_host():
     """A 2-stage LLM, F=1, B=2 per stage, free messages, on one core. Stage 1 waits for the

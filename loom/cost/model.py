@@ -94,6 +94,14 @@ class CostModel(ABC):
         backwards, the gradient of the same shape) from pipeline unit ``src_unit`` to
         ``dst_unit``, over the link between them (same node or not)."""
 
+    def transfer_cpu(self, src_unit: int, dst_unit: int, module: str, stage: int, work: Workload
+                     ) -> tuple[float, float]:
+        """CPU seconds that moving the message of `transfer_time` costs the sender's host and the
+        receiver's host outside the ranks' own threads (a communication library's threads), which
+        the simulator's core sharing charges to those hosts' cores. Default 0: on a GPU cluster
+        NCCL moves data without host CPU."""
+        return 0.0, 0.0
+
     def condition_transfer_time(self, src_unit: int, dst_unit: int, generator: str, work: Workload) -> float:
         """Seconds to move generator ``generator``'s conditioning states (the LLM's final states at
         its generation positions, disttrain.md §1), or their gradient, between the LLM's last

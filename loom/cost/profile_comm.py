@@ -29,7 +29,10 @@ class Communication:
       waits (the sender and ``cores - 1`` co-running processes): the woken receiver, and
       gloo's thread that reads the message, must first win a core from a computing process
       (`wake_delay`);
-    - ``all_reduce``: a gradient bucket's flatten + all-reduce + unflatten on ``world`` ranks.
+    - ``all_reduce``: a gradient bucket's flatten + all-reduce + unflatten on ``world`` ranks;
+    - ``thread_send``, ``thread_recv``: CPU seconds a message costs the sender's and the
+      receiver's process outside the calling thread (gloo's loop thread writes and reads the
+      socket): work that competes for the host's cores with the ranks' compute (`thread_cpu`).
     """
 
     send_post: LinearFit
@@ -40,6 +43,17 @@ class Communication:
     recv_ready_idle: LinearFit | None = None
     latency_idle: LinearFit | None = None
     latency_full: LinearFit | None = None
+    thread_send: LinearFit | None = None
+    thread_recv: LinearFit | None = None
+
+    def thread_cpu(self, nbytes: float) -> tuple[float, float]:
+        """CPU seconds of the communicator's threads for one message of ``nbytes``, on the
+        sender's process and on the receiver's (0 where the profile lacks the measurement).
+        The simulator's core sharing (`loom.sim.sharing`) puts it on their hosts' cores while the
+        message moves."""
+        def at(fit: LinearFit | None) -> float:
+            return max(fit.time(nbytes), 0.0) if fit is not None and fit.points else 0.0
+        return at(self.thread_send), at(self.thread_recv)
 
     def wake_delay(self) -> float:
         """Seconds a receiver blocked on a message loses when the message arrives while every

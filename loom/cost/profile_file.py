@@ -253,7 +253,7 @@ class Profile:
         tail = []
         if self.comm:
             for what in ("send_post", "recv_ready", "latency", "recv_ready_idle", "latency_idle", "latency_full",
-                         "all_reduce"):
+                         "all_reduce", "thread_send", "thread_recv"):
                 f = getattr(self.comm, what)
                 if f is None:
                     continue

@@ -215,6 +215,15 @@ class ProfiledCostModel(CostModel):
         nbytes = self.activation_bytes(module, stage, work) / self._split(module)
         return max(comm.latency.time(nbytes) - comm.recv_ready.time(nbytes), 0.0)
 
+    def transfer_cpu(self, src_unit: int, dst_unit: int, module: str, stage: int, work: Workload
+                     ) -> tuple[float, float]:
+        """The communicator threads' CPU for the message of `transfer_time`, on its sender and
+        its receiver (`Communication.thread_cpu`)."""
+        comm = self.profile.comm
+        if src_unit == dst_unit or comm is None:
+            return 0.0, 0.0
+        return comm.thread_cpu(self.activation_bytes(module, stage, work) / self._split(module))
+
     def _trainable_params(self, module: str, stage: int) -> tuple[int, int]:
         params = tensors = 0
         for i in self._layers(module, stage):

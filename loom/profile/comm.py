@@ -55,14 +55,37 @@ def early_receiver(comm: Any, rank: int, t: torch.Tensor, token: torch.Tensor, b
     return float(stamp[1] - stamp[0])
 
 
+def other_threads_cpu() -> float:
+    """CPU seconds of this process outside the calling thread (gloo's loop thread)."""
+    return time.process_time() - time.thread_time()
+
+
+def thread_cpu_rows(comm: Any, rank: int, t: torch.Tensor, count: int = 8) -> float:
+    """The communicator threads' CPU seconds per message on this rank (rank 0 sending, rank 1
+    receiving) over ``count`` messages of ``t``, sent one after another as a pipeline stage sends
+    them (each send completed before the next)."""
+    dist.barrier()
+    before = other_threads_cpu()
+    for _ in range(count):
+        if rank == 0:
+            comm.send(t, 1, tag=5)
+            comm.wait_sends()
+        elif rank == 1:
+            comm.recv(0, tag=5)
+    dist.barrier()
+    return (other_threads_cpu() - before) / count
+
+
 def message_pass(comm: Any, rank: int, sizes: Sequence[int] = MESSAGE_SIZES, repeats: int = 2
                  ) -> dict[str, list[list[float]]]:
     """One measurement of every `Communication` quantity at every size, on ranks 0 and 1 of
     the default group, with ``comm`` the executor's `loom.runtime.comm.P2PCommunicator`.
-    Returns ``{quantity: [[bytes, seconds], ...]}`` as this rank saw it (``latency`` on rank 0),
+    Returns ``{quantity: [[bytes, seconds], ...]}`` as this rank saw it (``latency`` and
+    ``thread_send`` on rank 0, ``thread_recv`` on rank 1),
     ``repeats`` rows per size."""
     rows: dict[str, list[list[float]]] = {k: [] for k in ("send_post", "recv_ready", "latency", "recv_ready_idle",
-                                                           "latency_idle", "all_reduce")}
+                                                           "latency_idle", "all_reduce", "thread_send",
+                                                           "thread_recv")}
     for nbytes in [n for n in sizes for _ in range(repeats)]:
         t = torch.randn(nbytes // 4)
         token = torch.zeros(1)
@@ -89,6 +112,8 @@ def message_pass(comm: Any, rank: int, sizes: Sequence[int] = MESSAGE_SIZES, rep
             latency = early_receiver(comm, rank, t, token, busy)
             if rank == 0:
                 rows["latency" + suffix].append([nbytes, latency])
+        if rank in (0, 1):
+            rows["thread_send" if rank == 0 else "thread_recv"].append([nbytes, thread_cpu_rows(comm, rank, t)])
         # a gradient bucket as the executor syncs it: 4 tensors flattened, summed, unflattened
         grads = [torch.randn(max(nbytes // 16, 1)) for _ in range(4)]
         dist.barrier()

@@ -79,6 +79,9 @@ class Play:
         self.solo: list[list[float]] = [[] for _ in range(n)]
         self.spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
         self.cpu: list[float] | None = None  # per unit, CPU seconds under core sharing (`simulate` sets it)
+        # per unit, under core sharing: the communicator threads' CPU of its messages as (start,
+        # end, seconds), load on its host's cores beside the compute (`CostModel.transfer_cpu`)
+        self.background: list[list[tuple[float, float, float]]] = [[] for _ in range(n)]
         self.messages: dict[tuple, list[float]] = {}  # message key -> arrival times of posted, unreceived copies
         self.arrivals: list[list[float]] = [[] for _ in range(n)]  # per unit, each receive's message arrival, in order
         # per unit, per receive in order: its message's arrival where the receive waited for it,
@@ -157,7 +160,8 @@ class Play:
         else:
             om, os_, omb = a.peer_module, a.peer_stage, other
         generator = a.peer_module if a.kind is SEND_ACT else a.module  # the edge's forward destination
-        if om == LLM and generator in self.generators:  # the LLM's states at the generator's positions
+        conditioning = om == LLM and generator in self.generators
+        if conditioning:  # the LLM's states at the generator's positions
             w = self.works[omb].get(generator, EMPTY) if a.samples is None else self.part_work(generator, a.samples)
             d = self.cost.condition_transfer_time(u, a.peer, generator, w)
         else:
@@ -168,6 +172,8 @@ class Play:
         if self.link_contention:
             start = max(t, self.link_free[u])
             self.link_free[u] = start + d
+        if self.stretch is not None and not conditioning:
+            self._thread_cpu(u, a.peer, self.cost.transfer_cpu(u, a.peer, om, os_, w), start, d)
         # (direction, sender, receiver, sender's microbatch, receiver's microbatch, stages, samples)
         key = (a.kind is SEND_GRAD, u, a.peer, a.microbatch, other, a.module, a.stage, a.peer_module, a.peer_stage,
                a.samples)
@@ -182,6 +188,13 @@ class Play:
         self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
                                             a.microbatch, t, t, self.step))
         return t
+
+    def _thread_cpu(self, u: int, peer: int, cpu: tuple[float, float], start: float, d: float) -> None:
+        """Under core sharing: the communicator threads' CPU for a message (sender's, receiver's),
+        spread over the transfer (at least its own length) on each end's host."""
+        for unit, seconds in ((u, cpu[0]), (peer, cpu[1])):
+            if seconds > 0:
+                self.background[unit].append((start, start + max(d, seconds), seconds))
 
     def _receive(self, u: int, a: Action, t: float) -> float | None:
         """A receive blocks until its message has arrived (matched like the validator's

@@ -135,54 +135,87 @@ TOLERANCE = 0.005
 MAX_ROUNDS = 60
 
 
-def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSharing | None = None) -> np.ndarray:
+def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSharing | None = None,
+            background: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Per span ``[start, end)`` of one host's compute actions (``weights``: ranks computing in
     it), the core-time it received under processor sharing: ``∫ min(1, cores / k(t)) dt``; given
     ``sharing`` with a slowdown, the solo work that core-time does: ``∫ min(1, cores / k(t)) /
-    slowdown(k(t)) dt``."""
+    slowdown(k(t)) dt``. ``background`` (spans, loads in cores) is other work on the host's
+    cores, the communicator threads' (`HostSpans`): it adds to ``k(t)`` for the time slicing."""
     if len(spans) == 0:
         return np.zeros(0)
-    times = np.unique(spans.ravel())
-    delta = np.zeros(len(times))
-    np.add.at(delta, np.searchsorted(times, spans[:, 0]), weights)
-    np.add.at(delta, np.searchsorted(times, spans[:, 1]), -weights)
-    busy = np.cumsum(delta)[:-1]  # ranks computing in each segment between consecutive times
-    rate = np.minimum(1.0, cores / np.maximum(busy, 1e-12))
+    n = len(spans)
+    if background is not None and len(background[0]):
+        edges, loads = np.vstack([spans, background[0]]), np.concatenate([weights, background[1]])
+    else:
+        edges, loads = spans, weights
+    times = np.unique(edges.ravel())
+
+    def level(w: np.ndarray, at: np.ndarray) -> np.ndarray:  # the sum of w over the spans covering each segment
+        delta = np.zeros(len(times))
+        np.add.at(delta, np.searchsorted(times, at[:, 0]), w)
+        np.add.at(delta, np.searchsorted(times, at[:, 1]), -w)
+        return np.cumsum(delta)[:-1]
+
+    busy = level(weights, spans)  # ranks computing in each segment between consecutive times
+    load = level(loads, edges) if edges is not spans else busy
+    rate = np.minimum(1.0, cores / np.maximum(load, 1e-12))
     if sharing is not None and sharing.slowdown:
         rate = rate / np.array([sharing.slowdown_at(k) for k in busy])
     received = np.concatenate(([0.0], np.cumsum(rate * np.diff(times))))
-    return received[np.searchsorted(times, spans[:, 1])] - received[np.searchsorted(times, spans[:, 0])]
+    return received[np.searchsorted(times, spans[:n, 1])] - received[np.searchsorted(times, spans[:n, 0])]
+
+
+@dataclass
+class HostSpans:
+    """One host's units, their compute spans stacked ``[n, 2]`` in unit order with each span's
+    weight (the ranks of its unit), and the background load of the communicator threads: spans
+    ``[m, 2]`` with their load in cores."""
+
+    units: list[int]
+    spans: np.ndarray
+    weights: np.ndarray
+    background: tuple[np.ndarray, np.ndarray]
 
 
 def host_spans(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
-               spans: list[list[tuple[float, float]]]) -> list[tuple[list[int], np.ndarray, np.ndarray]]:
-    """Per host: its units, their compute spans stacked ``[n, 2]`` in unit order, and each
-    span's weight (the ranks of its unit)."""
+               spans: list[list[tuple[float, float]]],
+               background: list[list[tuple[float, float, float]]] | None = None) -> list[HostSpans]:
+    """Per host, its `HostSpans`; ``background[u]``: unit ``u``'s communicator-thread work as
+    ``(start, end, cpu seconds)`` (`loom.sim.play.Play.background`)."""
     hosts: dict[int, list[int]] = {}
     for u, r in enumerate(first_rank):
         hosts.setdefault(sharing.host_of(r), []).append(u)
-    return [(units, np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2),
-             np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64))
-            for units in hosts.values()]
+    out = []
+    for units in hosts.values():
+        bg = [b for u in units for b in (background[u] if background is not None else ())]
+        out.append(HostSpans(
+            units, np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2),
+            np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64),
+            (np.array([(a, b) for a, b, _ in bg], dtype=np.float64).reshape(-1, 2),
+             np.array([c / (b - a) for a, b, c in bg], dtype=np.float64))))
+    return out
 
 
 def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int], solo: list[list[float]],
-              spans: list[list[tuple[float, float]]], stretch: list[list[float]]) -> tuple[list[list[float]], float]:
+              spans: list[list[tuple[float, float]]], stretch: list[list[float]],
+              background: list[list[tuple[float, float, float]]] | None = None) -> tuple[list[list[float]], float]:
     """New stretch factors from one play: per unit, per compute action in order, the factor by
-    which its span must change so that it receives its ``solo`` time; returns them with the
-    largest relative shortfall or excess of service seen (0 at the fixed point)."""
+    which its span must change so that it receives its ``solo`` time (sharing the cores with
+    the ``background`` work too); returns them with the largest relative shortfall or excess
+    of service seen (0 at the fixed point)."""
     new = [list(s) for s in stretch]
     worst = 0.0
-    for units, flat_spans, weights in host_spans(sharing, first_rank, unit_ranks, spans):
-        got = service(flat_spans, weights, sharing.cores, sharing)
-        need = np.array([d for u in units for d in solo[u]], dtype=np.float64)
+    for host in host_spans(sharing, first_rank, unit_ranks, spans, background):
+        got = service(host.spans, host.weights, sharing.cores, sharing, host.background)
+        need = np.array([d for u in host.units for d in solo[u]], dtype=np.float64)
         ok = need > 0
         ratio = np.ones_like(need)
         ratio[ok] = need[ok] / np.maximum(got[ok], 1e-15)
         if ok.any():
             worst = max(worst, float(np.abs(ratio[ok] - 1.0).max()))
         k = 0
-        for u in units:
+        for u in host.units:
             n = len(spans[u])
             old = np.array(stretch[u][:n] + [1.0] * (n - len(stretch[u][:n])))
             # a damped step (the square root of the correction): overlaps shift as spans change
@@ -200,9 +233,10 @@ def wake_delays(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[in
     out = [[0.0] * len(b) for b in blocked]
     if sharing.wake_s <= 0:
         return out
-    for units, flat, weights in host_spans(sharing, first_rank, unit_ranks, spans):
-        owner = np.array([u for u in units for _ in spans[u]])
-        for u in units:
+    for host in host_spans(sharing, first_rank, unit_ranks, spans):
+        flat, weights = host.spans, host.weights
+        owner = np.array([u for u in host.units for _ in spans[u]])
+        for u in host.units:
             for k, at in enumerate(blocked[u]):
                 if at is None:
                     continue
@@ -214,15 +248,17 @@ def wake_delays(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[in
 
 
 def cpu_seconds(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
-                spans: list[list[tuple[float, float]]]) -> list[float]:
+                spans: list[list[tuple[float, float]]],
+                background: list[list[tuple[float, float, float]]] | None = None) -> list[float]:
     """Per unit, the core-time (CPU seconds) its compute actions received over their spans
-    ``spans[u]``: at the fixed point, each action's solo time times the slowdown it met."""
+    ``spans[u]`` (at the fixed point, each action's solo time times the slowdown it met), with
+    its communicator threads' CPU ``background[u]``: what its process's CPU clock counts."""
     out = [0.0] * len(spans)
-    for units, flat, weights in host_spans(sharing, first_rank, unit_ranks, spans):
-        got = service(flat, weights, sharing.cores)
+    for host in host_spans(sharing, first_rank, unit_ranks, spans, background):
+        got = service(host.spans, host.weights, sharing.cores, None, host.background)
         k = 0
-        for u in units:
+        for u in host.units:
             n = len(spans[u])
-            out[u] = float(got[k:k + n].sum())
+            out[u] = float(got[k:k + n].sum()) + sum(c for *_, c in (background[u] if background else ()))
             k += n
     return out

@@ -125,12 +125,13 @@ def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Microbatc
         play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head,
                     stretch=stretch, wake=wake, clip=clip).run()
         unit_ranks = [plan.spec(play.roles[u][0]).ranks_per_unit for u in play.units]
-        stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch)
+        stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch,
+                                   play.background)
         woken = wake_delays(sharing, play.first_rank, unit_ranks, play.spans, play.blocked)
         if worst <= TOLERANCE and woken == wake:
             break
         wake = woken
-    play.cpu = cpu_seconds(sharing, play.first_rank, unit_ranks, play.spans)
+    play.cpu = cpu_seconds(sharing, play.first_rank, unit_ranks, play.spans, play.background)
     return play
 
 
