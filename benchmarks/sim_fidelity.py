@@ -647,7 +647,9 @@ def main(argv=None) -> dict:
             "model": "loom.sim.sharing (processor sharing, fixed point; CPU slowdown beside busy ranks from the "
                      "first profile's contention measurement, loom.profile.contention; the wake-up delay of a "
                      "receive that blocked and whose message arrived with every core computing, from the first "
-                     "profile's latency_full fit, Communication.wake_delay)",
+                     "profile's latency_full fit, Communication.wake_delay; the communicator threads' CPU per "
+                     "message as background load on the cores, the first profile's thread_send/thread_recv fits, "
+                     "CostModel.transfer_cpu)",
             "contention": contention,
             "wake_s": round(measured_rounds[0][0].comm.wake_delay(), 6) if measured_rounds else None,
             "without_slowdown": {k: round(statistics.median(rd[k] for rd in without), 4) for k in (
