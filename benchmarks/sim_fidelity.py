@@ -410,7 +410,7 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=5,
                     help="rounds of (a `loom profile` stored to a file, then the timed steps of every case)")
-    ap.add_argument("--steps", type=int, default=3, help="timed steps of every case per round")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps of every case per round")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps of every case per round, before them")
     ap.add_argument("--cases", type=str, default=None,
                     help="comma-separated case indices (default: all): "
