@@ -80,7 +80,7 @@ Figures:
 - ``sim_seconds_1024gpu_64mb``: seconds of one ``simulate`` of a 1024-GPU plan (simulated, not
   a measurement of training).
 
-    python benchmarks/sim_fidelity.py [--rounds 5 --steps 3 --warmup 1 --cases 0,3 --profile PATH --out DIR]
+    python benchmarks/sim_fidelity.py [--rounds 5 --steps 5 --warmup 1 --cases 0,3 --profile PATH --out DIR]
 """
 
 from __future__ import annotations
