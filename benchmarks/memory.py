@@ -53,7 +53,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` and `loom` i
 
 import torch
 
-from benchmarks.common import TextDataset, WorkerGroup, llm_only_config, figure, format_table, median, peak_rss_mb, spread_of, start_run, write_result
+from benchmarks.common import (TextDataset, WorkerGroup, figure, format_table, llm_only_config, median, peak_rss_mb,
+                               spread_of, start_run, write_result)
 from loom.balance.policy import make_layout, sample_costs
 from loom.cost.analytic import AnalyticCostModel
 from loom.cost.arch_from_model import arch_from_model

@@ -59,8 +59,8 @@ import torch.distributed as dist
 from benchmarks.common import (
     TextDataset,
     WorkerGroup,
-    llm_only_config,
     format_table,
+    llm_only_config,
     median,
     peak_rss_mb,
     start_run,

@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.common import (TextDataset, WorkerGroup, llm_only_config, figure, format_table, median, peak_rss_mb, start_run, summarize,
-                               write_result)
+from benchmarks.common import (TextDataset, WorkerGroup, figure, format_table, llm_only_config, median, peak_rss_mb,
+                               start_run, summarize, write_result)
 from loom.data.collate import collate, split_microbatches
 from loom.data.sample import Batch
 from loom.data.sampler import GlobalBatchSampler

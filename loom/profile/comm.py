@@ -60,10 +60,11 @@ def other_threads_cpu() -> float:
     return time.process_time() - time.thread_time()
 
 
-def thread_cpu_rows(comm: Any, rank: int, t: torch.Tensor, count: int = 8) -> float:
+def thread_cpu_per_message(comm: Any, rank: int, t: torch.Tensor, count: int = 8) -> float:
     """The communicator threads' CPU seconds per message on this rank (rank 0 sending, rank 1
     receiving) over ``count`` messages of ``t``, sent one after another as a pipeline stage sends
-    them (each send completed before the next)."""
+    them (each send completed before the next; the closing barrier's share included).
+    Collective: every rank of the group calls it."""
     dist.barrier()
     before = other_threads_cpu()
     for _ in range(count):
@@ -112,8 +113,9 @@ def message_pass(comm: Any, rank: int, sizes: Sequence[int] = MESSAGE_SIZES, rep
             latency = early_receiver(comm, rank, t, token, busy)
             if rank == 0:
                 rows["latency" + suffix].append([nbytes, latency])
+        thread_s = thread_cpu_per_message(comm, rank, t)
         if rank in (0, 1):
-            rows["thread_send" if rank == 0 else "thread_recv"].append([nbytes, thread_cpu_rows(comm, rank, t)])
+            rows["thread_send" if rank == 0 else "thread_recv"].append([nbytes, thread_s])
         # a gradient bucket as the executor syncs it: 4 tensors flattened, summed, unflattened
         grads = [torch.randn(max(nbytes // 16, 1)) for _ in range(4)]
         dist.barrier()

@@ -144,26 +144,22 @@ def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSha
     cores, the communicator threads' (`HostSpans`): it adds to ``k(t)`` for the time slicing."""
     if len(spans) == 0:
         return np.zeros(0)
-    n = len(spans)
-    if background is not None and len(background[0]):
-        edges, loads = np.vstack([spans, background[0]]), np.concatenate([weights, background[1]])
-    else:
-        edges, loads = spans, weights
-    times = np.unique(edges.ravel())
+    has_background = background is not None and len(background[0]) > 0
+    times = np.unique(np.concatenate([spans.ravel(), background[0].ravel()]) if has_background else spans.ravel())
 
-    def level(w: np.ndarray, at: np.ndarray) -> np.ndarray:  # the sum of w over the spans covering each segment
+    def level(at: np.ndarray, w: np.ndarray) -> np.ndarray:  # the sum of w over the spans covering each segment
         delta = np.zeros(len(times))
         np.add.at(delta, np.searchsorted(times, at[:, 0]), w)
         np.add.at(delta, np.searchsorted(times, at[:, 1]), -w)
         return np.cumsum(delta)[:-1]
 
-    busy = level(weights, spans)  # ranks computing in each segment between consecutive times
-    load = level(loads, edges) if edges is not spans else busy
+    busy = level(spans, weights)  # ranks computing in each segment between consecutive times
+    load = busy + level(*background) if has_background else busy
     rate = np.minimum(1.0, cores / np.maximum(load, 1e-12))
     if sharing is not None and sharing.slowdown:
         rate = rate / np.array([sharing.slowdown_at(k) for k in busy])
     received = np.concatenate(([0.0], np.cumsum(rate * np.diff(times))))
-    return received[np.searchsorted(times, spans[:n, 1])] - received[np.searchsorted(times, spans[:n, 0])]
+    return received[np.searchsorted(times, spans[:, 1])] - received[np.searchsorted(times, spans[:, 0])]
 
 
 @dataclass
