@@ -48,10 +48,12 @@ the sender waiting, ``latency_idle``, as every rank waits in those collectives; 
 its CPU time measured here before each round's steps, the median of repeated ``sample_costs`` +
 ``make_layout`` calls on the gathered metadata), and the loss all-reduce that ends the step (one
 scalar over the world, `ProfiledCostModel.clip_time`'s pricing). The 4 ranks share this
-machine's cores: the simulation prices that with `loom.sim.sharing.CoreSharing` (processor
-sharing, with the CPU slowdown beside busy ranks that the profile measured, ``contention``), the
-profile being solo (``--no-sharing`` plays each rank on a core of its own). The figures without
-that slowdown are printed and stored beside (``core_sharing.without_slowdown``).
+machine's cores: the simulation prices that with `loom.sim.sharing.CoreSharing` (each rank
+kept on one core as the kernel keeps it, processor sharing of each core, with the CPU slowdown
+beside busy ranks that the profile measured, ``contention``), the profile being solo
+(``--no-sharing`` plays each rank on a core of its own). The figures without that slowdown, and
+with the host's cores shared by all ranks instead, are printed and stored beside
+(``core_sharing.without_slowdown``, ``core_sharing.host_placement``).
 
 Figures:
 
@@ -432,13 +434,20 @@ def parse_args(argv=None):
     return args
 
 
-def round_sharing(profile: Profile, no_sharing: bool, contention: bool = True) -> CoreSharing | None:
+def round_sharing(profile: Profile, no_sharing: bool, contention: bool = True,
+                  placement: str = "core") -> CoreSharing | None:
     """The core sharing a round is simulated under: this host's cores shared by the world's
     ranks, with the CPU slowdown of the profile's contention measurement (`loom.profile.contention`,
-    `contention_slowdown`) where it has one (and ``contention``); None with ``--no-sharing``."""
+    `contention_slowdown`) where it has one (and ``contention``), each rank kept on one core
+    (``placement``, `loom.sim.sharing.place_units`); None with ``--no-sharing``."""
     if no_sharing:
         return None
-    return profile_sharing(profile, host_cores(), WORLD_SIZE, contention)
+    return replace(profile_sharing(profile, host_cores(), WORLD_SIZE, contention), placement=placement)
+
+
+# the model's parts left out one at a time, each simulated over the same measured rounds
+ABLATIONS = {"without_slowdown": "without the CPU slowdown of sharing",
+             "host_placement": "sharing the host's cores by processor sharing (placement=\"host\")"}
 
 
 def compare_round(selected: list[Case], models: list[CaseModel], measured: list[dict], steps: list[int],
@@ -544,13 +553,17 @@ def main(argv=None) -> dict:
                 if p.is_alive():
                     p.terminate()
         print(f"  measured in {time.perf_counter() - t_start:.0f} s")
-        without = []  # the same rounds without the CPU slowdown of sharing, for comparison
+        ablated: dict[str, list[dict]] = {k: [] for k in ABLATIONS}  # the same rounds, a part of the model left out
         for profile, steps, measured, decisions in measured_rounds:
             rounds.append(compare_round(selected, models, measured, steps, profile, decisions,
                                         round_sharing(profile, args.no_sharing)))
-            if profile.contention and not args.no_sharing:
-                without.append(compare_round(selected, models, measured, steps, profile, decisions,
-                                             round_sharing(profile, args.no_sharing, contention=False)))
+            if args.no_sharing:
+                continue
+            if profile.contention:
+                ablated["without_slowdown"].append(compare_round(
+                    selected, models, measured, steps, profile, decisions, round_sharing(profile, False, False)))
+            ablated["host_placement"].append(compare_round(
+                selected, models, measured, steps, profile, decisions, round_sharing(profile, False, placement="host")))
 
     print()
     header = ["case"] + [f"r{k + 1} {h}" for k in range(len(rounds)) for h in ("measured", "predicted", "error")]
@@ -604,11 +617,13 @@ def main(argv=None) -> dict:
           f"{TARGET_ACTION}; rounds {' '.join(f'{v:.3f}' for v in act_r)}), max_abs_rel_error = {worst:.3f}, "
           f"cpu_median_abs_rel_error = {cpu:.3f} (rounds {' '.join(f'{v:.3f}' for v in cpu_r)})")
     contention = [p.contention for p, *_ in measured_rounds][0] if measured_rounds else {}
-    if without:
-        print(f"without the CPU slowdown of sharing (contention {contention.get('cpu_ratio', 1.0):.3f} x at "
-              f"{contention.get('busy')} busy ranks): median_abs_rel_error = "
-              f"{statistics.median(rd['median_abs_rel_error'] for rd in without):.3f}, cpu_median_abs_rel_error = "
-              f"{statistics.median(rd['cpu_median_abs_rel_error'] for rd in without):.3f}")
+    ablation_figures = {name: {k: round(statistics.median(rd[k] for rd in rds), 4) for k in (
+        "median_abs_rel_error", "action_median_abs_rel_error", "cpu_median_abs_rel_error")}
+        for name, rds in ablated.items() if rds}
+    for name, got in ablation_figures.items():
+        note = (f" (contention {contention.get('cpu_ratio', 1.0):.3f} x at {contention.get('busy')} busy ranks)"
+                if name == "without_slowdown" else "")
+        print(f"{ABLATIONS[name]}{note}: " + ", ".join(f"{k} = {v:.3f}" for k, v in got.items()))
 
     sim_s, sim_info = simulator_speed()
     print(f"sim_seconds_1024gpu_64mb = {sim_s:.3f} s ({sim_info['pipeline_units']} pipeline units, "
@@ -644,7 +659,8 @@ def main(argv=None) -> dict:
                            "iteration (ProfiledCostModel.clip_time: the all-reduce fit carried to the world)",
         "core_sharing": None if args.no_sharing else {
             "cores": host_cores(), "ranks_per_host": WORLD_SIZE,
-            "model": "loom.sim.sharing (processor sharing, fixed point; CPU slowdown beside busy ranks from the "
+            "model": "loom.sim.sharing (each rank kept on one core, placed by place_units; processor sharing "
+                     "of each core, fixed point; CPU slowdown beside busy ranks from the "
                      "first profile's contention measurement, loom.profile.contention; the wake-up delay of a "
                      "receive that blocked and whose message arrived with every core computing, from the first "
                      "profile's latency_full fit, Communication.wake_delay; the communicator threads' CPU per "
@@ -652,8 +668,7 @@ def main(argv=None) -> dict:
                      "CostModel.transfer_cpu)",
             "contention": contention,
             "wake_s": round(measured_rounds[0][0].comm.wake_delay(), 6) if measured_rounds else None,
-            "without_slowdown": {k: round(statistics.median(rd[k] for rd in without), 4) for k in (
-                "median_abs_rel_error", "action_median_abs_rel_error", "cpu_median_abs_rel_error")} if without else None},
+            **{name: ablation_figures.get(name) for name in ABLATIONS}},
         "kind_errors_per_round": [{k: round(v, 4) for k, v in rd["kind_errors"].items()} for rd in rounds],
         # the first round's message and all-reduce fits (what the simulator charges per message)
         "profile_comm": {k: {"alpha_ms": round(v["alpha_s"] * 1e3, 4), "ms_per_mb": round(v["seconds_per_byte"] * 1e9, 4)}

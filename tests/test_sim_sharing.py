@@ -11,7 +11,8 @@ from loom.cost.uniform import UniformCostModel
 from loom.plan.plan import ModuleSpec, Plan
 from loom.schedule import build_schedule
 from loom.sim import simulate
-from loom.sim.sharing import TOLERANCE, CoreSharing, SharingError, contention_slowdown, cpu_seconds, service
+from loom.sim.sharing import (TOLERANCE, CoreSharing, SharingError, contention_slowdown, cpu_seconds, place_units,
+                              service)
 
 from plans import multimodal
 
@@ -57,20 +58,65 @@ def test_two_replicas_on_one_core_match_the_processor_sharing_schedule():
         assert [(e.start_s, e.end_s) for e in same.timeline] == [(e.start_s, e.end_s) for e in alone.timeline]
 
 
+def test_place_units_levels_counts_and_puts_the_heaviest_first():
+    """Per host: equal rank counts per core (at most one more), heaviest unit first onto the
+    core with the least compute so far. The demo's loads (vision 30, audio 25, LLM stages 125
+    and 55) pair the first LLM stage with audio and the second with vision, as the kernel did
+    in most measured steps."""
+    sharing = CoreSharing(cores=2, ranks_per_host=4)
+    assert place_units(sharing, [0, 1, 2, 3], [1, 1, 1, 1], [30.0, 25.0, 125.0, 55.0]) == [1, 0, 0, 1]
+    assert place_units(CoreSharing(cores=2, ranks_per_host=3), [0, 1, 2], [1, 1, 1], [3.0, 2.0, 1.0]) == [0, 1, 1]
+    # two hosts of 2 ranks on 1 core each: one core a host
+    assert place_units(CoreSharing(cores=1, ranks_per_host=2), [0, 1, 2, 3], [1] * 4, [1.0] * 4) == [0, 0, 0, 0]
+    # a unit of 2 ranks (TP) computes on 2 cores at once: its host keeps processor sharing
+    assert place_units(sharing, [0, 2, 3], [2, 1, 1], [5.0, 1.0, 1.0]) == [-1, -1, -1]
+    assert place_units(CoreSharing(cores=2, ranks_per_host=4, placement="host"), [0, 1], [1, 1], [1.0, 1.0]) is None
+    with pytest.raises(SharingError, match="placement"):
+        CoreSharing(cores=2, ranks_per_host=4, placement="numa")
+
+
+def test_ranks_kept_on_their_cores_against_sharing_the_host():
+    """Three replicas of one stage on 2 cores, solo compute 9, 6 and 3 s (F = tokens, B = twice
+    that; no messages, so each computes from 0 without a pause). Kept on cores, replica 0 has a
+    core to itself and ends at 9; replicas 1 and 2 share the other, 2 ends at 6 with half a
+    core, then 1 runs alone and also ends at 9. Sharing the host, all three run at 2/3 of a
+    core until replica 2 ends at 4.5, then 1 ends at 7.5 and 0 at 10.5."""
+    g = 0.5
+    plan = Plan([ModuleSpec("llm", data_parallel=3)], num_microbatches=3).resolve({"llm": 4})
+    cost = TokenCost(plan, grad_sync=g)
+    work = [{"llm": Workload(3)}, {"llm": Workload(2)}, {"llm": Workload(1)}]
+
+    def iteration(placement: str, cores: int = 2) -> float:
+        sharing = CoreSharing(cores=cores, ranks_per_host=3, placement=placement)
+        return simulate(build_schedule(plan), plan, cost, work, sharing=sharing).iteration_time
+
+    assert iteration("core") == pytest.approx(9 + g, rel=2 * TOLERANCE)
+    assert iteration("host") == pytest.approx(10.5 + g, rel=2 * TOLERANCE)
+    assert iteration("core", cores=3) == pytest.approx(simulate(build_schedule(plan), plan, cost, work).iteration_time)
+
+
+@pytest.mark.parametrize("placement", ["core", "host"])
 @pytest.mark.parametrize("cores", [1, 2, 3])
-def test_multimodal_pipeline_fixed_point(cores):
+def test_multimodal_pipeline_fixed_point(cores, placement):
     """Vision (2 stages), audio, a 2-stage LLM on one host: every compute action receives its solo
-    time (the fixed point), no action is faster than solo, the step is no shorter than without
-    sharing, and no shorter than the host's whole compute spread over its cores."""
+    time (the fixed point; under ``placement="core"`` from its rank's core, as `place_units`
+    places the ranks by their compute), no action is faster than solo, the step is no shorter
+    than without sharing, and no shorter than the host's whole compute spread over its cores."""
     plan = multimodal(vision=2, audio=1, llm=2, microbatches=4)
     cost = UniformCostModel(plan, forward=1.0, backward=2.0, optimizer=0.25)
     schedule = build_schedule(plan)
     alone = simulate(schedule, plan, cost)
-    sharing = CoreSharing(cores=cores, ranks_per_host=plan.world_size)
+    sharing = CoreSharing(cores=cores, ranks_per_host=plan.world_size, placement=placement)
     shared = simulate(schedule, plan, cost, sharing=sharing)
     compute = [e for e in shared.timeline if e.kind in ("forward", "backward", "optimizer_step")]
     solo = {"forward": 1.0, "backward": 2.0, "optimizer_step": 0.25}
-    got = service(np.array([(e.start_s, e.end_s) for e in compute]), np.ones(len(compute)), cores)
+    lanes = None
+    if placement == "core":
+        ranks = sorted({e.rank for e in shared.timeline})
+        load = [sum(solo[e.kind] for e in compute if e.rank == r) for r in ranks]
+        core_of = place_units(sharing, ranks, [1] * len(ranks), load)
+        lanes = (np.array([core_of[ranks.index(e.rank)] for e in compute]), np.zeros(0, dtype=np.int64))
+    got = service(np.array([(e.start_s, e.end_s) for e in compute]), np.ones(len(compute)), cores, lanes=lanes)
     need = np.array([solo[e.kind] for e in compute])
     assert np.abs(got / need - 1).max() <= 2 * TOLERANCE
     assert all(e.end_s - e.start_s >= solo[e.kind] - 1e-9 for e in compute)
@@ -187,14 +233,17 @@ class ThreadCost(UniformCostModel):
         return self.cpu, self.cpu
 
 
-def test_communicator_threads_take_cores_from_compute():
+@pytest.mark.parametrize("placement, end", [("host", 2.0 + 1 / 3), ("core", 2.5)])
+def test_communicator_threads_take_cores_from_compute(placement, end):
     """A 2-stage LLM, 2 microbatches, F=1, B=2, messages of 1 s, both stages on a host of 2
     cores. Stage 0's first activation moves over [1, 2] while stage 0 computes its second
-    forward; with each end's threads using 1 CPU second over it (2 cores of load), the forward
-    gets 2/3 of a core until 2, then a core of its own: it ends at 2 + 1/3 instead of 2. The
-    threads' CPU is in each process's CPU time; without sharing it is not priced."""
+    forward, each end's threads using 1 CPU second over it. Sharing the host's 2 cores (3 cores
+    of load), the forward gets 2/3 of a core until 2, then a core of its own: it ends at 2 + 1/3
+    instead of 2. With each rank on a core of its own, the sender's threads share only stage 0's
+    core: 1/2 until 2, ending at 2.5. The threads' CPU is in each process's CPU time; without
+    sharing it is not priced."""
     plan = Plan([ModuleSpec("llm", num_stages=2)], num_microbatches=2).resolve({"llm": 4})
-    sharing = CoreSharing(cores=2, ranks_per_host=2)
+    sharing = CoreSharing(cores=2, ranks_per_host=2, placement=placement)
 
     def second_forward(cpu: float):
         r = simulate(build_schedule(plan), plan, ThreadCost(plan, cpu), sharing=sharing)
@@ -203,7 +252,7 @@ def test_communicator_threads_take_cores_from_compute():
 
     assert second_forward(0.0)[0] == pytest.approx((1.0, 2.0), abs=0.01)
     span, threaded = second_forward(1.0)
-    assert span == pytest.approx((1.0, 2.0 + 1 / 3), abs=0.02)
+    assert span == pytest.approx((1.0, end), abs=0.02)
     plain = second_forward(0.0)[1]
     # 4 messages, each costing its sender and its receiver 1 CPU second
     assert sum(threaded.cpu.values()) == pytest.approx(sum(plain.cpu.values()) + 8.0, rel=0.01)

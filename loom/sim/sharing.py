@@ -17,6 +17,19 @@ over its span (``k(t)``: the ranks of its host computing at time ``t``), and res
 by solo time over service; repeat until every action receives its solo time (`converged`). A
 rank waiting in a receive or a collective is taken to hold no core (gloo's waits block).
 
+Which cores a rank runs on matters as much as how many there are. Linux keeps a run queue per
+core and moves a task to another core only when the queues stay unbalanced, so a rank that
+computes in bursts between receives stays on one core through a step: measured on the demo (4
+ranks on 2 cores), each rank did 85-100 % of a step's compute CPU on one core, and the pairs
+changed only between steps. A rank then shares its own core with the ranks placed on it, while
+the other core may idle: processor sharing over the whole host (``placement="host"``) hands
+the rank the idle core and under-prices the step (by 14 % against the measured steps' own CPU
+times, 10 % with the ranks placed as the kernel placed them). Under ``placement="core"`` (the
+default) `place_units` puts each host's ranks on its cores as the kernel's balancing does: the
+same number of ranks per core (at most one more), the heaviest rank first onto the core with
+the least compute so far (the pairing the kernel chose in 6 of 10 measured steps, the next-best
+in 3), and each core is shared by processor sharing among its own ranks.
+
 Sharing also costs CPU: co-running processes evict each other's caches at every context switch
 and share the last-level cache and memory bandwidth, so a second of solo work takes more than a
 second of CPU beside other busy ranks. ``slowdown[k - 1]`` is that factor with ``k`` ranks of the
@@ -46,6 +59,9 @@ class SharingError(ValueError):
     """A core-sharing description that cannot be used."""
 
 
+PLACEMENTS = ("core", "host")
+
+
 @dataclass(frozen=True)
 class CoreSharing:
     """``cores`` CPU cores per host, shared by the ranks placed on it, ``ranks_per_host`` at a
@@ -59,6 +75,9 @@ class CoreSharing:
     # seconds a blocked receive loses when its message arrives with every core of the host
     # computing (the scheduler's wake-up latency; 0: none)
     wake_s: float = 0.0
+    # "core": each rank keeps to one core, placed by `place_units`; "host": every core of the
+    # host shared by all its ranks (see the module docstring)
+    placement: str = "core"
 
     def __post_init__(self) -> None:
         for name in ("cores", "ranks_per_host"):
@@ -71,6 +90,9 @@ class CoreSharing:
                                f"not {bad}")
         if not (isinstance(self.wake_s, (int, float)) and np.isfinite(self.wake_s) and self.wake_s >= 0):
             raise SharingError(f"wake_s = {self.wake_s!r}: give the wake-up delay in seconds, 0 or more")
+        if self.placement not in PLACEMENTS:
+            raise SharingError(f"placement = {self.placement!r}: use one of {PLACEMENTS} (each rank on one core, "
+                               f"or the host's cores shared by all)")
 
     def host_of(self, rank: int) -> int:
         return rank // self.ranks_per_host
@@ -135,17 +157,48 @@ TOLERANCE = 0.005
 MAX_ROUNDS = 60
 
 
+def place_units(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
+                load: list[float]) -> list[int] | None:
+    """Per unit, the core of its host it computes on under ``placement="core"`` (None under
+    ``"host"``): on each host, units by decreasing ``load`` (their compute seconds), each onto
+    the core with the least load so far among those holding fewer than ``ceil(ranks / cores)``
+    ranks (ties: the lower core). A host with a unit of several ranks (TP, CP: they compute on
+    several cores at once) keeps processor sharing over its cores: its units get -1."""
+    if sharing.placement == "host":
+        return None
+    out = [-1] * len(first_rank)
+    hosts: dict[int, list[int]] = {}
+    for u, r in enumerate(first_rank):
+        hosts.setdefault(sharing.host_of(r), []).append(u)
+    for units in hosts.values():
+        if any(unit_ranks[u] > 1 for u in units):
+            continue
+        cap = -(-len(units) // sharing.cores)
+        count, taken = [0] * sharing.cores, [0.0] * sharing.cores
+        for u in sorted(units, key=lambda u: (-load[u], u)):
+            core = min((c for c in range(sharing.cores) if count[c] < cap), key=lambda c: (taken[c], c))
+            out[u] = core
+            count[core] += 1
+            taken[core] += load[u]
+    return out
+
+
 def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSharing | None = None,
-            background: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+            background: tuple[np.ndarray, np.ndarray] | None = None,
+            lanes: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
     """Per span ``[start, end)`` of one host's compute actions (``weights``: ranks computing in
     it), the core-time it received under processor sharing: ``∫ min(1, cores / k(t)) dt``; given
     ``sharing`` with a slowdown, the solo work that core-time does: ``∫ min(1, cores / k(t)) /
     slowdown(k(t)) dt``. ``background`` (spans, loads in cores) is other work on the host's
-    cores, the communicator threads' (`HostSpans`): it adds to ``k(t)`` for the time slicing."""
+    cores, the communicator threads' (`HostSpans`): it adds to ``k(t)`` for the time slicing.
+    ``lanes`` (the core of each span, of each background span; `place_units`): each core is
+    shared only by its own spans and background, ``min(1, 1 / k_core(t))``; the slowdown still
+    counts the host's busy ranks (caches and memory are the host's)."""
     if len(spans) == 0:
         return np.zeros(0)
     has_background = background is not None and len(background[0]) > 0
     times = np.unique(np.concatenate([spans.ravel(), background[0].ravel()]) if has_background else spans.ravel())
+    first, last = np.searchsorted(times, spans[:, 0]), np.searchsorted(times, spans[:, 1])
 
     def level(at: np.ndarray, w: np.ndarray) -> np.ndarray:  # the sum of w over the spans covering each segment
         delta = np.zeros(len(times))
@@ -153,57 +206,77 @@ def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSha
         np.add.at(delta, np.searchsorted(times, at[:, 1]), -w)
         return np.cumsum(delta)[:-1]
 
+    def received(rate: np.ndarray, on: np.ndarray | slice = slice(None)) -> np.ndarray:
+        got = np.concatenate(([0.0], np.cumsum(rate * np.diff(times))))
+        return got[last[on]] - got[first[on]]
+
     busy = level(spans, weights)  # ranks computing in each segment between consecutive times
-    load = busy + level(*background) if has_background else busy
-    rate = np.minimum(1.0, cores / np.maximum(load, 1e-12))
-    if sharing is not None and sharing.slowdown:
-        rate = rate / np.array([sharing.slowdown_at(k) for k in busy])
-    received = np.concatenate(([0.0], np.cumsum(rate * np.diff(times))))
-    return received[np.searchsorted(times, spans[:, 1])] - received[np.searchsorted(times, spans[:, 0])]
+    slow = np.array([sharing.slowdown_at(k) for k in busy]) if sharing is not None and sharing.slowdown else 1.0
+    if lanes is None:
+        load = busy + level(*background) if has_background else busy
+        return received(np.minimum(1.0, cores / np.maximum(load, 1e-12)) / slow)
+    out = np.zeros(len(spans))
+    for core in np.unique(lanes[0]):
+        on = lanes[0] == core
+        load = level(spans[on], weights[on])
+        if has_background and (lanes[1] == core).any():
+            b = lanes[1] == core
+            load = load + level(background[0][b], background[1][b])
+        out[on] = received(np.minimum(1.0, 1.0 / np.maximum(load, 1e-12)) / slow, on)
+    return out
 
 
 @dataclass
 class HostSpans:
     """One host's units, their compute spans stacked ``[n, 2]`` in unit order with each span's
-    weight (the ranks of its unit), and the background load of the communicator threads: spans
-    ``[m, 2]`` with their load in cores."""
+    weight (the ranks of its unit), the background load of the communicator threads: spans
+    ``[m, 2]`` with their load in cores, and under ``placement="core"`` the core of each span
+    and of each background span (None: the host's cores shared by all)."""
 
     units: list[int]
     spans: np.ndarray
     weights: np.ndarray
     background: tuple[np.ndarray, np.ndarray]
+    lanes: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def host_spans(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
                spans: list[list[tuple[float, float]]],
-               background: list[list[tuple[float, float, float]]] | None = None) -> list[HostSpans]:
+               background: list[list[tuple[float, float, float]]] | None = None,
+               core_of: list[int] | None = None) -> list[HostSpans]:
     """Per host, its `HostSpans`; ``background[u]``: unit ``u``'s communicator-thread work as
-    ``(start, end, cpu seconds)`` (`loom.sim.play.Play.background`)."""
+    ``(start, end, cpu seconds)`` (`loom.sim.play.Play.background`); ``core_of``: each unit's
+    core (`place_units`; -1 or None: processor sharing over the host)."""
     hosts: dict[int, list[int]] = {}
     for u, r in enumerate(first_rank):
         hosts.setdefault(sharing.host_of(r), []).append(u)
     out = []
     for units in hosts.values():
-        bg = [b for u in units for b in (background[u] if background is not None else ())]
+        bg = [(b, u) for u in units for b in (background[u] if background is not None else ())]
+        lanes = None
+        if core_of is not None and all(core_of[u] >= 0 for u in units):
+            lanes = (np.array([core_of[u] for u in units for _ in spans[u]], dtype=np.int64),
+                     np.array([core_of[u] for _, u in bg], dtype=np.int64))
         out.append(HostSpans(
             units, np.array([sp for u in units for sp in spans[u]], dtype=np.float64).reshape(-1, 2),
             np.array([unit_ranks[u] for u in units for _ in spans[u]], dtype=np.float64),
-            (np.array([(a, b) for a, b, _ in bg], dtype=np.float64).reshape(-1, 2),
-             np.array([c / (b - a) for a, b, c in bg], dtype=np.float64))))
+            (np.array([(a, b) for (a, b, _), _ in bg], dtype=np.float64).reshape(-1, 2),
+             np.array([c / (b - a) for (a, b, c), _ in bg], dtype=np.float64)), lanes))
     return out
 
 
 def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int], solo: list[list[float]],
               spans: list[list[tuple[float, float]]], stretch: list[list[float]],
-              background: list[list[tuple[float, float, float]]] | None = None) -> tuple[list[list[float]], float]:
+              background: list[list[tuple[float, float, float]]] | None = None,
+              core_of: list[int] | None = None) -> tuple[list[list[float]], float]:
     """New stretch factors from one play: per unit, per compute action in order, the factor by
     which its span must change so that it receives its ``solo`` time (sharing the cores with
-    the ``background`` work too); returns them with the largest relative shortfall or excess
-    of service seen (0 at the fixed point)."""
+    the ``background`` work too, each unit on its core of ``core_of``); returns them with the
+    largest relative shortfall or excess of service seen (0 at the fixed point)."""
     new = [list(s) for s in stretch]
     worst = 0.0
-    for host in host_spans(sharing, first_rank, unit_ranks, spans, background):
-        got = service(host.spans, host.weights, sharing.cores, sharing, host.background)
+    for host in host_spans(sharing, first_rank, unit_ranks, spans, background, core_of):
+        got = service(host.spans, host.weights, sharing.cores, sharing, host.background, host.lanes)
         need = np.array([d for u in host.units for d in solo[u]], dtype=np.float64)
         ok = need > 0
         ratio = np.ones_like(need)
@@ -221,37 +294,44 @@ def restretch(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int]
 
 
 def wake_delays(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
-                spans: list[list[tuple[float, float]]], blocked: list[list[float | None]]) -> list[list[float]]:
+                spans: list[list[tuple[float, float]]], blocked: list[list[float | None]],
+                core_of: list[int] | None = None) -> list[list[float]]:
     """Per unit, per receive in order, the wake-up delay it meets: ``sharing.wake_s`` where the
     receive blocked and its message arrived (``blocked[u][k]``, None where it did not block)
     while ranks of the unit's host filled every core (compute spans ``spans``, ``unit_ranks``
-    ranks a unit), else 0."""
+    ranks a unit), else 0; with ``core_of``, while ranks on the unit's own core computed."""
     out = [[0.0] * len(b) for b in blocked]
     if sharing.wake_s <= 0:
         return out
-    for host in host_spans(sharing, first_rank, unit_ranks, spans):
+    for host in host_spans(sharing, first_rank, unit_ranks, spans, core_of=core_of):
         flat, weights = host.spans, host.weights
         owner = np.array([u for u in host.units for _ in spans[u]])
         for u in host.units:
+            others = owner != u
+            capacity = sharing.cores
+            if host.lanes is not None:  # only the ranks on this unit's core
+                others &= host.lanes[0] == core_of[u]
+                capacity = 1
             for k, at in enumerate(blocked[u]):
                 if at is None:
                     continue
                 # the other units' ranks computing then (the receiver's own next action starts at it)
-                busy = weights[(flat[:, 0] <= at) & (at < flat[:, 1]) & (owner != u)].sum()
-                if busy >= sharing.cores:
+                busy = weights[(flat[:, 0] <= at) & (at < flat[:, 1]) & others].sum()
+                if busy >= capacity:
                     out[u][k] = sharing.wake_s
     return out
 
 
 def cpu_seconds(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
                 spans: list[list[tuple[float, float]]],
-                background: list[list[tuple[float, float, float]]] | None = None) -> list[float]:
+                background: list[list[tuple[float, float, float]]] | None = None,
+                core_of: list[int] | None = None) -> list[float]:
     """Per unit, the core-time (CPU seconds) its compute actions received over their spans
     ``spans[u]`` (at the fixed point, each action's solo time times the slowdown it met), with
     its communicator threads' CPU ``background[u]``: what its process's CPU clock counts."""
     out = [0.0] * len(spans)
-    for host in host_spans(sharing, first_rank, unit_ranks, spans, background):
-        got = service(host.spans, host.weights, sharing.cores, None, host.background)
+    for host in host_spans(sharing, first_rank, unit_ranks, spans, background, core_of):
+        got = service(host.spans, host.weights, sharing.cores, None, host.background, host.lanes)
         k = 0
         for u in host.units:
             n = len(spans[u])

@@ -56,7 +56,7 @@ from loom.sim.dispatch import DISPATCH, DispatchCost
 from loom.sim.memory import peak_memory, peak_memory_of
 from loom.sim.play import DeadlockError, Play
 from loom.sim.result import SimResult
-from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, cpu_seconds, restretch, wake_delays
+from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, cpu_seconds, place_units, restretch, wake_delays
 from loom.sim.work import PartWork, work_table
 
 __all__ = ["DeadlockError", "SimResult", "peak_memory", "simulate"]
@@ -121,17 +121,21 @@ def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Microbatc
                     start=head, clip=clip).run()
     stretch: list[list[float]] = [[] for _ in range(plan.num_units)]
     wake: list[list[float]] = [[] for _ in range(plan.num_units)]
+    core_of: list[int] | None = None
     for _ in range(MAX_ROUNDS):
         play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head,
                     stretch=stretch, wake=wake, clip=clip).run()
         unit_ranks = [plan.spec(play.roles[u][0]).ranks_per_unit for u in play.units]
+        if core_of is None:  # placed once, by the solo play's compute: the fixed point keeps it
+            core_of = place_units(sharing, play.first_rank, unit_ranks, [sum(s) for s in play.solo]) or []
+        placed = core_of or None
         stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch,
-                                   play.background)
-        woken = wake_delays(sharing, play.first_rank, unit_ranks, play.spans, play.blocked)
+                                   play.background, placed)
+        woken = wake_delays(sharing, play.first_rank, unit_ranks, play.spans, play.blocked, placed)
         if worst <= TOLERANCE and woken == wake:
             break
         wake = woken
-    play.cpu = cpu_seconds(sharing, play.first_rank, unit_ranks, play.spans, play.background)
+    play.cpu = cpu_seconds(sharing, play.first_rank, unit_ranks, play.spans, play.background, placed)
     return play
 
 
