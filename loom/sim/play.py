@@ -161,6 +161,10 @@ class Play:
             om, os_, omb = a.peer_module, a.peer_stage, other
         generator = a.peer_module if a.kind is SEND_ACT else a.module  # the edge's forward destination
         conditioning = om == LLM and generator in self.generators
+        if not conditioning and self._empty(om, omb, a.samples):  # no rows: the executor sends nothing
+            self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
+                                                a.microbatch, t, t, self.step))
+            return t
         if conditioning:  # the LLM's states at the generator's positions
             w = self.works[omb].get(generator, EMPTY) if a.samples is None else self.part_work(generator, a.samples)
             d = self.cost.condition_transfer_time(u, a.peer, generator, w)
@@ -189,6 +193,17 @@ class Play:
                                             a.microbatch, t, t, self.step))
         return t
 
+    def _empty(self, module: str, microbatch: int, samples: tuple[int, ...] | None) -> bool:
+        """Whether the tensor of an edge whose forward source is ``module`` has no rows in
+        ``microbatch`` (no item of the module in it, or none of a routed part's ``samples``):
+        the executor's communicator then neither sends nor waits (`P2PCommunicator.recv_shaped`
+        of an empty shape), so the receive does not depend on the send."""
+        if samples is None:
+            w = self.works[microbatch].get(module)
+        else:
+            w = self.part_work(module, samples) if self.part_work.table is not None else None
+        return w is not None and w.tokens == 0  # no workload given (a cost model that ignores it): sizes unknown
+
     def _thread_cpu(self, u: int, peer: int, cpu: tuple[float, float], start: float, d: float) -> None:
         """Under core sharing: the communicator threads' CPU for a message (sender's, receiver's),
         spread over the transfer (at least its own length) on each end's host."""
@@ -200,15 +215,20 @@ class Play:
         """A receive blocks until its message has arrived (matched like the validator's
         ``_message_key``)."""
         other = a.microbatch if a.peer_microbatch is None else a.peer_microbatch
-        key = (a.kind is RECV_GRAD, a.peer, u, other, a.microbatch, a.peer_module, a.peer_stage, a.module, a.stage,
-               a.samples)
-        posted = self.messages.get(key)
-        if not posted:
-            self.waiting[key] = u
-            return None
-        arrival = posted.pop(0)
-        if not posted:
-            del self.messages[key]
+        om, omb = (a.peer_module, other) if a.kind is RECV_ACT else (a.module, a.microbatch)  # the tensor's source
+        generator = a.module if a.kind is RECV_ACT else a.peer_module
+        if (om != LLM or generator not in self.generators) and self._empty(om, omb, a.samples):
+            arrival = t  # no rows: the executor receives nothing and goes on (as `_send` posts nothing)
+        else:
+            key = (a.kind is RECV_GRAD, a.peer, u, other, a.microbatch, a.peer_module, a.peer_stage, a.module,
+                   a.stage, a.samples)
+            posted = self.messages.get(key)
+            if not posted:
+                self.waiting[key] = u
+                return None
+            arrival = posted.pop(0)
+            if not posted:
+                del self.messages[key]
         k = len(self.arrivals[u])
         self.arrivals[u].append(arrival)
         self.blocked[u].append(arrival if arrival > t else None)
