@@ -14,8 +14,8 @@ time (``time.thread_time``) with 3 co-runners than alone, alternating, under oth
 layer's backwards, `Profiler.module_pass_cpu`) in CPU time of the measuring thread, alternately
 with its co-runners paused (solo) and computing (processes that run the profiler's own passes
 on a copy of the model, `loom.profile.profiler.profiler_co_runner`, the closest stand-in for
-another rank of the same model); the ratio of the medians is the CPU slowdown at ``co_runners +
-1`` ranks computing at once. CPU time, not wall time: the time slicing itself is the
+another rank of the same model); the median over alternations of a shared pass's CPU time over
+the solo pass's before it is the CPU slowdown at ``co_runners + 1`` ranks computing at once. CPU time, not wall time: the time slicing itself is the
 simulator's to price, so the ratio holds only the cost of sharing, not the waiting.
 """
 
@@ -28,17 +28,19 @@ from typing import Any, Sequence
 from loom.model.multimodal import MultimodalModel
 from loom.profile.profiler import DEFAULT_TOKEN_COUNTS, Profiler
 
-CONTENTION_PASSES = 3
+CONTENTION_PASSES = 5
 
 
 def measure_contention(model: MultimodalModel, co_runners: int, passes: int = CONTENTION_PASSES,
                        token_counts: Sequence[int] = DEFAULT_TOKEN_COUNTS, device: str = "cpu",
                        threads: int | None = 1, dtype: str = "fp32") -> dict[str, Any]:
     """The CPU slowdown of the profiler's passes over ``model`` with ``co_runners`` processes
-    computing alongside (see the module docstring): ``{"busy": co_runners + 1, "cpu_ratio":
-    co-running over solo CPU seconds of a pass (medians), "solo_s": [...], "shared_s": [...],
-    "passes": passes}``. One untimed warm-up pass, then ``passes`` alternations of a solo and
-    a shared pass (so drift in the machine's speed hits both sides alike)."""
+    computing alongside (see the module docstring): ``{"busy": co_runners + 1, "cpu_ratio": the
+    median over alternations of a shared pass's CPU seconds over the solo pass's just before it,
+    "solo_s": [...], "shared_s": [...], "passes": passes}``. One untimed warm-up pass, then
+    ``passes`` alternations of a solo and a shared pass: each ratio compares passes seconds
+    apart, so the machine's drift over the measurement (10-20 % on this project's 2-core VM)
+    stays out of it."""
     if not isinstance(co_runners, int) or isinstance(co_runners, bool) or co_runners < 1:
         raise ValueError(f"co_runners = {co_runners!r}: measuring contention needs 1 or more co-running processes "
                          f"(the other ranks of the host)")
@@ -55,5 +57,5 @@ def measure_contention(model: MultimodalModel, co_runners: int, passes: int = CO
                 shared.append(prof.module_pass_cpu())
             finally:
                 prof.runners.pause()
-    return {"busy": co_runners + 1, "cpu_ratio": statistics.median(shared) / statistics.median(solo),
+    return {"busy": co_runners + 1, "cpu_ratio": statistics.median(b / a for a, b in zip(solo, shared)),
             "solo_s": [round(s, 5) for s in solo], "shared_s": [round(s, 5) for s in shared], "passes": passes}
