@@ -7,8 +7,8 @@ executor's format.
   (`SimResult`);
 - `loom.sim.dispatch`: the dispatcher's price per step (metadata all-gather, layout decision,
   payload all-to-all per phase over intra- and inter-node links);
-- `loom.sim.sharing`: `CoreSharing`, ranks sharing a CPU host's cores (processor sharing of
-  their compute, for CPU runs);
+- `loom.sim.sharing`: `CoreSharing`, ranks sharing a CPU host's cores (each kept on one core,
+  processor sharing of each core's compute, for CPU runs);
 - `loom.sim.gantt`: `plot_gantt`, a PNG Gantt chart of any timeline (simulated or measured);
 - `loom.sim.loads`: `PhaseLoads`, `phase_loads`, how evenly a layout spreads each phase's work;
 - `loom.sim.scenario`: scenarios from published configs, also under balancing policies.

@@ -1,4 +1,5 @@
-"""Ranks that share a host's CPU cores: their compute under processor sharing.
+"""Ranks that share a host's CPU cores: each kept on one core, their compute under processor
+sharing of that core.
 
 On a GPU cluster every rank computes on a device of its own, so an action's time does not depend
 on what the other ranks do at that moment. Ranks that run as processes on one CPU host (loom's CPU
