@@ -292,6 +292,24 @@ def test_wake_delay_is_added_to_blocked_receives_on_a_full_host():
     assert first_receive_end(1, 1, 0.25)[1] == pytest.approx(first_receive_end(1, 1, 0.0)[1])
 
 
+def test_kept_on_cores_only_the_own_core_counts():
+    """Units 0 and 1 on core 0, unit 2 on core 1 (2 cores). A receive of unit 1 whose message
+    arrives while unit 0 computes waits ``wake_s``; one of unit 0 arriving while only unit 2
+    computes on the other core does not. The core-time each unit's compute receives comes
+    from its own core: units 0 and 1 share core 0 over [0, 1) (1/2 each), unit 2 has core 1."""
+    from loom.sim.sharing import wake_delays
+
+    sharing = CoreSharing(cores=2, ranks_per_host=3, wake_s=0.1)
+    core_of = [0, 0, 1]
+    spans = [[(0.0, 1.0)], [(0.0, 1.0)], [(1.0, 2.0)]]
+    got = wake_delays(sharing, [0, 1, 2], [1, 1, 1], spans, [[1.5], [0.5], []], core_of)
+    assert got == [[0.0], [0.1], []]
+    # sharing the host's 2 cores instead, unit 0 alone computes beside unit 1: a core is free
+    assert wake_delays(sharing, [0, 1, 2], [1, 1, 1], spans, [[1.5], [0.5], []]) == [[0.0], [0.0], []]
+    assert cpu_seconds(sharing, [0, 1, 2], [1, 1, 1], spans, core_of=core_of) == pytest.approx([0.5, 0.5, 1.0])
+    assert cpu_seconds(sharing, [0, 1, 2], [1, 1, 1], spans) == pytest.approx([1.0, 1.0, 1.0])
+
+
 def test_wake_delays_count_the_ranks_computing_at_the_arrival():
     from loom.sim.sharing import wake_delays
 
