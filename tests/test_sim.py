@@ -174,24 +174,23 @@ def test_a_message_without_rows_is_neither_sent_nor_awaited():
     """Audio (1 stage) and vision feeding a 1-stage LLM, 1F1B, 2 microbatches, F=1 B=2, messages
     of 1 s. Microbatch 0 has no audio: its audio activation and gradient have no rows, and the
     executor's communicator skips empty tensors (`P2PCommunicator.recv_shaped`), so the audio
-    rank's gradient receive for it ends where it starts instead of waiting for the LLM's
-    backward, and no transfer is priced for it. Without workloads (sizes unknown) every message
-    is awaited."""
+    rank's receive of that gradient ends where it starts instead of waiting for the LLM's
+    backward. Without workloads (sizes unknown) every message is awaited."""
     plan = multimodal(vision=1, audio=1, llm=1, microbatches=2)
     cost = UniformCostModel(plan, forward=1.0, backward=2.0, transfer=1.0)
     work = [{"vision": Workload(4), "audio": Workload(0), "llm": Workload(8)},
             {"vision": Workload(4), "audio": Workload(3), "llm": Workload(8)}]
-    def receives(w):
-        r = simulate(build_schedule(plan), plan, cost, w)
-        return {(e.kind, e.microbatch): (e.start_s, e.end_s) for e in r.timeline
-                if e.rank == plan.rank_of("audio", 0, 0) and e.kind == "recv_grad"}
+    audio = plan.rank_of("audio", 0, 0)
 
-    got = receives(work)
-    assert got[("recv_grad", 0)][1] == pytest.approx(got[("recv_grad", 0)][0])
-    # microbatch 1 waits for the LLM's backward: F0 at [2, 3] (vision's message), F1 [3, 4], B0, B1
-    assert got[("recv_grad", 1)][1] > got[("recv_grad", 1)][0] + 1.0
-    unknown = receives(None)
-    assert unknown[("recv_grad", 0)][1] > unknown[("recv_grad", 0)][0] + 1.0
+    def gradient_receives(w):
+        r = simulate(build_schedule(plan), plan, cost, w)
+        return {e.microbatch: (e.start_s, e.end_s) for e in r.timeline if e.rank == audio and e.kind == "recv_grad"}
+
+    grads = gradient_receives(work)
+    assert grads[0][1] == pytest.approx(grads[0][0])
+    assert grads[1][1] > grads[1][0] + 1.0  # microbatch 1's gradient comes after the LLM's backward
+    unknown = gradient_receives(None)
+    assert unknown[0][1] > unknown[0][0] + 1.0
 
 
 def test_grad_sync_and_optimizer_add_once():

@@ -15,8 +15,9 @@ layer's backwards, `Profiler.module_pass_cpu`) in CPU time of the measuring thre
 with its co-runners paused (solo) and computing (processes that run the profiler's own passes
 on a copy of the model, `loom.profile.profiler.profiler_co_runner`, the closest stand-in for
 another rank of the same model); the median over alternations of a shared pass's CPU time over
-the solo pass's before it is the CPU slowdown at ``co_runners + 1`` ranks computing at once. CPU time, not wall time: the time slicing itself is the
-simulator's to price, so the ratio holds only the cost of sharing, not the waiting.
+the solo pass's before it is the CPU slowdown at ``co_runners + 1`` ranks computing at once.
+CPU time, not wall time: the time slicing itself is the simulator's to price, so the ratio
+holds only the cost of sharing, not the waiting.
 """
 
 from __future__ import annotations

@@ -161,9 +161,8 @@ class Play:
             om, os_, omb = a.peer_module, a.peer_stage, other
         generator = a.peer_module if a.kind is SEND_ACT else a.module  # the edge's forward destination
         conditioning = om == LLM and generator in self.generators
-        if not conditioning and self._empty(om, omb, a.samples):  # no rows: the executor sends nothing
-            self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
-                                                a.microbatch, t, t, self.step))
+        if self._no_rows(om, omb, generator, a.samples):  # the executor sends nothing
+            self.events[u].append(self._event(u, a, t, t))
             return t
         if conditioning:  # the LLM's states at the generator's positions
             w = self.works[omb].get(generator, EMPTY) if a.samples is None else self.part_work(generator, a.samples)
@@ -189,15 +188,17 @@ class Play:
         woken = self.waiting.pop(key, None)
         if woken is not None:
             self.ready.append(woken)
-        self.events[u].append(TimelineEvent(self.first_rank[u], _NAME[a.kind], a.short(), a.module, a.stage,
-                                            a.microbatch, t, t, self.step))
+        self.events[u].append(self._event(u, a, t, t))
         return t
 
-    def _empty(self, module: str, microbatch: int, samples: tuple[int, ...] | None) -> bool:
-        """Whether the tensor of an edge whose forward source is ``module`` has no rows in
-        ``microbatch`` (no item of the module in it, or none of a routed part's ``samples``):
-        the executor's communicator then neither sends nor waits (`P2PCommunicator.recv_shaped`
-        of an empty shape), so the receive does not depend on the send."""
+    def _no_rows(self, module: str, microbatch: int, generator: str, samples: tuple[int, ...] | None) -> bool:
+        """Whether the tensor of an edge whose forward source is ``module`` (destination
+        ``generator``) has no rows in ``microbatch`` (no item of the module in it, or none of a
+        routed part's ``samples``): the executor's communicator then neither sends nor waits
+        (`P2PCommunicator.recv_shaped` of an empty shape), so the receive does not depend on the
+        send. A generator's conditioning states are never empty."""
+        if module == LLM and generator in self.generators:
+            return False
         if samples is None:
             w = self.works[microbatch].get(module)
         else:
@@ -215,9 +216,12 @@ class Play:
         """A receive blocks until its message has arrived (matched like the validator's
         ``_message_key``)."""
         other = a.microbatch if a.peer_microbatch is None else a.peer_microbatch
-        om, omb = (a.peer_module, other) if a.kind is RECV_ACT else (a.module, a.microbatch)  # the tensor's source
-        generator = a.module if a.kind is RECV_ACT else a.peer_module
-        if (om != LLM or generator not in self.generators) and self._empty(om, omb, a.samples):
+        # the tensor's forward source and destination, as in `_send`
+        if a.kind is RECV_ACT:
+            om, omb, dest = a.peer_module, other, a.module
+        else:
+            om, omb, dest = a.module, a.microbatch, a.peer_module
+        if self._no_rows(om, omb, dest, a.samples):
             arrival = t  # no rows: the executor receives nothing and goes on (as `_send` posts nothing)
         else:
             key = (a.kind is RECV_GRAD, a.peer, u, other, a.microbatch, a.peer_module, a.peer_stage, a.module,

@@ -220,8 +220,8 @@ def service(spans: np.ndarray, weights: np.ndarray, cores: int, sharing: CoreSha
     for core in np.unique(lanes[0]):
         on = lanes[0] == core
         load = level(spans[on], weights[on])
-        if has_background and (lanes[1] == core).any():
-            b = lanes[1] == core
+        b = lanes[1] == core
+        if has_background and b.any():
             load = load + level(background[0][b], background[1][b])
         out[on] = received(np.minimum(1.0, 1.0 / np.maximum(load, 1e-12)) / slow, on)
     return out

@@ -121,14 +121,13 @@ def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Microbatc
                     start=head, clip=clip).run()
     stretch: list[list[float]] = [[] for _ in range(plan.num_units)]
     wake: list[list[float]] = [[] for _ in range(plan.num_units)]
-    core_of: list[int] | None = None
-    for _ in range(MAX_ROUNDS):
+    placed: list[int] | None = None
+    for i in range(MAX_ROUNDS):
         play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head,
                     stretch=stretch, wake=wake, clip=clip).run()
         unit_ranks = [plan.spec(play.roles[u][0]).ranks_per_unit for u in play.units]
-        if core_of is None:  # placed once, by the solo play's compute: the fixed point keeps it
-            core_of = place_units(sharing, play.first_rank, unit_ranks, [sum(s) for s in play.solo]) or []
-        placed = core_of or None
+        if i == 0:  # placed once, by the solo play's compute: the fixed point keeps it
+            placed = place_units(sharing, play.first_rank, unit_ranks, [sum(s) for s in play.solo])
         stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch,
                                    play.background, placed)
         woken = wake_delays(sharing, play.first_rank, unit_ranks, play.spans, play.blocked, placed)
