@@ -50,10 +50,12 @@ its CPU time measured here before each round's steps, the median of repeated ``s
 scalar over the world, `ProfiledCostModel.clip_time`'s pricing). The 4 ranks share this
 machine's cores: the simulation prices that with `loom.sim.sharing.CoreSharing` (each rank
 kept on one core as the kernel keeps it, processor sharing of each core, with the CPU slowdown
-beside busy ranks that the profile measured, ``contention``), the profile being solo
-(``--no-sharing`` plays each rank on a core of its own). The figures without that slowdown, and
-with the host's cores shared by all ranks instead, are printed and stored beside
-(``core_sharing.without_slowdown``, ``core_sharing.host_placement``).
+beside busy ranks that the profile measured, ``contention``, and the cold start the profile
+measured for each action of a rank that shares its core), the profile being solo
+(``--no-sharing`` plays each rank on a core of its own). The figures without that slowdown,
+with the host's cores shared by all ranks instead, and without the cold start, are printed and
+stored beside (``core_sharing.without_slowdown``, ``core_sharing.host_placement``,
+``core_sharing.without_cold_start``).
 
 Figures:
 
@@ -434,20 +436,24 @@ def parse_args(argv=None):
     return args
 
 
-def round_sharing(profile: Profile, no_sharing: bool, contention: bool = True,
-                  placement: str = "core") -> CoreSharing | None:
+def round_sharing(profile: Profile, no_sharing: bool, **changes: Any) -> CoreSharing | None:
     """The core sharing a round is simulated under: this host's cores shared by the world's
     ranks, with the CPU slowdown of the profile's contention measurement (`loom.profile.contention`,
-    `contention_slowdown`) where it has one (and ``contention``), each rank kept on one core
-    (``placement``, `loom.sim.sharing.place_units`); None with ``--no-sharing``."""
+    `contention_slowdown`) where it has one, each rank kept on one core (`loom.sim.sharing.place_units`)
+    and paying its cold start where it shares it; ``changes`` replace `CoreSharing` fields (the
+    ablations); None with ``--no-sharing``."""
     if no_sharing:
         return None
-    return replace(profile_sharing(profile, host_cores(), WORLD_SIZE, contention), placement=placement)
+    return replace(profile_sharing(profile, host_cores(), WORLD_SIZE), **changes)
 
 
-# the model's parts left out one at a time, each simulated over the same measured rounds
-ABLATIONS = {"without_slowdown": "without the CPU slowdown of sharing",
-             "host_placement": "sharing the host's cores by processor sharing (placement=\"host\")"}
+# the model's parts left out one at a time, each simulated over the same measured rounds:
+# name -> (what is left out, the `CoreSharing` fields that leave it out)
+ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "without_slowdown": ("without the CPU slowdown of sharing", {"slowdown": ()}),
+    "host_placement": ("sharing the host's cores by processor sharing (placement=\"host\")", {"placement": "host"}),
+    "without_cold_start": ("without the cold start of the actions of ranks sharing a core", {"cold_start": False}),
+}
 
 
 def compare_round(selected: list[Case], models: list[CaseModel], measured: list[dict], steps: list[int],
@@ -559,11 +565,10 @@ def main(argv=None) -> dict:
                                         round_sharing(profile, args.no_sharing)))
             if args.no_sharing:
                 continue
-            if profile.contention:
-                ablated["without_slowdown"].append(compare_round(
-                    selected, models, measured, steps, profile, decisions, round_sharing(profile, False, False)))
-            ablated["host_placement"].append(compare_round(
-                selected, models, measured, steps, profile, decisions, round_sharing(profile, False, placement="host")))
+            for name, (_, changes) in ABLATIONS.items():
+                if name != "without_slowdown" or profile.contention:
+                    ablated[name].append(compare_round(selected, models, measured, steps, profile, decisions,
+                                                       round_sharing(profile, False, **changes)))
 
     print()
     header = ["case"] + [f"r{k + 1} {h}" for k in range(len(rounds)) for h in ("measured", "predicted", "error")]
@@ -623,7 +628,7 @@ def main(argv=None) -> dict:
     for name, got in ablation_figures.items():
         note = (f" (contention {contention.get('cpu_ratio', 1.0):.3f} x at {contention.get('busy')} busy ranks)"
                 if name == "without_slowdown" else "")
-        print(f"{ABLATIONS[name]}{note}: " + ", ".join(f"{k} = {v:.3f}" for k, v in got.items()))
+        print(f"{ABLATIONS[name][0]}{note}: " + ", ".join(f"{k} = {v:.3f}" for k, v in got.items()))
 
     sim_s, sim_info = simulator_speed()
     print(f"sim_seconds_1024gpu_64mb = {sim_s:.3f} s ({sim_info['pipeline_units']} pipeline units, "

@@ -345,3 +345,73 @@ def test_optimizer_steps_are_timed_with_their_tensors_out_of_cache():
     bench.run_pass(keep=True)
     fit = bench.fit()
     assert all(np.isfinite(v) and v >= 0 for v in fit.values()) and fit["per_param_s"] > 0
+
+
+def test_each_layer_has_a_cold_start_that_the_file_keeps(quick_profile: Profile, tmp_path: Path):
+    """The profiler times every layer's cold start on a CPU (its chained forward and backward
+    right after a cache eviction, less warm) and the file keeps it; files written before it was
+    measured load with none."""
+    for layers in quick_profile.layers.values():
+        for layer in layers:
+            assert np.isfinite(layer.cold_forward_s) and np.isfinite(layer.cold_backward_s)
+    # at least one layer of the model: the passes did measure something
+    assert any(layer.cold_forward_s != 0.0 or layer.cold_backward_s != 0.0
+               for layers in quick_profile.layers.values() for layer in layers)
+    back = Profile.load(quick_profile.save(tmp_path / "p.json"))
+    assert [l.cold_forward_s for l in back.layers[LLM]] == [l.cold_forward_s for l in quick_profile.layers[LLM]]
+    old = quick_profile.to_dict()
+    for layers in old["layers"].values():
+        for layer in layers:
+            del layer["cold_forward_s"], layer["cold_backward_s"]
+    assert all(l.cold_forward_s == 0.0 == l.cold_backward_s for l in Profile.from_dict(old).layers[LLM])
+
+
+def test_cold_start_of_a_stage_sums_the_layers_it_runs(quick_profile: Profile):
+    """`ProfiledCostModel.cold_start_time`: a stage's forward pays its layers' cold forwards, a
+    backward those of the layers that back-propagate (a frozen LLM after a trainable projector:
+    the input part only; a frozen model: none), a recomputing backward their forwards too."""
+    prof = Profile.from_dict(quick_profile.to_dict())
+    for m, layers in prof.layers.items():
+        for i, layer in enumerate(layers):
+            layer.cold_forward_s, layer.cold_backward_s = 1.0 + i, 10.0 * (1 + i)
+    plan = lambda recompute="none": Plan([ModuleSpec("vision"), ModuleSpec(LLM, num_stages=2, recompute=recompute)],
+                                         num_microbatches=2)
+    cost = ProfiledCostModel(prof, tiny_model(), plan())
+    start, end = cost.plan.layers_of(LLM, 1)
+    forward = sum(1.0 + i for i in range(start, end))
+    backward = sum(10.0 * (1 + i) for i in range(start, end))
+    assert cost.cold_start_time(LLM, 1, "forward") == pytest.approx(forward)
+    for kind in ("backward", "backward_input", "backward_weight"):
+        assert cost.cold_start_time(LLM, 1, kind) == pytest.approx(backward)
+    again = ProfiledCostModel(prof, tiny_model(), plan("full"))
+    assert again.cold_start_time(LLM, 1, "backward") == pytest.approx(backward + forward)
+    assert again.cold_start_time(LLM, 1, "backward_weight") == pytest.approx(backward)
+    proj = ProfiledCostModel(prof, tiny_model(freeze=["vision.encoder", "llm"]), plan())
+    assert proj.cold_start_time(LLM, 1, "backward_input") == pytest.approx(backward)
+    assert proj.cold_start_time(LLM, 1, "backward_weight") == 0.0
+    frozen = ProfiledCostModel(prof, tiny_model(freeze=["vision", "llm"]), plan())
+    assert frozen.cold_start_time(LLM, 1, "backward") == 0.0
+    assert frozen.cold_start_time(LLM, 1, "forward") == pytest.approx(forward)
+
+
+def test_backward_by_layer_splits_one_backward_at_the_layer_outputs():
+    """`backward_by_layer` reads a chained backward per layer with hooks on the outputs: a time
+    per layer, none negative, summing to at most the call; a layer whose input carries no
+    gradient (the first one's output is not a float tensor here) gets 0."""
+    from loom.profile.layers import backward_by_layer
+
+    torch.manual_seed(0)
+    w = [torch.randn(16, 16, requires_grad=True) for _ in range(3)]
+    x = torch.randn(4, 16)
+    outputs, h = [], x
+    for k in range(3):
+        h = torch.tanh(h @ w[k])
+        outputs.append(h)
+    times = backward_by_layer(outputs, lambda: outputs[-1].sum().backward())
+    assert len(times) == 3 and all(t >= 0 for t in times) and times[0] > 0
+    assert all(v.grad is not None for v in w)
+    h = torch.tanh(x @ w[0]).detach()  # layer 0's output carries no gradient: layer 1's input has no hook
+    outputs = [h, torch.tanh(h @ w[1]), None]
+    outputs[2] = torch.tanh(outputs[1] @ w[2])
+    times = backward_by_layer(outputs, lambda: outputs[-1].sum().backward())
+    assert times[1] == 0.0 and times[0] > 0 and times[2] > 0

@@ -12,7 +12,7 @@ from loom.plan.plan import ModuleSpec, Plan
 from loom.schedule import build_schedule
 from loom.sim import simulate
 from loom.sim.sharing import (TOLERANCE, CoreSharing, SharingError, contention_slowdown, cpu_seconds, place_units,
-                              service)
+                              service, shared_cores)
 
 from plans import multimodal
 
@@ -93,6 +93,48 @@ def test_ranks_kept_on_their_cores_against_sharing_the_host():
     assert iteration("core") == pytest.approx(9 + g, rel=2 * TOLERANCE)
     assert iteration("host") == pytest.approx(10.5 + g, rel=2 * TOLERANCE)
     assert iteration("core", cores=3) == pytest.approx(simulate(build_schedule(plan), plan, cost, work).iteration_time)
+
+
+class ColdTokenCost(TokenCost):
+    """`TokenCost` with a cold start of 0.5 s for every compute action."""
+
+    def cold_start_time(self, module, stage, kind):
+        return 0.5
+
+
+def test_shared_cores_are_those_with_another_rank():
+    """A unit pays the cold start where another rank computes on its core: kept on cores, a
+    core of two; sharing the host, a host with more ranks than cores; never with the cold start
+    off."""
+    sharing = CoreSharing(cores=2, ranks_per_host=3)
+    assert shared_cores(sharing, [0, 1, 2], [1] * 3, [0, 1, 1]) == [False, True, True]
+    assert shared_cores(sharing, [0, 1, 2], [1] * 3, None) == [True] * 3
+    assert shared_cores(sharing, [0, 1], [1, 1], None) == [False, False]  # 2 ranks, 2 cores
+    assert shared_cores(sharing, [0, 2], [2, 1], [-1, -1]) == [True, True]  # a TP unit of 2 and one more rank
+    assert shared_cores(CoreSharing(cores=2, ranks_per_host=3, cold_start=False), [0, 1, 2], [1] * 3,
+                        [0, 1, 1]) == [False] * 3
+
+
+def test_cold_start_is_paid_by_the_units_sharing_a_core():
+    """The replicas of `test_ranks_kept_on_their_cores_against_sharing_the_host` (9, 6 and 3 s)
+    with a cold start of 0.5 s per compute action (a forward and a backward each). Kept on
+    cores, replica 0 has a core to itself and pays none (9); replicas 1 and 2 need 7 and 4 on
+    the shared core: 2 ends at 8, then 1 runs its last 3 alone and ends at 11. Sharing the host,
+    all three pay it (10, 7, 4 at 2/3 of a core): 2 ends at 6, 1 at 9, 0 at 12."""
+    g = 0.5
+    plan = Plan([ModuleSpec("llm", data_parallel=3)], num_microbatches=3).resolve({"llm": 4})
+    cost = ColdTokenCost(plan, grad_sync=g)
+    work = [{"llm": Workload(3)}, {"llm": Workload(2)}, {"llm": Workload(1)}]
+
+    def iteration(cores: int = 2, **kw) -> float:
+        sharing = CoreSharing(cores=cores, ranks_per_host=3, **kw)
+        return simulate(build_schedule(plan), plan, cost, work, sharing=sharing).iteration_time
+
+    assert iteration() == pytest.approx(11 + g, rel=2 * TOLERANCE)
+    assert iteration(placement="host") == pytest.approx(12 + g, rel=2 * TOLERANCE)
+    assert iteration(cold_start=False) == pytest.approx(9 + g, rel=2 * TOLERANCE)
+    # a core each: nobody pays it, the plain play
+    assert iteration(cores=3) == pytest.approx(simulate(build_schedule(plan), plan, cost, work).iteration_time)
 
 
 @pytest.mark.parametrize("placement", ["core", "host"])

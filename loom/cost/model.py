@@ -87,6 +87,13 @@ class CostModel(ABC):
         sum to ``backward``: the input part covers the whole chain of input gradients through
         the stage (what the previous stage waits for), the weight part the parameter gradients."""
 
+    def cold_start_time(self, module: str, stage: int, kind: StageKind) -> float:
+        """Seconds a compute action of ``stage_time`` takes more when it starts with the caches
+        holding none of its data, as on a CPU core shared with other ranks that ran in between
+        (the simulator's core sharing charges it there, `loom.sim.sharing`). Default 0: a GPU's
+        kernels do not start from the host's caches."""
+        return 0.0
+
     # ---- communication ------------------------------------------------------------------
     @abstractmethod
     def transfer_time(self, src_unit: int, dst_unit: int, module: str, stage: int, work: Workload) -> float:

@@ -60,6 +60,11 @@ class LayerProfile:
     backward_input: list[float]
     backward_weight: list[float]
     activation_bytes: list[float]
+    # seconds more its forward / full backward takes right after a cache eviction than warm (a
+    # median of differences: about 0, either side, for a layer of little data; 0 in files
+    # written before they were measured, and on a GPU)
+    cold_forward_s: float = 0.0
+    cold_backward_s: float = 0.0
 
     def time(self, phase: str, work: Workload) -> float:
         return max(evaluate(getattr(self, phase), work), 0.0)

@@ -172,6 +172,24 @@ class ProfiledCostModel(CostModel):
             t += sum(layers[i].time("forward", work) for i in self._layers(module, stage))
         return max(t, 0.0)
 
+    def cold_start_time(self, module: str, stage: int, kind: StageKind) -> float:
+        """The stage's layers' measured cold starts (`LayerProfile.cold_forward_s` and
+        ``cold_backward_s``) for the layers the action runs: a backward part those that need
+        it, a recomputing backward their forwards too."""
+        layers, idx = self.profile.layers[module], self._layers(module, stage)
+        if kind == "forward":
+            t = sum(layers[i].cold_forward_s for i in idx)
+        elif not self.stage_needs_backward(module, stage):
+            return 0.0
+        else:
+            runs = {"backward": lambda i: self._needs_input[module][i] or self._trainable[module][i],
+                    "backward_input": lambda i: self._needs_input[module][i],
+                    "backward_weight": lambda i: self._trainable[module][i]}[kind]
+            t = sum(layers[i].cold_backward_s for i in idx if runs(i))
+            if kind != "backward_weight" and self._recompute(module) == "full":
+                t += sum(layers[i].cold_forward_s for i in idx)
+        return max(t, 0.0) / self._split(module)
+
     def module_layer_costs(self, module: str, work: Workload) -> list[LayerCost]:
         """Per layer of the whole module, measured: its forward and frozen-aware backward parts
         on one unit (TP = CP = 1), the partitioner's input as `AnalyticCostModel` gives it. A

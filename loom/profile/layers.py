@@ -88,6 +88,10 @@ class LayerPoint:
     forward: list[float] = field(default_factory=list)
     backward_input: list[float] = field(default_factory=list)
     backward_full: list[float] = field(default_factory=list)
+    # at the profiler's cold workload only: per pass, the seconds a call took more right after a
+    # cache eviction than warm in the same pass (`loom.profile.profiler.Profiler._cold_pass`)
+    cold_forward: list[float] = field(default_factory=list)
+    cold_backward: list[float] = field(default_factory=list)
 
 
 def measure_layer_once(layer: Layer, x_in: Any, ctx: dict[str, Any], params: list[torch.Tensor],
@@ -110,3 +114,28 @@ def measure_layer_once(layer: Layer, x_in: Any, ctx: dict[str, Any], params: lis
         _, out = timed(forward, device)
         t_inp, _ = timed(lambda: torch.autograd.grad(out, [x_in], grad_out, allow_unused=True), device)
     return t_fwd, t_inp, t_full
+
+
+
+def backward_by_layer(outputs: list[Any], run: Callable[[], Any]) -> list[float]:
+    """Per layer of a chain whose layers' outputs are ``outputs`` (in order), the seconds of its
+    part of one backward ``run`` through the chain: from the gradient of its output (the last
+    layer: from the call) to that of its input (the first layer: to the return), read by hooks
+    on the outputs. A layer whose input has no hook (not a float tensor) gets 0, its time going
+    to the layer before it."""
+    stamps: dict[int, float] = {}
+    def stamp(i: int) -> Callable[[torch.Tensor], None]:
+        return lambda grad: stamps.setdefault(i, time.perf_counter()) and None
+
+    handles = [o.register_hook(stamp(i)) for i, o in enumerate(outputs[:-1]) if is_float_tensor(o) and o.requires_grad]
+    t0 = time.perf_counter()
+    run()
+    t1 = time.perf_counter()
+    for h in handles:
+        h.remove()
+    times, cursor = [0.0] * len(outputs), t0
+    for i in reversed(range(len(outputs))):
+        end = t1 if i == 0 else stamps.get(i - 1)
+        if end is not None:
+            times[i], cursor = end - cursor, end
+    return times

@@ -37,6 +37,12 @@ def last_level_cache_bytes(default: int = 32 * 2**20) -> int:
     return best or default
 
 
+def eviction_buffer(device: torch.device) -> torch.Tensor | None:
+    """What `evict_caches` writes on ``device``: twice the last-level cache on a CPU; None on a
+    GPU, whose kernels do not start from the host's caches."""
+    return torch.zeros(2 * last_level_cache_bytes() // 4) if device.type == "cpu" else None
+
+
 def evict_caches(buffer: torch.Tensor | None) -> None:
     """Write ``buffer`` (twice the last-level cache, on the CPU), so what ran before is out of
     cache; None (a GPU) does nothing."""
@@ -65,7 +71,7 @@ class OptimizerBench:
                                torch.optim.AdamW(params, lr=1e-3, betas=(0.9, 0.95))))
         self.times: list[list[float]] = [[] for _ in self.cases]
         # a CPU step runs with its tensors out of cache, as in a run (module docstring)
-        self._evict = (torch.zeros(2 * last_level_cache_bytes() // 4) if device.type == "cpu" else None)
+        self._evict = eviction_buffer(device)
 
     def run_pass(self, keep: bool) -> None:
         for k, (_, _, params, grads, opt) in enumerate(self.cases):

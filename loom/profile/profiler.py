@@ -42,12 +42,13 @@ from loom.profile.inputs import module_workloads
 from loom.profile.layers import (
     LayerPoint,
     backward_call_overhead,
+    backward_by_layer,
     is_float_tensor,
     measure_layer_once,
     saved_bytes,
     timed,
 )
-from loom.profile.optimizer import OptimizerBench, parameter_shape_groups
+from loom.profile.optimizer import OptimizerBench, evict_caches, eviction_buffer, parameter_shape_groups
 from loom.runtime.precision import DTYPES, Precision
 
 DEFAULT_TOKEN_COUNTS = (64, 128, 256, 512, 1024)
@@ -132,6 +133,12 @@ class _ModuleState:
     loss_times: list[tuple[list[float], list[float]]]
 
 
+def cold_at(works: Sequence[Workload]) -> int:
+    """The workload the cold start is timed at: the middle one (the extra is mostly the layer's
+    weights coming in, which do not depend on the workload)."""
+    return len(works) // 2
+
+
 class Profiler:
     """Measures a model pass by pass, so the passes can be spread over time (a benchmark runs
     them between its real runs, and both then sample the same machine).
@@ -143,7 +150,8 @@ class Profiler:
 
     Each pass times every (module, workload, layer) once (forward, full backward, input-only
     backward), the context builds, the LLM loss, the autograd call cost, an AdamW step per
-    shape and a matmul; `profile` fits the medians over the kept passes. Inside the ``with``
+    shape and a matmul, and on a CPU each layer's cold start at one workload (`_cold_pass`);
+    `profile` fits the medians over the kept passes. Inside the ``with``
     block torch runs on ``threads`` threads, every layer's parameters require grad (restored on
     exit) and ``co_runners`` processes compute during passes (`CoRunners`)."""
 
@@ -169,6 +177,7 @@ class Profiler:
         gen = torch.Generator().manual_seed(self.seed)
         self.modules = [self._prepare(name, gen) for name in self.model.module_names]
         self.optimizer = OptimizerBench(self.device, parameter_shape_groups(self.model))
+        self._evict = eviction_buffer(self.device)  # the cold start is a CPU's (`_cold_pass`)
         self.call_times: list[float] = []
         self.matmul_times: list[float] = []
         compute = DTYPES[self.dtype]  # the GEMMs' operand type under the run's autocast
@@ -271,18 +280,18 @@ class Profiler:
             t, _ = timed(lambda: model.module_context(st.name, batch), device)
             if keep:
                 st.ctx_times[ci].append(t)
-            x: Any = {} if st.name == LLM else None
-            forward = []
-            for layer in st.layers:
-                t, x = timed(lambda: self._forward(layer, x, ctx), device)
-                forward.append(t)
+            cold = keep and ci == cold_at(st.works) and self._evict is not None
+            forward, outputs = self._chain(st, ctx)
             if logits is not None:
                 n = max(int((batch.labels != IGNORE_INDEX).sum()), 1)
-                t_loss, loss = timed(lambda: self._loss(x, batch.labels, n), device)
-                loss.backward()  # untimed: frees the graph
+                t_loss, loss = timed(lambda: self._loss(outputs[-1], batch.labels, n), device)
+                run = loss.backward
             else:
                 t_loss = 0.0
-                x.backward(grads[-1])
+                run = lambda: outputs[-1].backward(grads[-1])
+            # untimed (it frees the graph) but at the cold workload, the warm side of `_cold_pass`
+            warm_backward = backward_by_layer(outputs, run) if cold else run()
+            del outputs
             for ps in st.params:
                 for p in ps:
                     p.grad = None
@@ -300,7 +309,42 @@ class Profiler:
                 if keep:
                     st.loss_times[ci][0].append(t_loss)
                     st.loss_times[ci][1].append(tb)
+            if cold:
+                self._cold_pass(st, ci, forward, warm_backward)
         return False
+
+    def _chain(self, st: _ModuleState, ctx: dict[str, Any]) -> tuple[list[float], list[Any]]:
+        """The module's layers chained as a stage runs them: each one's forward seconds and output."""
+        x: Any = {} if st.name == LLM else None
+        times, outputs = [], []
+        for layer in st.layers:
+            t, x = timed(lambda: self._forward(layer, x, ctx), self.device)
+            times.append(t)
+            outputs.append(x)
+        return times, outputs
+
+    def _cold_pass(self, st: _ModuleState, ci: int, warm_forward: list[float], warm_backward: list[float]) -> None:
+        """The cold start at workload ``ci``: the module's chained forward right after a cache
+        eviction, then its backward right after another, per layer less the warm forward and
+        backward of this pass. Inside a run whose ranks share a core every action starts with
+        the caches the others left: on the demo, most of the extra a forward pays there
+        (docs/simulator.md)."""
+        batch, ctx, _, grads, logits = st.prepared[ci]
+        evict_caches(self._evict)
+        forward, outputs = self._chain(st, ctx)
+        if logits is not None:
+            loss = self._loss(outputs[-1], batch.labels, max(int((batch.labels != IGNORE_INDEX).sum()), 1))
+            run = loss.backward
+        else:
+            run = lambda: outputs[-1].backward(grads[-1])
+        evict_caches(self._evict)
+        backward = backward_by_layer(outputs, run)
+        for ps in st.params:
+            for p in ps:
+                p.grad = None
+        for i, pt in enumerate(points[ci] for points in st.points):
+            pt.cold_forward.append(forward[i] - warm_forward[i])
+            pt.cold_backward.append(backward[i] - warm_backward[i])
 
     # ---- fitting -------------------------------------------------------------------------
     def profile(self, comm: Communication | None = None) -> Profile:
@@ -332,6 +376,8 @@ class Profiler:
                     backward_input=inp,
                     backward_weight=[f - i for f, i in zip(full, inp)],
                     activation_bytes=fit_cost(works, [float(p.saved) for p in pts], relative=False),
+                    cold_forward_s=med(pts[cold_at(works)].cold_forward or [0.0]),
+                    cold_backward_s=med(pts[cold_at(works)].cold_backward or [0.0]),
                 ))
             layers[st.name] = fitted
             context[st.name] = fit_cost(st.works, [med(t) for t in st.ctx_times])

@@ -48,7 +48,7 @@ class Play:
     def __init__(self, schedule: Schedule, plan: Plan, cost: CostModel, works: list[MicrobatchWork],
                  part_work: PartWork, *, link_contention: bool = False, step: int = 0, start: float = 0.0,
                  stretch: list[list[float]] | None = None, wake: list[list[float]] | None = None,
-                 clip: bool = False):
+                 clip: bool = False, cold: list[bool] | None = None):
         self.units = sorted(schedule.actions)
         n = len(self.units)
         self.actions = [schedule.actions[u] for u in self.units]
@@ -76,6 +76,7 @@ class Play:
         # With core sharing (`loom.sim.sharing`): per unit, each compute action's stretch factor
         # (missing ones are 1), and what the fixed point reads back: solo times and spans.
         self.stretch = stretch
+        self.cold = cold  # per unit: its compute actions pay `CostModel.cold_start_time` (`shared_cores`)
         self.solo: list[list[float]] = [[] for _ in range(n)]
         self.spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
         self.cpu: list[float] | None = None  # per unit, CPU seconds under core sharing (`simulate` sets it)
@@ -143,6 +144,8 @@ class Play:
         w = self.works[a.microbatch].get(a.module, EMPTY) if a.samples is None else self.part_work(a.module, a.samples)
         name = _NAME[a.kind]
         d = self.stage_time(a.module, a.stage, name, w)
+        if self.cold is not None and self.cold[u] and d > 0:
+            d += self.cost.cold_start_time(a.module, a.stage, name)
         if self.stretch is not None:
             d = self._stretched(u, d, t)
         self.events[u].append(TimelineEvent(self.first_rank[u], name, a.short(), a.module, a.stage, a.microbatch, t,

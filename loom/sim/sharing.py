@@ -45,6 +45,13 @@ too), about a scheduler slice. ``wake_s`` is that delay, measured by the profile
 (`loom.cost.profile_comm.Communication.wake_delay`); the fixed point adds it to every receive
 that blocked and whose message arrived while ``c`` or more ranks of the host were computing
 (`wake_delays`).
+
+A rank that shares its core also finds the caches emptied by the others at each of its
+actions: the same forward took 1.05 to 1.60 x its warm CPU inside the demo's pipeline, and most
+of that extra (0.2 to 0.5 ms a forward) is the call re-run right after a cache eviction. The
+profiler times each layer's cold start that way (`loom.profile.profiler.Profiler._cold_pass`);
+with ``cold_start`` on, every compute action of a unit that shares its core (`shared_cores`)
+needs its cost model's `cold_start_time` more of solo work.
 """
 
 from __future__ import annotations
@@ -79,6 +86,8 @@ class CoreSharing:
     # "core": each rank keeps to one core, placed by `place_units`; "host": every core of the
     # host shared by all its ranks (see the module docstring)
     placement: str = "core"
+    # whether a unit sharing its core pays its cost model's cold start at every compute action
+    cold_start: bool = True
 
     def __post_init__(self) -> None:
         for name in ("cores", "ranks_per_host"):
@@ -181,6 +190,28 @@ def place_units(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[in
             out[u] = core
             count[core] += 1
             taken[core] += load[u]
+    return out
+
+
+def shared_cores(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
+                 core_of: list[int] | None) -> list[bool]:
+    """Per unit, whether other ranks compute on its core between its actions: another unit
+    placed on the same core (``core_of``, `place_units`), or, with processor sharing over the
+    host (``core_of`` None or -1), more ranks on the host than cores. All False without
+    ``sharing.cold_start``."""
+    hosts: dict[int, list[int]] = {}
+    for u, r in enumerate(first_rank):
+        hosts.setdefault(sharing.host_of(r), []).append(u)
+    out = [False] * len(first_rank)
+    if not sharing.cold_start:
+        return out
+    for units in hosts.values():
+        crowded = sum(unit_ranks[u] for u in units) > sharing.cores
+        for u in units:
+            if core_of is None or core_of[u] < 0:
+                out[u] = crowded
+            else:
+                out[u] = sum(core_of[v] == core_of[u] for v in units) > 1
     return out
 
 

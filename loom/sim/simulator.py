@@ -56,7 +56,16 @@ from loom.sim.dispatch import DISPATCH, DispatchCost
 from loom.sim.memory import peak_memory, peak_memory_of
 from loom.sim.play import DeadlockError, Play
 from loom.sim.result import SimResult
-from loom.sim.sharing import MAX_ROUNDS, TOLERANCE, CoreSharing, cpu_seconds, place_units, restretch, wake_delays
+from loom.sim.sharing import (
+    MAX_ROUNDS,
+    TOLERANCE,
+    CoreSharing,
+    cpu_seconds,
+    place_units,
+    restretch,
+    shared_cores,
+    wake_delays,
+)
 from loom.sim.work import PartWork, work_table
 
 __all__ = ["DeadlockError", "SimResult", "peak_memory", "simulate"]
@@ -122,16 +131,18 @@ def _play(schedule: Schedule, plan: Plan, cost: CostModel, works: list[Microbatc
     stretch: list[list[float]] = [[] for _ in range(plan.num_units)]
     wake: list[list[float]] = [[] for _ in range(plan.num_units)]
     placed: list[int] | None = None
+    cold: list[bool] | None = None
     for i in range(MAX_ROUNDS):
         play = Play(schedule, plan, cost, works, part_work, link_contention=link_contention, step=step, start=head,
-                    stretch=stretch, wake=wake, clip=clip).run()
+                    stretch=stretch, wake=wake, clip=clip, cold=cold).run()
         unit_ranks = [plan.spec(play.roles[u][0]).ranks_per_unit for u in play.units]
         if i == 0:  # placed once, by the solo play's compute: the fixed point keeps it
             placed = place_units(sharing, play.first_rank, unit_ranks, [sum(s) for s in play.solo])
+            cold = shared_cores(sharing, play.first_rank, unit_ranks, placed)
         stretch, worst = restretch(sharing, play.first_rank, unit_ranks, play.solo, play.spans, stretch,
                                    play.background, placed)
         woken = wake_delays(sharing, play.first_rank, unit_ranks, play.spans, play.blocked, placed)
-        if worst <= TOLERANCE and woken == wake:
+        if worst <= TOLERANCE and woken == wake and not (i == 0 and any(cold)):
             break
         wake = woken
     play.cpu = cpu_seconds(sharing, play.first_rank, unit_ranks, play.spans, play.background, placed)
