@@ -282,16 +282,17 @@ class Profiler:
                 st.ctx_times[ci].append(t)
             cold = keep and ci == cold_at(st.works) and self._evict is not None
             forward, outputs = self._chain(st, ctx)
+            x = outputs[-1]
             if logits is not None:
                 n = max(int((batch.labels != IGNORE_INDEX).sum()), 1)
-                t_loss, loss = timed(lambda: self._loss(outputs[-1], batch.labels, n), device)
+                t_loss, loss = timed(lambda: self._loss(x, batch.labels, n), device)
                 run = loss.backward
             else:
                 t_loss = 0.0
-                run = lambda: outputs[-1].backward(grads[-1])
+                run = lambda: x.backward(grads[-1])
             # untimed (it frees the graph) but at the cold workload, the warm side of `_cold_pass`
             warm_backward = backward_by_layer(outputs, run) if cold else run()
-            del outputs
+            outputs.clear()
             for ps in st.params:
                 for p in ps:
                     p.grad = None
@@ -332,11 +333,11 @@ class Profiler:
         batch, ctx, _, grads, logits = st.prepared[ci]
         evict_caches(self._evict)
         forward, outputs = self._chain(st, ctx)
+        x = outputs[-1]
         if logits is not None:
-            loss = self._loss(outputs[-1], batch.labels, max(int((batch.labels != IGNORE_INDEX).sum()), 1))
-            run = loss.backward
+            run = self._loss(x, batch.labels, max(int((batch.labels != IGNORE_INDEX).sum()), 1)).backward
         else:
-            run = lambda: outputs[-1].backward(grads[-1])
+            run = lambda: x.backward(grads[-1])
         evict_caches(self._evict)
         backward = backward_by_layer(outputs, run)
         for ps in st.params:
