@@ -116,7 +116,6 @@ def measure_layer_once(layer: Layer, x_in: Any, ctx: dict[str, Any], params: lis
     return t_fwd, t_inp, t_full
 
 
-
 def backward_by_layer(outputs: list[Any], run: Callable[[], Any]) -> list[float]:
     """Per layer of a chain whose layers' outputs are ``outputs`` (in order), the seconds of its
     part of one backward ``run`` through the chain: from the gradient of its output (the last
@@ -124,8 +123,11 @@ def backward_by_layer(outputs: list[Any], run: Callable[[], Any]) -> list[float]
     on the outputs. A layer whose input has no hook (not a float tensor) gets 0, its time going
     to the layer before it."""
     stamps: dict[int, float] = {}
+
     def stamp(i: int) -> Callable[[torch.Tensor], None]:
-        return lambda grad: stamps.setdefault(i, time.perf_counter()) and None
+        def hook(grad: torch.Tensor) -> None:  # returns None: the gradient passes unchanged
+            stamps.setdefault(i, time.perf_counter())
+        return hook
 
     handles = [o.register_hook(stamp(i)) for i, o in enumerate(outputs[:-1]) if is_float_tensor(o) and o.requires_grad]
     t0 = time.perf_counter()
