@@ -168,7 +168,8 @@ def test_multimodal_pipeline_fixed_point(cores, placement):
         assert shared.iteration_time == pytest.approx(alone.iteration_time)
 
 
-@pytest.mark.parametrize("field,value", [("cores", 0), ("ranks_per_host", -1), ("cores", 1.5), ("cores", True)])
+@pytest.mark.parametrize("field,value", [("cores", 0), ("ranks_per_host", -1), ("cores", 1.5), ("cores", True),
+                                         ("cold_start", "yes")])
 def test_bad_sharing_is_refused_naming_the_field(field, value):
     kwargs = {"cores": 2, "ranks_per_host": 4} | {field: value}
     with pytest.raises(SharingError, match=field):

@@ -182,11 +182,10 @@ class ProfiledCostModel(CostModel):
         elif not self.stage_needs_backward(module, stage):
             return 0.0
         else:
-            runs = {"backward": lambda i: self._needs_input[module][i] or self._trainable[module][i],
-                    "backward_input": lambda i: self._needs_input[module][i],
-                    "backward_weight": lambda i: self._trainable[module][i]}[kind]
-            t = sum(layers[i].cold_backward_s for i in idx if runs(i))
-            if kind != "backward_weight" and self._recompute(module) == "full":
+            inputs, weights = kind != "backward_weight", kind != "backward_input"  # as `backward_time`
+            t = sum(layers[i].cold_backward_s for i in idx
+                    if (inputs and self._needs_input[module][i]) or (weights and self._trainable[module][i]))
+            if inputs and self._recompute(module) == "full":
                 t += sum(layers[i].cold_forward_s for i in idx)
         return max(t, 0.0) / self._split(module)
 

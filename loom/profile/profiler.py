@@ -133,6 +133,11 @@ class _ModuleState:
     loss_times: list[tuple[list[float], list[float]]]
 
 
+def label_count(batch: Batch) -> int:
+    """The tokens the LLM loss averages over (at least 1)."""
+    return max(int((batch.labels != IGNORE_INDEX).sum()), 1)
+
+
 def cold_at(works: Sequence[Workload]) -> int:
     """The workload the cold start is timed at: the middle one (the extra is mostly the layer's
     weights coming in, which do not depend on the workload)."""
@@ -284,7 +289,7 @@ class Profiler:
             forward, outputs = self._chain(st, ctx)
             x = outputs[-1]
             if logits is not None:
-                n = max(int((batch.labels != IGNORE_INDEX).sum()), 1)
+                n = label_count(batch)
                 t_loss, loss = timed(lambda: self._loss(x, batch.labels, n), device)
                 run = loss.backward
             else:
@@ -335,7 +340,7 @@ class Profiler:
         forward, outputs = self._chain(st, ctx)
         x = outputs[-1]
         if logits is not None:
-            run = self._loss(x, batch.labels, max(int((batch.labels != IGNORE_INDEX).sum()), 1)).backward
+            run = self._loss(x, batch.labels, label_count(batch)).backward
         else:
             run = lambda: x.backward(grads[-1])
         evict_caches(self._evict)

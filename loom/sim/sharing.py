@@ -100,6 +100,9 @@ class CoreSharing:
                                f"not {bad}")
         if not (isinstance(self.wake_s, (int, float)) and np.isfinite(self.wake_s) and self.wake_s >= 0):
             raise SharingError(f"wake_s = {self.wake_s!r}: give the wake-up delay in seconds, 0 or more")
+        if not isinstance(self.cold_start, bool):
+            raise SharingError(f"cold_start = {self.cold_start!r}: give True (ranks sharing a core pay their "
+                               f"actions' cold start) or False")
         if self.placement not in PLACEMENTS:
             raise SharingError(f"placement = {self.placement!r}: use one of {PLACEMENTS} (each rank on one core, "
                                f"or the host's cores shared by all)")
@@ -167,6 +170,14 @@ TOLERANCE = 0.005
 MAX_ROUNDS = 60
 
 
+def units_by_host(sharing: CoreSharing, first_rank: list[int]) -> list[list[int]]:
+    """The units of each host in order of first appearance, a unit by its first rank."""
+    hosts: dict[int, list[int]] = {}
+    for u, r in enumerate(first_rank):
+        hosts.setdefault(sharing.host_of(r), []).append(u)
+    return list(hosts.values())
+
+
 def place_units(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int],
                 load: list[float]) -> list[int] | None:
     """Per unit, the core of its host it computes on under ``placement="core"`` (None under
@@ -177,10 +188,7 @@ def place_units(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[in
     if sharing.placement == "host":
         return None
     out = [-1] * len(first_rank)
-    hosts: dict[int, list[int]] = {}
-    for u, r in enumerate(first_rank):
-        hosts.setdefault(sharing.host_of(r), []).append(u)
-    for units in hosts.values():
+    for units in units_by_host(sharing, first_rank):
         if any(unit_ranks[u] > 1 for u in units):
             continue
         cap = -(-len(units) // sharing.cores)
@@ -199,13 +207,10 @@ def shared_cores(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[i
     placed on the same core (``core_of``, `place_units`), or, with processor sharing over the
     host (``core_of`` None or -1), more ranks on the host than cores. All False without
     ``sharing.cold_start``."""
-    hosts: dict[int, list[int]] = {}
-    for u, r in enumerate(first_rank):
-        hosts.setdefault(sharing.host_of(r), []).append(u)
     out = [False] * len(first_rank)
     if not sharing.cold_start:
         return out
-    for units in hosts.values():
+    for units in units_by_host(sharing, first_rank):
         crowded = sum(unit_ranks[u] for u in units) > sharing.cores
         for u in units:
             if core_of is None or core_of[u] < 0:
@@ -279,11 +284,8 @@ def host_spans(sharing: CoreSharing, first_rank: list[int], unit_ranks: list[int
     """Per host, its `HostSpans`; ``background[u]``: unit ``u``'s communicator-thread work as
     ``(start, end, cpu seconds)`` (`loom.sim.play.Play.background`); ``core_of``: each unit's
     core (`place_units`; -1 or None: processor sharing over the host)."""
-    hosts: dict[int, list[int]] = {}
-    for u, r in enumerate(first_rank):
-        hosts.setdefault(sharing.host_of(r), []).append(u)
     out = []
-    for units in hosts.values():
+    for units in units_by_host(sharing, first_rank):
         bg = [(b, u) for u in units for b in (background[u] if background is not None else ())]
         lanes = None
         if core_of is not None and all(core_of[u] >= 0 for u in units):
