@@ -80,6 +80,10 @@ def _config(case: str) -> tuple[TrainConfig, BalanceConfig]:
     elif layout == "colocated":  # a vision replica on each rank of a 2-stage LLM (OrchMLLM's every module on every rank)
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2)], num_microbatches=4,
                     placement="colocated")
+    elif layout == "colocdp2":  # vision and LLM replicas on both ranks (OrchMLLM's setup): every rank sends
+        # encoder rows to the other's LLM and receives from it on the same edge
+        plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", data_parallel=2)], num_microbatches=4,
+                    placement="colocated")
     elif layout == "firststage":  # vision inside the first stage of each of 2 LLM pipelines (Megatron-LM's layout)
         plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", num_stages=2, data_parallel=2)],
                     num_microbatches=4, placement="first_stage")
@@ -185,7 +189,7 @@ CASES = {
 # DistTrain's layout (a sample of every module per microbatch) with the encoders inside the LLM's first stage
 # pipe2dp2tokens: data.microbatch_tokens cuts the batch into 6 microbatches instead of the plan's 4
 FOLDED = {"pipe2dp2-none": ["pipe2dp2tokens-none"], "mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
-          "pipe2-disttrain": ["colocated-orchmllm"], "pipe2-none": ["optimus-none"],
+          "pipe2-disttrain": ["colocated-orchmllm"], "dp2-orchmllm": ["colocdp2-orchmllm"], "pipe2-none": ["optimus-none"],
           "pipe2packed-entrain": ["optimus-orchmllm"], "pipe2dp2-disttrain": ["firststage-disttrain"],
           "pipe2eager-entrain": ["optimuschunks-orchmllm"]}
 
@@ -223,7 +227,7 @@ def test_balancing_really_rearranges(tmp_path: Path) -> None:
 
     for case, expect_routes in [("pipe2dp2-orchmllm", True), ("pipe2packed-entrain", True), ("pipe2dp2-disttrain", False),
                                 ("mixed-orchmllm", True), ("deeppacked-entrain", True), ("omni-entrain", True),
-                                ("colocated-orchmllm", True), ("optimus-orchmllm", True),
+                                ("colocated-orchmllm", True), ("colocdp2-orchmllm", True), ("optimus-orchmllm", True),
                                 ("firststage-disttrain", False)]:
         cfg, balance = _config(case)
         tokenizer, dataset = build_data(cfg)

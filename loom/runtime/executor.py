@@ -213,10 +213,12 @@ class PipelineExecutor:
             ActionKind.OPTIMIZER_STEP: self._optimizer_step,
         }
         self._plans: dict[int, tuple[Schedule, ActionPlan]] = {}
-        # per channel (edge and peer rank), the activation's trailing dims, learned from its first
-        # message (see _lead_dims); None: the channel's shapes do not follow the rule, its
-        # messages keep their header
-        self._act_shapes: dict[tuple[StageId, StageId, int], _ActShape | None] = {}
+        # per channel (edge, sending unit, receiving unit), the activation's trailing dims, learned
+        # from its first message (see _lead_dims); None: the channel's shapes do not follow the
+        # rule, its messages keep their header. Both units name a channel: with replicated stages
+        # on the same units (colocated data parallelism, samples routed between replicas) a unit
+        # sends and receives on the same edge, and each direction learns on its own
+        self._act_shapes: dict[tuple[StageId, StageId, int, int], _ActShape | None] = {}
         # the last iteration's CP context per LLM microbatch (context parallelism; for inspection)
         self.cp_contexts: dict[int, RankContext] = {}
         # called once per training iteration after the gradients are complete on this rank (after
@@ -327,7 +329,7 @@ class PipelineExecutor:
     # ---- one handler per action kind -----------------------------------------------------
     def _recv_act(self, it: _Iteration, i: int, a: Action, tag: int) -> None:
         src, me = (a.peer_module, a.peer_stage), (a.module, a.stage)
-        channel = (src, me, a.peer)
+        channel = (src, me, a.peer, self.unit.unit)
         lead = self._lead_dims(it, src, me, a.other_microbatch, a.microbatch, a.samples)
         known = self._act_shapes.get(channel) if lead is not None else None
         if a.peer == self.unit.unit:  # from a stage this unit hosts: a local handoff
@@ -450,7 +452,7 @@ class PipelineExecutor:
             it.local[tag] = out.detach()
             lead = None
         elif lead is not None:
-            channel = (me, dst, a.peer)
+            channel = (me, dst, self.unit.unit, a.peer)
             if channel not in self._act_shapes:
                 self._act_shapes[channel] = _learn(out, lead)  # the receiver learns the same from this message
             elif self._act_shapes[channel] is not None:
@@ -742,8 +744,8 @@ def _learn(x: torch.Tensor, ids: tuple[int, ...]) -> _ActShape | None:
 def _check_shape(out: torch.Tensor, lead: tuple[int, ...], known: _ActShape, channel: tuple) -> None:
     if out.dtype != known[0] or tuple(out.shape) != (*lead, *known[1]):
         raise RuntimeError(
-            f"stage {channel[0]} sends a {out.dtype} activation of shape {tuple(out.shape)} to {channel[1]} on rank "
-            f"{channel[2]}, but the first message on that edge set the rule {lead} + {known[1]} ({known[0]}): the "
+            f"stage {channel[0]} sends a {out.dtype} activation of shape {tuple(out.shape)} to {channel[1]} on unit "
+            f"{channel[3]}, but the first message on that edge set the rule {lead} + {known[1]} ({known[0]}): the "
             f"receiver allocates by that rule, so the stage's output must keep it (leading dims from the "
             f"microbatch's metadata, fixed trailing dims)"
         )
