@@ -4,27 +4,38 @@ The production path: each rank is built by `loom.train.rank.build_rank` and step
 `RankRun.step`, the two calls ``loom train`` makes (`loom.train.main`), on a `TrainConfig`
 (`train_config`) with the demo dataset in a skewed mix (many text-only samples, some with one
 image, many with several large ones, so a few samples carry most of the vision work), a vision
-encoder and a Llama LLM from the zoo (no audio), the plan ``[vision, llm]`` (2 ranks: the vision
-encoder on rank 0, the LLM on rank 1, a 2-stage pipeline with 8 microbatches),
-``[balance] default = policy``, and the run's optimizer and LR schedule (AdamW with the config's
-weight decay and betas, warmup then cosine decay over the run's steps).
+encoder and a Llama LLM from the zoo (no audio), 8 microbatches, ``[balance] default = policy``,
+and the run's optimizer and LR schedule (AdamW with the config's weight decay and betas, warmup
+then cosine decay over the run's steps). Two plans of the 2 ranks (`PLANS`):
 
-Two LLM batchings, each a run of its own: ``padded`` (one right-padded row per sample, the
-default of ``data.pack_sequences = false``) and ``packed`` (each LLM microbatch one packed row,
-``data.pack_sequences = true``). In each, one group per policy (``none`` and every policy of
-`loom.balance.policy.POLICIES`), each its own 2 fresh gloo processes with one thread each, all
-fed the same global batches (`GlobalBatchSampler`: every group trains the same batch at step
+- ``pipeline``: ``[vision, llm]`` disaggregated, the vision encoder on rank 0 and the LLM on
+  rank 1 (a 2-stage multimodal pipeline: DistTrain's and Entrain's setting);
+- ``colocated``: ``placement = "colocated"``, a vision and an LLM replica on each rank
+  (data parallelism 2 for both: OrchMLLM's setting, every rank runs every module).
+
+A policy whose layout is the given one by construction on a plan
+(`loom.balance.policy.nothing_to_balance`: ``orchmllm`` on ``pipeline``, where every module
+has one replica) runs exactly ``none``'s step there; it is not timed on that plan (two groups
+running the same code measure only noise), and ``config`` says why.
+
+Two LLM batchings per plan, each a run of its own: ``padded`` (one right-padded row per sample,
+the default of ``data.pack_sequences = false``) and ``packed`` (each LLM microbatch one packed
+row, ``data.pack_sequences = true``). In each, one group per timed policy (``none`` and the
+policies of `loom.balance.policy.POLICIES` that act on the plan), each its own 2 fresh gloo
+processes with one thread each, all fed the same global batches (`GlobalBatchSampler`: every group trains the same batch at step
 ``i``, a new batch every step). The groups take turns step by step in a Williams order
 (`turn_orders`: over one cycle every group takes every turn position once and follows every
 other group once), so slow phases of a shared machine, going first, or the group just before
 hit every group alike; after ``--warmup`` untimed steps, ``--repeats`` repeats of
-``--steps-per-repeat`` timed steps follow (4 by default: one cycle for the 4 groups). A timed
+``--steps-per-repeat`` timed steps follow (0, the default: one whole cycle of the turn orders,
+4 steps for 4 groups, 6 for 3). A timed
 step runs, inside the worker, from a barrier to a barrier around one `RankRun.step` and holds
 everything a trainer pays per iteration: the dispatch (metadata all-gather, the policy, the
 payload all-to-all), the schedule for a new layout (cached per layout), the step itself with
 the optimizer, the LR scheduler's step and the loss all-reduce.
 
-Figures (``better``: higher for every ratio):
+Figures (``better``: higher for every ratio; on ``colocated``, ``_colocated`` follows
+``real_step_time_ratio`` and ``real_`` in every name):
 
 - ``real_step_time_ratio_<policy>`` / ``real_step_time_ratio_packed_<policy>``: per repeat,
   the sum of ``none``'s step times over the sum of ``<policy>``'s on the same steps, so the
@@ -32,18 +43,19 @@ Figures (``better``: higher for every ratio):
   faster); the value is the median over the repeats, the spread their IQR (5 or more
   repeats) or min-max;
 - ``real_step_time_ratio`` / ``real_step_time_ratio_packed``: the same for the best policy of
-  that batching (the highest median ratio; ``config`` names it), padded rows and packed rows;
+  that plan and batching (the highest median ratio; ``config`` names it), padded rows and
+  packed rows;
 - ``real_<batching>_<policy>_step_ms``: the median over the repeats of each repeat's mean
   step time.
 
-``config.batchings.<rows>.groups.<policy>.minus_none_ms`` holds, per policy, the median over
+``config.runs.<plan>/<rows>.groups.<policy>.minus_none_ms`` holds, per policy, the median over
 the timed steps of (policy minus none) on the same step for the whole step, its dispatch, its
 ``engine.step``, and per rank the compute, the process CPU time and the time in Python's
 garbage collector (`paired_differences`; ``gc_ms`` its mean per step):
 what a policy pays beyond its layout (one that keeps ``none``'s layout should pay only its
 decision).
 
-The step-0 losses of all groups of a batching must agree (the same global batch, reference
+The step-0 losses of all groups of a run must agree (the same global batch, reference
 semantics); the script fails otherwise.
 
     python -m benchmarks.balance_real [--repeats 6 --steps-per-repeat 4 --warmup 2 ...]
@@ -83,14 +95,36 @@ BATCHINGS = ("padded", "packed")  # padded: the default config (data.pack_sequen
 COMPUTE_KINDS = ("forward", "backward")
 
 
+def _pipeline(microbatches: int):
+    from loom.plan.plan import ModuleSpec, Plan
+
+    return Plan([ModuleSpec("vision"), ModuleSpec("llm")], num_microbatches=microbatches)
+
+
+def _colocated(microbatches: int):
+    from loom.plan.plan import ModuleSpec, Plan
+
+    return Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", data_parallel=2)],
+                num_microbatches=microbatches, placement="colocated")
+
+
+# name -> (description, the plan for a microbatch count)
+PLANS = {
+    "pipeline": ("[vision] -> [llm], one rank each: a 2-stage multimodal pipeline", _pipeline),
+    "colocated": ("placement colocated: a vision and an LLM replica on each rank (data parallel 2)", _colocated),
+}
+
+
 @dataclass
 class RealConfig:
     repeats: int = 6  # timed repeats per batching; each gives one ratio per policy
-    # timed steps per repeat: one whole cycle of `turn_orders` for the default 4 groups (each
-    # group in every turn position once); the repeat's ratio is that of its step-time sums
-    steps_per_repeat: int = 4
+    # timed steps per repeat (the repeat's ratio is that of its step-time sums); a whole cycle
+    # of `turn_orders` puts each group in every turn position equally often
+    # 0: one whole cycle of `turn_orders` for the plan's groups (4 steps for 4, 6 for 3)
+    steps_per_repeat: int = 0
     warmup: int = 2  # untimed steps per group before the repeats
     policies: str = "none,orchmllm,disttrain,entrain"  # the groups; must hold none
+    plans: str = "pipeline,colocated"  # plans of the 2 ranks (PLANS), each batching a run of its own per plan
     batchings: str = "padded,packed"  # LLM batchings to run, each a run of its own
     global_batch: int = 32
     microbatches: int = 8
@@ -122,6 +156,9 @@ class RealConfig:
     def batching_list(self) -> list[str]:
         return [b for b in self.batchings.split(",") if b]
 
+    def plan_list(self) -> list[str]:
+        return [p for p in self.plans.split(",") if p]
+
     def mix_dict(self) -> dict[str, float]:
         return {k: float(v) for k, v in (part.split(":") for part in self.mix.split(",") if part)}
 
@@ -137,21 +174,23 @@ class RealConfig:
         bad = [b for b in self.batching_list() if b not in BATCHINGS]
         if bad or not self.batching_list():
             raise ValueError(f"--batchings {self.batchings!r}: use a comma-separated subset of {list(BATCHINGS)}")
-        if self.repeats < 1 or self.steps_per_repeat < 1:
-            raise ValueError("--repeats and --steps-per-repeat must be at least 1")
+        bad = [p for p in self.plan_list() if p not in PLANS]
+        if bad or not self.plan_list():
+            raise ValueError(f"--plans {self.plans!r}: use a comma-separated subset of {list(PLANS)}")
+        if self.repeats < 1 or self.steps_per_repeat < 0:
+            raise ValueError("--repeats must be at least 1 and --steps-per-repeat at least 0 (0: one cycle of turns)")
         if self.warmup < 1:
             raise ValueError("--warmup must be at least 1 (the first step builds the schedule caches)")
         return self
 
 
-def train_config(cfg: RealConfig, llm_batching: str, policy: str = BASELINE):
-    """The `TrainConfig` of the run with ``llm_batching`` rows under ``policy``: model, plan,
-    data, ``[balance]``, ``optim.lr`` and ``run.steps`` (every step the group runs, so the LR
-    schedule is that of a run of this length)."""
+def train_config(cfg: RealConfig, plan_name: str, llm_batching: str, policy: str = BASELINE, steps: int = 1):
+    """The `TrainConfig` of the run on plan ``plan_name`` (`PLANS`) with ``llm_batching`` rows
+    under ``policy``: model, plan, data, ``[balance]``, ``optim.lr`` and ``run.steps`` (every
+    step the group runs, so the LR schedule is that of a run of this length)."""
     from loom.balance.config import BalanceConfig
     from loom.data.demo import DemoConfig
     from loom.model.zoo import LlamaConfig, VisionConfig
-    from loom.plan.plan import ModuleSpec, Plan
     from loom.train.config import ModelConfig, TrainConfig
 
     model = ModelConfig(
@@ -160,13 +199,13 @@ def train_config(cfg: RealConfig, llm_batching: str, policy: str = BASELINE):
         llm=LlamaConfig(hidden_size=cfg.llm_hidden, num_layers=cfg.llm_layers, num_heads=cfg.llm_heads,
                         num_kv_heads=cfg.llm_kv_heads, intermediate_size=cfg.llm_intermediate),
     )
-    plan = Plan([ModuleSpec("vision"), ModuleSpec("llm")], num_microbatches=cfg.microbatches)
+    plan = PLANS[plan_name][1](cfg.microbatches)
     demo = DemoConfig(num_samples=cfg.num_samples, seed=cfg.seed, mix=cfg.mix_dict(),
                       max_image_size=cfg.max_image_size, max_images=cfg.max_images)
     train = TrainConfig(model=model, plan=plan, balance=BalanceConfig(default=policy))
     if cfg.min_gain is not None:
         train.balance.min_gain = cfg.min_gain
-    train.run = dataclasses.replace(train.run, seed=cfg.seed, steps=cfg.warmup + cfg.repeats * cfg.steps_per_repeat)
+    train.run = dataclasses.replace(train.run, seed=cfg.seed, steps=steps)
     train.optim = dataclasses.replace(train.optim, lr=cfg.lr)
     train.data = dataclasses.replace(train.data, global_batch_size=cfg.global_batch, demo=demo,
                                      pack_sequences=llm_batching == "packed")
@@ -174,8 +213,8 @@ def train_config(cfg: RealConfig, llm_batching: str, policy: str = BASELINE):
 
 
 # ---- one group, on each of its ranks -------------------------------------------------------
-def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict, llm_batching: str, commands: list, replies,
-            trace_dir: str | None) -> None:
+def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict, run_key: tuple[str, str, int],
+            commands: list, replies, trace_dir: str | None) -> None:
     """Build the rank with `build_rank`, as `loom.train.main.train` does, then run one
     `RankRun.step` per command from the driver on ``commands[rank]`` (``None`` ends) and reply
     with its times, loss and layout. ``group`` names the group in `WorkerGroup`'s messages."""
@@ -185,7 +224,8 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
     from loom.train.rank import build_rank
 
     cfg = RealConfig(**cfg_dict)
-    train = train_config(cfg, llm_batching, policy)
+    plan_name, llm_batching, steps = run_key
+    train = train_config(cfg, plan_name, llm_batching, policy, steps)
     run = build_rank(train, torch.device("cpu"))
     gc_clock = _GcClock()
     counters = run.token_counts
@@ -217,7 +257,7 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
         }
         if trace_dir is not None:
             import json
-            (Path(trace_dir) / f"{llm_batching}_{policy}_rank{rank}_step{i}.json").write_text(
+            (Path(trace_dir) / f"{plan_name}_{llm_batching}_{policy}_rank{rank}_step{i}.json").write_text(
                 json.dumps(events_to_dicts(done.result.timeline)))
         replies.put(("step", rank, i, done.loss, info))
     run.close()
@@ -244,8 +284,8 @@ class _GcClock:
 class Group(WorkerGroup):
     """A policy's pair of processes and the queues that drive them."""
 
-    def __init__(self, policy: str, cfg: RealConfig, llm_batching: str, trace_dir: str | None):
-        super().__init__(f"{llm_batching}/{policy}", _worker, WORLD_SIZE, policy, asdict(cfg), llm_batching,
+    def __init__(self, policy: str, cfg: RealConfig, run_key: tuple[str, str, int], trace_dir: str | None):
+        super().__init__(f"{run_key[0]}/{run_key[1]}/{policy}", _worker, WORLD_SIZE, policy, asdict(cfg), run_key,
                          extra=(trace_dir,))
         self.policy = policy
         self.losses: list[float] = []
@@ -275,26 +315,29 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def run_batching(cfg: RealConfig, llm_batching: str, say: Any, trace_dir: str | None) -> dict[str, Any]:
-    """All groups of one LLM batching, alternating step by step; returns per policy the
-    timed steps grouped by repeat, plus the groups' first losses and peak memory."""
-    names = cfg.policy_list()
+def run_batching(cfg: RealConfig, plan_name: str, llm_batching: str, names: list[str], say: Any,
+                 trace_dir: str | None) -> dict[str, Any]:
+    """The groups ``names`` of one plan and LLM batching, alternating step by step; returns
+    per policy the timed steps grouped by repeat, plus the groups' first losses and peak
+    memory."""
+    where = f"{plan_name}/{llm_batching}"
+    orders = turn_orders(names)
+    per_repeat = cfg.steps_per_repeat or len(orders)
+    total = cfg.warmup + cfg.repeats * per_repeat
     t0 = time.perf_counter()
     groups: dict[str, Group] = {}
     try:
         for name in names:
-            groups[name] = Group(name, cfg, llm_batching, trace_dir)
+            groups[name] = Group(name, cfg, (plan_name, llm_batching, total), trace_dir)
         for g in groups.values():
             g.wait_ready()
-        say(f"  [{llm_batching}] groups set up in {time.perf_counter() - t0:.1f} s")
-        total = cfg.warmup + cfg.repeats * cfg.steps_per_repeat
-        orders = turn_orders(names)
+        say(f"  [{where}] groups set up in {time.perf_counter() - t0:.1f} s")
         for i in range(total):
             # timed step t takes row t of the balanced cycle, so a repeat of len(orders) steps is whole
             for name in orders[(i - cfg.warmup) % len(orders)]:
                 groups[name].step(i)
-            kind = "warmup" if i < cfg.warmup else f"repeat {(i - cfg.warmup) // cfg.steps_per_repeat + 1}"
-            say(f"  [{llm_batching}] step {i + 1:3d} ({kind}): " + ", ".join(
+            kind = "warmup" if i < cfg.warmup else f"repeat {(i - cfg.warmup) // per_repeat + 1}"
+            say(f"  [{where}] step {i + 1:3d} ({kind}): " + ", ".join(
                 f"{n} {groups[n].steps[-1]['total'] * 1e3:.0f} ms" for n in names))
         for g in groups.values():
             g.finish()
@@ -308,20 +351,19 @@ def run_batching(cfg: RealConfig, llm_batching: str, say: Any, trace_dir: str | 
     ref = groups[BASELINE].losses[0]
     rel0 = {n: abs(g.losses[0] - ref) / max(abs(ref), 1e-12) for n, g in groups.items()}
     if max(rel0.values()) > LOSS_RTOL:
-        raise RuntimeError(f"[{llm_batching}] the groups compute different losses on the first step "
+        raise RuntimeError(f"[{where}] the groups compute different losses on the first step "
                            f"({ {n: g.losses[0] for n, g in groups.items()} }): they do not do the same work, "
                            f"the timing would be meaningless")
     # the pairing: every group trained the same global batch at every step
     for i, st in enumerate(groups[BASELINE].steps):
         other = [n for n, g in groups.items() if g.steps[i]["indices"] != st["indices"]]
         if other:
-            raise RuntimeError(f"[{llm_batching}] step {i}: {other} trained other samples than {BASELINE}; the "
+            raise RuntimeError(f"[{where}] step {i}: {other} trained other samples than {BASELINE}; the "
                                f"paired ratio needs the same global batch in every group")
     timed = {n: g.steps[cfg.warmup:] for n, g in groups.items()}
-    repeats = {n: [st[r * cfg.steps_per_repeat:(r + 1) * cfg.steps_per_repeat] for r in range(cfg.repeats)]
-               for n, st in timed.items()}
+    repeats = {n: [st[r * per_repeat:(r + 1) * per_repeat] for r in range(cfg.repeats)] for n, st in timed.items()}
     return {"timed": timed, "repeats": repeats, "first_loss": {n: g.losses[0] for n, g in groups.items()},
-            "first_loss_max_rel_diff": max(rel0.values()), "peak_rss_mb": {n: max(g.peak_rss_mb) for n, g in groups.items()},
+            "first_loss_max_rel_diff": max(rel0.values()), "steps_per_repeat": per_repeat, "peak_rss_mb": {n: max(g.peak_rss_mb) for n, g in groups.items()},
             "wall_s": time.perf_counter() - t0}
 
 
@@ -403,17 +445,19 @@ def paired_differences(steps: list[dict[str, Any]], base_steps: list[dict[str, A
 
 # ---- the run -------------------------------------------------------------------------------
 def real_run(verbose: bool = True, trace_dir: str | Path | None = None, **overrides: Any) -> dict[str, Any]:
-    """Run every batching and return the figures (see the module docstring) plus ``config``
-    (a plain dict: the configuration and per-group details)."""
+    """Run every plan and batching and return the figures (see the module docstring) plus
+    ``config`` (a plain dict: the configuration and per-group details)."""
+    from loom.balance.config import BalanceConfig
+    from loom.balance.policy import nothing_to_balance
+
     cfg = RealConfig(**overrides).check()
-    names, batchings = cfg.policy_list(), cfg.batching_list()
-    policies = [n for n in names if n != BASELINE]
+    batchings = cfg.batching_list()
     say = print if verbose else (lambda *a, **k: None)
-    say(f"{NAME}: vision ({cfg.vision_layers} x {cfg.vision_hidden}) on rank 0 -> LLM ({cfg.llm_layers} x "
-        f"{cfg.llm_hidden}) on rank 1, {cfg.microbatches} microbatches, global batch {cfg.global_batch}, mix {cfg.mix}, "
-        f"images up to {cfg.max_images} x {cfg.max_image_size}px; groups {names}, 2 gloo processes x 1 thread each")
-    say(f"LLM rows {batchings}, each: {cfg.warmup} warmup steps + {cfg.repeats} repeats x {cfg.steps_per_repeat} "
-        f"timed steps, the groups taking turns step by step")
+    say(f"{NAME}: vision ({cfg.vision_layers} x {cfg.vision_hidden}) and LLM ({cfg.llm_layers} x {cfg.llm_hidden}) "
+        f"on 2 ranks, plans {cfg.plan_list()}, {cfg.microbatches} microbatches, global batch {cfg.global_batch}, mix "
+        f"{cfg.mix}, images up to {cfg.max_images} x {cfg.max_image_size}px; 2 gloo processes x 1 thread per group")
+    say(f"LLM rows {batchings}, each: {cfg.warmup} warmup steps + {cfg.repeats} repeats of "
+        f"{cfg.steps_per_repeat or 'a cycle of'} timed steps, the groups taking turns step by step")
     if trace_dir is not None:
         Path(trace_dir).mkdir(parents=True, exist_ok=True)
         trace_dir = str(trace_dir)
@@ -421,32 +465,49 @@ def real_run(verbose: bool = True, trace_dir: str | Path | None = None, **overri
     t0 = time.perf_counter()
     figures: dict[str, dict[str, Any]] = {}
     details: dict[str, Any] = {}
-    for batching in batchings:
-        run = run_batching(cfg, batching, say, trace_dir)
-        summary = summarize_batching(run)
-        suffix = "" if batching == "padded" else f"_{batching}"
-        ratio_figs = {p: summarize(summary[p]["repeat_ratio"], "ratio (measured)", "higher") for p in policies}
-        best = max(policies, key=lambda p: ratio_figs[p]["value"])
-        figures[f"real_step_time_ratio{suffix}"] = ratio_figs[best]
-        for p in policies:
-            figures[f"real_step_time_ratio{suffix}_{p}"] = ratio_figs[p]
-        for n in names:
-            figures[f"real_{batching}_{n}_step_ms"] = summarize([t * 1e3 for t in summary[n]["repeat_step_s"]],
-                                                                "ms (measured)", "lower", digits=2)
-        details[batching] = {
-            "best_policy": best,
-            "first_step_loss": run["first_loss"],
-            "first_step_loss_max_rel_diff": run["first_loss_max_rel_diff"],
-            "wall_s": round(run["wall_s"], 1),
-            "groups": {n: _rounded(s) for n, s in summary.items()},
-        }
-        if verbose:
-            _print_table(batching, summary, ratio_figs, figures, best, names)
+    not_timed: dict[str, dict[str, str]] = {}
+    for plan_name in cfg.plan_list():
+        plan = PLANS[plan_name][1](cfg.microbatches)
+        # a policy that keeps the given layout by construction runs none's step: not a group of its own
+        skip = {p: why for p in cfg.policy_list() if p != BASELINE
+                if (why := nothing_to_balance(BalanceConfig(default=p), plan))}
+        if skip:
+            not_timed[plan_name] = skip
+            say(f"[{plan_name}] not timed, none's layout by construction: {skip}")
+        names = [n for n in cfg.policy_list() if n not in skip]
+        policies = [n for n in names if n != BASELINE]
+        if not policies:
+            continue
+        ratio_name = "real_step_time_ratio" + ("" if plan_name == "pipeline" else f"_{plan_name}")
+        step_name = "real_" + ("" if plan_name == "pipeline" else f"{plan_name}_")
+        for batching in batchings:
+            run = run_batching(cfg, plan_name, batching, names, say, trace_dir)
+            summary = summarize_batching(run)
+            suffix = "" if batching == "padded" else f"_{batching}"
+            ratio_figs = {p: summarize(summary[p]["repeat_ratio"], "ratio (measured)", "higher") for p in policies}
+            best = max(policies, key=lambda p: ratio_figs[p]["value"])
+            figures[f"{ratio_name}{suffix}"] = ratio_figs[best]
+            for p in policies:
+                figures[f"{ratio_name}{suffix}_{p}"] = ratio_figs[p]
+            for n in names:
+                figures[f"{step_name}{batching}_{n}_step_ms"] = summarize(
+                    [t * 1e3 for t in summary[n]["repeat_step_s"]], "ms (measured)", "lower", digits=2)
+            details[f"{plan_name}/{batching}"] = {
+                "best_policy": best,
+                "steps_per_repeat": run["steps_per_repeat"],
+                "first_step_loss": run["first_loss"],
+                "first_step_loss_max_rel_diff": run["first_loss_max_rel_diff"],
+                "wall_s": round(run["wall_s"], 1),
+                "groups": {n: _rounded(s) for n, s in summary.items()},
+            }
+            if verbose:
+                _print_table(f"{plan_name}/{batching}", summary, ratio_figs, figures, best, names, step_name + batching)
     wall = time.perf_counter() - t0
     say(f"{NAME}: {wall:.0f} s in all")
     figures["config"] = {
         **asdict(cfg), "world_size": WORLD_SIZE, "threads_per_process": 1, "backend": "gloo",
-        "plan": "[vision] -> [llm], one rank each",
+        "plan": {name: PLANS[name][0] for name in cfg.plan_list()},
+        "not_timed": not_timed,
         "optimizer": "loom.train.rank.make_optimizer (AdamW, [optim] weight decay, betas 0.9/0.95) with the run's "
                      "LR schedule",
         "path": "loom.train.rank.build_rank + RankRun.step, as loom train",
@@ -455,8 +516,9 @@ def real_run(verbose: bool = True, trace_dir: str | Path | None = None, **overri
                   "i, the groups taking turns step by step in a Williams order (every turn position and every "
                   "predecessor equally often per cycle); a repeat's ratio is none's step-time sum over the "
                   "policy's on the repeat's steps (the same batches), its step time their mean",
-        "headline": "real_step_time_ratio[_packed]: the policy with the highest median ratio (best_policy)",
-        "batchings": details, "wall_s": round(wall, 1),
+        "headline": "real_step_time_ratio[_colocated][_packed]: per plan and batching, the policy with the highest "
+                    "median ratio (best_policy)",
+        "runs": details, "wall_s": round(wall, 1),
     }
     return figures
 
@@ -471,8 +533,8 @@ def _rounded(value: Any) -> Any:
     return value
 
 
-def _print_table(batching: str, summary: dict[str, dict[str, Any]], ratio_figs: dict[str, dict[str, Any]],
-                 figures: dict[str, dict[str, Any]], best: str, names: list[str]) -> None:
+def _print_table(run: str, summary: dict[str, dict[str, Any]], ratio_figs: dict[str, dict[str, Any]],
+                 figures: dict[str, dict[str, Any]], best: str, names: list[str], step_prefix: str) -> None:
     def spread(f: dict[str, Any], fmt: str) -> str:
         lo, hi = f["spread"]
         return f"{f['value']:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
@@ -481,14 +543,14 @@ def _print_table(batching: str, summary: dict[str, dict[str, Any]], ratio_figs: 
     for n in names:
         s = summary[n]
         ratio = "-" if n == BASELINE else spread(ratio_figs[n], ".3f")
-        rows.append([n, spread(figures[f"real_{batching}_{n}_step_ms"], ".0f"), ratio, f"{s['dispatch_ms']:.1f}",
+        rows.append([n, spread(figures[f"{step_prefix}_{n}_step_ms"], ".0f"), ratio, f"{s['dispatch_ms']:.1f}",
                      f"{s['engine_step_ms']:.0f}", f"{s['compute_ms'][0]:.0f}/{s['compute_ms'][1]:.0f}",
                      f"{s['mb_max_over_mean']['vision']:.2f}", f"{s['mb_max_over_mean']['llm']:.2f}",
                      f"{s['llm_padded_over_real']:.2f}", f"{s['mean_microbatches']:.1f}",
                      f"{100 * s['same_layout_as_none']:.0f}%", f"{100 * s['kept_given']:.0f}%",
                      f"{100 * s['predicted_gain']:.1f}%", s["peak_rss_mb"]])
     spread_is = next(iter(ratio_figs.values()))["spread_is"]
-    print(f"\nLLM rows {batching} (value [spread: {spread_is}] over the repeats)")
+    print(f"\n{run} (plan / LLM rows; value [spread: {spread_is}] over the repeats)")
     print(format_table(["policy", "step ms", "none / policy", "dispatch ms", "engine step ms", "compute r0/r1 ms",
                         "vision mb max/mean", "llm mb max/mean", "LLM padded/real", "microbatches",
                         "none's layout", "kept given", "predicted gain", "peak RSS MB"], rows))
@@ -506,7 +568,7 @@ def _print_table(batching: str, summary: dict[str, dict[str, Any]], ratio_figs: 
     print("policy minus none on the same step (median over the timed steps, ms; CPU: the rank's process time; "
           "GC: mean time in Python's garbage collector)")
     print(format_table(["policy", "step", "dispatch", "engine step", "compute r0/r1", "CPU r0/r1", "GC r0/r1"], paired))
-    print(f"best policy ({batching}): {best}, none / {best} = {spread(ratio_figs[best], '.3f')}")
+    print(f"best policy ({run}): {best}, none / {best} = {spread(ratio_figs[best], '.3f')}")
 
 
 # ---- main ----------------------------------------------------------------------------------

@@ -329,3 +329,22 @@ def test_orchmllm_with_one_slot_per_round_keeps_none_layout_without_deciding(bat
     # rounds of one slot are still reordered under balance.order = "disttrain": that one decides
     with pytest.raises(AssertionError, match="must not decide"):
         make_layout(BalanceConfig(default="orchmllm", order="disttrain"), plan, costs, llm_batching=batching)
+
+
+@pytest.mark.parametrize("policy", ["none", "orchmllm", "disttrain", "entrain"])
+def test_colocated_steps_against_a_play_of_the_real_schedule(policy: str) -> None:
+    """Colocated (OrchMLLM's setting): a vision replica on each LLM replica's rank, its
+    forwards first and backwards last. Where the layout keeps the LLM's slots the prediction is
+    the play's step; where rows cross ranks it bounds it from above, within a third."""
+    rng = np.random.default_rng(17)
+    plan = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", data_parallel=2)], num_microbatches=8,
+                placement="colocated").resolve({"vision": 4, "llm": 4})
+    for _ in range(4):
+        n = 32
+        costs = _costs(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))
+        layout = make_layout(BalanceConfig(default=policy, min_gain=-1.0), plan, costs, llm_batching="packed")
+        predicted, played = predict_step(layout, plan, costs, llm_padded=False).step, _play(plan, layout, costs)
+        if layout.shares_llm_slots("vision"):
+            assert predicted == pytest.approx(played)
+        else:
+            assert played <= predicted * (1 + 1e-9) <= 4 / 3 * played

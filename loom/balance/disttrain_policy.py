@@ -60,7 +60,7 @@ def disttrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) ->
     mb_of = _nonempty(mb_of, group_of, total, k)
     candidates = [mb_of]
     if llm_padded:
-        candidates.append(_sorted_runs(_members_descending(by_group, costs.llm_padded_weight(), sizes), sizes, k))
+        candidates.append(sorted_runs(_members_descending(by_group, costs.llm_padded_weight(), sizes), sizes, k))
     # a microbatch's size: its encoder plus generator time (disttrain.md §3.4)
     enc_total = sum((w for p, w in costs.work.items() if p != LLM), np.zeros(n))
     p_llm = plan.spec(LLM).num_stages
@@ -180,10 +180,11 @@ def _nonempty(mb_of: np.ndarray, group_of: np.ndarray, cost: np.ndarray, k: int)
     return mb_of
 
 
-def _sorted_runs(members: np.ndarray, sizes: np.ndarray, k: int) -> np.ndarray:
+def sorted_runs(members: np.ndarray, sizes: np.ndarray, k: int) -> np.ndarray:
     """Each group's samples by padded row cost, longest first (``members``, ties: lower
     position), cut into ``k`` contiguous runs of equal count (the larger runs first): similar
-    lengths share a microbatch, so right-padding adds the least."""
+    lengths share a microbatch, so right-padding adds the least. Returns each position's run.
+    Entrain's padded candidate (`loom.balance.entrain_policy`) cuts its replicas alike."""
     rank = np.arange(members.shape[1])[None, :]
     base, extra = (sizes // k)[:, None], (sizes % k)[:, None]
     # runs 0..extra-1 hold base + 1 samples, the rest base

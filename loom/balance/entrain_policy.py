@@ -30,7 +30,14 @@ milliseconds, so this module runs the same steps on arrays, all replicas in lock
    bound, at this module's unit), and the realised loads use the samples' true costs.
 
 With a right-padded LLM (loom's default) an LLM microbatch costs its row count times its
-longest row, not the sum: a deferral is kept only where it lowers the pair's padded cost.
+longest row, not the sum: a deferral is kept only where it lowers the pair's padded cost. The
+stratified microbatches of step 3 spread the heavy encoder samples, and with them the long LLM
+rows, one per microbatch, so every microbatch pays for a long row (entrain.md assumes packed
+sequences). A padded LLM therefore gets a second candidate, as DistTrain's policy does (a loom
+extension): each replica's samples by padded row cost cut into ``K`` contiguous runs
+(`disttrain_policy.sorted_runs`). Of the two microbatchings, the one the 1F1B prediction
+(`loom.balance.predict`, each in microbatch order before deferral) finds faster then gets the
+deferral and the interleaved order.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import maximum_bipartite_matching
 
 from loom.balance.costs import SampleCosts
+from loom.balance.disttrain_policy import sorted_runs
+from loom.balance.predict import predict_steps
 from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, LayoutError
 
@@ -53,10 +62,12 @@ SUBSET_SUM_RESOLUTION_POLICY = 512
 
 
 def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> BatchLayout:
-    """Entrain: replica assignment, K_eff, stratified microbatches, deferral, interleaving.
-    Slot ``j`` is position ``j // dp`` of replica ``j % dp``'s interleaved order. The plan has
-    passed `check_balance_config` (`make_layout` runs it first): equal data-parallel degrees,
-    microbatches and samples multiples of them (entrain.md §3.4, B/DP samples each)."""
+    """Entrain: replica assignment, K_eff, stratified microbatches (or, for a right-padded LLM,
+    microbatches of similar row cost where the 1F1B prediction finds them faster), deferral,
+    interleaving. Slot ``j`` is position ``j // dp`` of replica ``j % dp``'s interleaved order.
+    The plan has passed `check_balance_config` (`make_layout` runs it first): equal
+    data-parallel degrees, microbatches and samples multiples of them (entrain.md §3.4, B/DP
+    samples each)."""
     dp = plan.spec(LLM).data_parallel
     m = plan.num_microbatches
     n = costs.num_samples
@@ -66,8 +77,28 @@ def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> B
     e, w = enc[members], llm[members]
     k = effective_count(e, m // dp)
     mb = stratified(e, w, k)  # (dp, per): microbatch of each member
-    row_cost = costs.llm_padded_weight()[members] if llm_padded else None
+    row_cost = None
+    if llm_padded:
+        row_cost = costs.llm_padded_weight()[members]
+        by_cost = np.take_along_axis(members, np.argsort(-row_cost, axis=1, kind="stable"), axis=1)
+        runs = sorted_runs(by_cost, np.full(dp, members.shape[1]), k)[members]
+        # the microbatching is chosen before the deferral (the costly step, run once): each in
+        # microbatch order without deferral, by the 1F1B prediction; ties keep the paper's
+        order, none = np.broadcast_to(np.arange(k), (dp, k)), np.zeros_like(mb)
+        paper, padded = predict_steps([_entrain_layout(plan, members, c, order, none, k) for c in (mb, runs)],
+                                      plan, costs, llm_padded)
+        if padded.step < paper.step:
+            mb = runs
     position, defer = pairwise_deferral(mb, w, k, row_cost)
+    return _entrain_layout(plan, members, mb, position, defer, k)
+
+
+def _entrain_layout(plan: Plan, members: np.ndarray, mb: np.ndarray, position: np.ndarray, defer: np.ndarray,
+                    k: int) -> BatchLayout:
+    """The layout of microbatches ``mb`` (``(dp, per)``, of ``members``) in the order
+    ``position`` (``position[r, b]``: microbatch ``b``'s place in replica ``r``'s order) with the
+    deferrals ``defer`` (`pairwise_deferral`'s)."""
+    dp, n = members.shape[0], members.size
     enc_slot = position[np.arange(dp)[:, None], mb] * dp + np.arange(dp)[:, None]
     llm_slot = enc_slot + defer * dp  # a deferred sample's LLM work runs one position later
     llm_slot = _keep_llm_nonempty(enc_slot, llm_slot, k * dp, dp)

@@ -55,10 +55,24 @@ from loom.plan.plan import LLM, Plan
 from loom.schedule.layout import BatchLayout, contiguous_layout, max_over_mean, round_size, token_budget_sizes
 
 __all__ = ["JOINT", "ORDERS", "POLICIES", "BalanceConfig", "BalanceError", "SampleCosts", "check_balance_config",
-           "load_stats", "make_layout", "sample_costs"]
+           "load_stats", "make_layout", "nothing_to_balance", "sample_costs"]
 
 
 # ---- the policies ----------------------------------------------------------------------------
+def nothing_to_balance(config: BalanceConfig, plan: Plan) -> str:
+    """Why ``config``'s layout on ``plan`` is the given one by construction, or "" when its
+    policies decide. Every module with one replica makes every round one slot: a per-phase
+    policy (``orchmllm``, the paper's data-parallel setting) can then only leave each sample in
+    its microbatch, unless ``order`` reorders the rounds. Depends on the config alone."""
+    plan = plan.without_generators()  # make_layout decides the encoders and the LLM first
+    chosen = set(config.summary(plan.module_names).values())
+    if chosen == {"none"}:
+        return "policy none"
+    if config.order == "given" and round_size(plan) == 1 and not chosen & set(JOINT):
+        return "nothing to balance: every round holds one slot (every data_parallel is 1)"
+    return ""
+
+
 def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batching: str = "padded",
                 microbatch_tokens: int = 0) -> BatchLayout:
     """The layout of one global batch (``len(costs.llm_lengths)`` samples) under ``config``.
@@ -99,13 +113,11 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     given = contiguous_layout(n, plan.num_microbatches, phases)
     if set(chosen.values()) == {"none"}:
         return given.check(n, phases)
-    if config.order == "given" and round_size(plan) == 1 and not set(chosen.values()) & set(JOINT):
-        # every module has one replica, so every round holds one slot: a per-phase policy can only
-        # leave each sample in its microbatch, and its layout is the given one by construction.
-        # Keep it without deciding, so the step runs exactly what `none` runs
+    if why := nothing_to_balance(config, plan):
+        # keep the given layout without deciding, so the step runs exactly what `none` runs
         given.policy, given.kept_given = dict(chosen), True
         given.predicted_gain = {"total": 0.0} | {p: 0.0 for p in phases}
-        given.kept_why = "nothing to balance: every round holds one slot (every data_parallel is 1)"
+        given.kept_why = why
         return given.check(n, phases)
     padded = llm_batching == "padded"
     if set(chosen.values()) == {"disttrain"}:

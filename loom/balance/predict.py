@@ -46,6 +46,7 @@ operation is one NumPy operation over the lanes (and over several layouts at onc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -270,6 +271,8 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
     lanes = plan.spec(LLM).data_parallel
     ratio = {m: costs.backward_ratio_of(m) if backward_ratio is None else float(backward_ratio)
              for m in plan.module_names}
+    if plan.placement == "colocated":
+        return [_colocated_step(layout, plan, costs, llm_padded, ratio, eager) for layout in layouts]
     out: list[Prediction | None] = [None] * len(layouts)
     groups: dict[tuple, list[int]] = {}
     for n, layout in enumerate(layouts):
@@ -318,6 +321,37 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
             mine = ends[cols]
             out[n] = Prediction(float(mine.max()), mine, {m: float(v[cols].max()) for m, v in per_lane.items()})
     return out  # type: ignore[return-value]
+
+
+def _colocated_step(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool, ratio: dict[str, float],
+                    eager: int) -> Prediction:
+    """A colocated plan's step: every encoder replica shares its unit with the LLM, whose
+    schedule runs the unit's encoder forwards first and their backwards last (Optimus's coarse
+    order, optimus.md §3; a bubble fill only shortens it). A unit's encoders run one after
+    another (their sum). Where every encoder keeps the LLM's slots and the LLM has one stage,
+    each unit is one lane and its step is exactly its encoder forwards, its LLM microbatches and
+    its encoder backwards; otherwise rows cross units, so the LLM's 1F1B alone is bracketed by
+    the slowest unit's encoder forwards and backwards (a bound)."""
+    per_slot = slot_costs(layout, costs, llm_padded)
+    llm = plan.spec(LLM)
+    lanes, units = llm.data_parallel, llm.num_units
+    forward_on, backward_on, busy = np.zeros(units), np.zeros(units), {}
+    for e in plan.encoder_names:
+        share = plan.spec(e).data_parallel // max(1, plan.lanes(e))  # replicas per lane share a unit's items
+        on_unit = np.bincount(np.arange(per_slot[e].size) % share, weights=per_slot[e], minlength=units)[:units]
+        on_unit = on_unit / max(1, plan.lanes(e))
+        forward_on += on_unit
+        backward_on += ratio[e] * on_unit
+        busy[e] = float(((1 + ratio[e]) * on_unit).max(initial=0.0))
+    alone = dataclasses.replace(plan, modules=[llm], placement="disaggregated", bubble_fill="none")
+    positions = -(-layout.num_microbatches // lanes)
+    grid = _grid(per_slot[LLM] / llm.num_stages, lanes, positions)
+    ends, llm_busy = pipeline_times(alone, {LLM: grid}, backward_ratio=ratio[LLM], extra_warmup=eager)
+    if llm.num_stages == 1 and all(layout.shares_llm_slots(e) for e in plan.encoder_names):
+        ends = forward_on + ends + backward_on  # unit d is lane d
+    else:
+        ends = forward_on.max(initial=0.0) + ends + backward_on.max(initial=0.0)
+    return Prediction(float(ends.max(initial=0.0)), ends, busy | llm_busy)
 
 
 def predict_step(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool = True, *,
