@@ -424,3 +424,43 @@ def test_padded_llm_does_not_spread_long_samples(policy: str) -> None:
     assert len(set(layout.slot_index("llm")[long_ones].tolist())) < k, layout.slots["llm"]
     assert critical_load(layout, plan, costs, llm_padded=True)["llm"] <= critical_load(given, plan, costs)["llm"]
     assert critical_load(layout, plan, costs)["llm"] < 0.5 * critical_load(packed, plan, costs)["llm"]
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_entrain_groups_long_padded_rows_where_the_given_layout_spreads_them(dp: int) -> None:
+    """Entrain's padded candidate (entrain_policy: rows of similar cost share a microbatch): the
+    given layout holds one long row per microbatch, each paying for it; Entrain's stratified
+    microbatches would too, so the policy takes the sorted runs, which its prediction finds
+    much faster, and the long rows end up together."""
+    from oracles import critical_load
+
+    k, per = 4, 4
+    m = k * dp
+    plan = Plan([ModuleSpec("vision", data_parallel=dp), ModuleSpec("llm", data_parallel=dp, num_stages=2)],
+                num_microbatches=m).resolve({"vision": 4, "llm": 4})
+    from loom.balance.costs import SampleCosts
+
+    long_ones = np.arange(0, m * per, per)  # one long row in each given microbatch
+    lengths = np.full(m * per, 100)
+    lengths[long_ones] = 4000
+    costs = SampleCosts({"vision": np.full(m * per, 50.0), "llm": lengths.astype(float)}, lengths, 1.0, 0.0)
+    given = make_layout(BalanceConfig(), plan, costs)
+    assert len(set(given.slot_index("llm")[long_ones].tolist())) == m
+    layout = make_layout(BalanceConfig(default="entrain"), plan, costs, llm_batching="padded")
+    assert not layout.kept_given and layout.predicted_gain["total"] > 0.3, layout.predicted_gain
+    assert len(set(layout.slot_index("llm")[long_ones].tolist())) == dp, layout.slots["llm"]  # together per replica
+    assert critical_load(layout, plan, costs, llm_padded=True)["llm"] < 0.5 * critical_load(given, plan, costs,
+                                                                                              llm_padded=True)["llm"]
+
+
+def test_nothing_to_balance_depends_on_the_config_alone() -> None:
+    from loom.balance.policy import nothing_to_balance
+
+    single = Plan([ModuleSpec("vision"), ModuleSpec("llm")], num_microbatches=4)
+    colocated = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", data_parallel=2)], num_microbatches=4,
+                     placement="colocated")
+    assert "every data_parallel is 1" in nothing_to_balance(BalanceConfig(default="orchmllm"), single)
+    assert nothing_to_balance(BalanceConfig(default="orchmllm", order="disttrain"), single) == ""  # reorders rounds
+    assert nothing_to_balance(BalanceConfig(default="orchmllm"), colocated) == ""
+    assert nothing_to_balance(BalanceConfig(default="entrain"), single) == ""  # a joint policy shapes microbatches
+    assert nothing_to_balance(BalanceConfig(), single) == "policy none"

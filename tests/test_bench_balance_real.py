@@ -8,6 +8,7 @@ from collections import Counter
 
 import pytest
 
+from benchmarks import balance_real
 from benchmarks.balance_real import paired_differences, paired_ratio, summarize_batching, turn_orders
 
 
@@ -59,3 +60,22 @@ def test_paired_ratio_refuses_unpaired_steps():
         paired_ratio([1.0, 2.0], [1.0])
     with pytest.raises(ValueError, match="at least one"):
         paired_ratio([], [])
+
+
+def test_plans_fit_two_ranks_and_orchmllm_is_timed_only_where_it_acts():
+    """Both plans run on the benchmark's 2 ranks; OrchMLLM (data-parallel rounds) keeps none's
+    layout by construction on the pipeline, so that plan does not time it, and acts on the
+    colocated one (OrchMLLM's own setting)."""
+    from loom.balance.config import BalanceConfig
+    from loom.balance.policy import nothing_to_balance
+
+    for name, (_, build) in balance_real.PLANS.items():
+        assert build(8).world_size == balance_real.WORLD_SIZE, name
+    acts = {name: {p: not nothing_to_balance(BalanceConfig(default=p), build(8))
+                   for p in ("orchmllm", "disttrain", "entrain")} for name, (_, build) in balance_real.PLANS.items()}
+    assert acts == {"pipeline": {"orchmllm": False, "disttrain": True, "entrain": True},
+                    "colocated": {"orchmllm": True, "disttrain": True, "entrain": True}}
+    with pytest.raises(ValueError, match="--plans"):
+        balance_real.RealConfig(plans="pipeline,ring").check()
+    assert balance_real.train_config(balance_real.RealConfig(), "colocated", "padded", "orchmllm", 3).plan.placement \
+        == "colocated"

@@ -16,9 +16,11 @@ the config names a policy:
   over the LLM's data-parallel groups, LPT into microbatches inside each group, then order them
   for 1F1B with Algorithm 3;
 - ``entrain``: one joint decision for all phases (entrain.md §3.4-3.5): DP-level assignment,
-  K_eff, stratified microbatches, pairwise deferral of LLM work one microbatch forward, the
-  interleaved overloaded/underloaded order. Needs equal data-parallel degrees (the encoders
-  form the "single unified encoder module" of §2.3).
+  K_eff, stratified microbatches (for a right-padded LLM, microbatches of similar row cost
+  where the 1F1B prediction finds them faster: `loom.balance.entrain_policy`), pairwise
+  deferral of LLM work one microbatch forward, the interleaved overloaded/underloaded order.
+  Needs equal data-parallel degrees (the encoders form the "single unified encoder module" of
+  §2.3).
 
 ``order`` (``given`` or ``disttrain``) reorders whole rounds for the per-phase policies with
 DistTrain's Algorithm 3; ``disttrain`` and ``entrain`` bring their own order.
@@ -31,7 +33,7 @@ do); under ``none`` it runs the LLM's slots.
 Per-sample cost is the module's forward FLOPs (`loom.balance.costs`, arrays from metadata
 arrays). A policy never makes a step slower than ``none`` by its own cost model: where the
 predicted gain in step time (`loom.balance.predict`: the layout's 1F1B pipeline over every
-replica) is below ``balance.min_gain`` of the given layout's, the given layout is kept and the
+replica; on a colocated plan each rank's encoders before and after it) is below ``balance.min_gain`` of the given layout's, the given layout is kept and the
 layout says so (``kept_given``, ``predicted_gain``, and why in ``kept_why``). A per-phase policy
 whose rounds hold one slot each (every module at data-parallel degree 1, ``order = "given"``)
 has nothing to balance: the given layout is kept at once, without deciding, so the step runs

@@ -34,6 +34,10 @@ The model, per data-parallel replica of the LLM (a *lane*):
   largest, T*, Entrain's deferral minimises (entrain.md §3.5.2); with equal microbatches the
   step is DistTrain's ``T_warmup + T_steady`` (disttrain.md §3.1, eq. 1-2).
 
+A colocated plan (an encoder replica on every unit of the LLM, OrchMLLM's and Optimus's
+setting) is no pipeline of encoder and LLM ranks: each unit runs its encoder forwards, then
+its share of the LLM's 1F1B, then its encoder backwards (`_colocated_step`).
+
 Communication, gradient synchronisation and the optimizer are left out (they do not depend on
 the layout, or are priced by the dispatcher's own cost). With equal data-parallel degrees this
 is exactly a play of the schedule loom runs with free communication (the tests play it, for
