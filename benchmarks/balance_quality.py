@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="also run benchmarks/balance_real.py and merge its figures (by default they live in "
                          "balance_real.json alone, so `loom bench --all` measures them once)")
     ap.add_argument("--real-repeats", type=int, default=6, help="balance_real: timed repeats per LLM batching")
-    ap.add_argument("--real-steps-per-repeat", type=int, default=4, help="balance_real: timed steps per repeat")
+    ap.add_argument("--real-steps-per-repeat", type=int, default=0, help="balance_real: timed steps per repeat (0: one cycle of turns)")
     ap.add_argument("--real-warmup", type=int, default=2, help="balance_real: untimed steps before the repeats")
     ap.add_argument("--out", type=Path, default=None, help="results directory; None: benchmarks/results")
     args = ap.parse_args(argv)
