@@ -84,8 +84,8 @@ def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> B
         runs = sorted_runs(by_cost, np.full(dp, members.shape[1]), k)[members]
         # the microbatching is chosen before the deferral (the costly step, run once): each in
         # microbatch order without deferral, by the 1F1B prediction; ties keep the paper's
-        order, none = np.broadcast_to(np.arange(k), (dp, k)), np.zeros_like(mb)
-        paper, padded = predict_steps([_entrain_layout(plan, members, c, order, none, k) for c in (mb, runs)],
+        order, no_defer = np.broadcast_to(np.arange(k), (dp, k)), np.zeros_like(mb)
+        paper, padded = predict_steps([_entrain_layout(plan, members, c, order, no_defer, k) for c in (mb, runs)],
                                       plan, costs, llm_padded)
         if padded.step < paper.step:
             mb = runs

@@ -33,11 +33,12 @@ do); under ``none`` it runs the LLM's slots.
 Per-sample cost is the module's forward FLOPs (`loom.balance.costs`, arrays from metadata
 arrays). A policy never makes a step slower than ``none`` by its own cost model: where the
 predicted gain in step time (`loom.balance.predict`: the layout's 1F1B pipeline over every
-replica; on a colocated plan each rank's encoders before and after it) is below ``balance.min_gain`` of the given layout's, the given layout is kept and the
-layout says so (``kept_given``, ``predicted_gain``, and why in ``kept_why``). A per-phase policy
-whose rounds hold one slot each (every module at data-parallel degree 1, ``order = "given"``)
-has nothing to balance: the given layout is kept at once, without deciding, so the step runs
-exactly what ``none`` runs.
+replica; on a colocated plan each rank's encoders before and after it) is below
+``balance.min_gain`` of the given layout's, the given layout is kept and the layout says so
+(``kept_given``, ``predicted_gain``, and why in ``kept_why``). A per-phase policy whose rounds
+hold one slot each (every module at data-parallel degree 1, ``order = "given"``) has nothing
+to balance (`nothing_to_balance`): the given layout is kept at once, without deciding, so the
+step runs exactly what ``none`` runs.
 """
 
 from __future__ import annotations

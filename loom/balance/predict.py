@@ -276,7 +276,7 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
     ratio = {m: costs.backward_ratio_of(m) if backward_ratio is None else float(backward_ratio)
              for m in plan.module_names}
     if plan.placement == "colocated":
-        return [_colocated_step(layout, plan, costs, llm_padded, ratio, eager) for layout in layouts]
+        return [_colocated_step(layout, plan, costs, llm_padded, ratio) for layout in layouts]
     out: list[Prediction | None] = [None] * len(layouts)
     groups: dict[tuple, list[int]] = {}
     for n, layout in enumerate(layouts):
@@ -327,15 +327,16 @@ def predict_steps(layouts: Sequence[BatchLayout], plan: Plan, costs: SampleCosts
     return out  # type: ignore[return-value]
 
 
-def _colocated_step(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool, ratio: dict[str, float],
-                    eager: int) -> Prediction:
+def _colocated_step(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_padded: bool,
+                    ratio: dict[str, float]) -> Prediction:
     """A colocated plan's step: every encoder replica shares its unit with the LLM, whose
     schedule runs the unit's encoder forwards first and their backwards last (Optimus's coarse
     order, optimus.md §3; a bubble fill only shortens it). A unit's encoders run one after
     another (their sum). Where every encoder keeps the LLM's slots and the LLM has one stage,
     each unit is one lane and its step is exactly its encoder forwards, its LLM microbatches and
     its encoder backwards; otherwise rows cross units, so the LLM's 1F1B alone is bracketed by
-    the slowest unit's encoder forwards and backwards (a bound)."""
+    the slowest unit's encoder forwards and backwards (a bound). Entrain's eager forward deepens
+    only the encoders' warmup, which this order already runs first."""
     per_slot = slot_costs(layout, costs, llm_padded)
     llm = plan.spec(LLM)
     lanes, units = llm.data_parallel, llm.num_units
@@ -350,7 +351,7 @@ def _colocated_step(layout: BatchLayout, plan: Plan, costs: SampleCosts, llm_pad
     alone = dataclasses.replace(plan, modules=[llm], placement="disaggregated", bubble_fill="none")
     positions = -(-layout.num_microbatches // lanes)
     grid = _grid(per_slot[LLM] / llm.num_stages, lanes, positions)
-    ends, llm_busy = pipeline_times(alone, {LLM: grid}, backward_ratio=ratio[LLM], extra_warmup=eager)
+    ends, llm_busy = pipeline_times(alone, {LLM: grid}, backward_ratio=ratio[LLM])
     if llm.num_stages == 1 and all(layout.shares_llm_slots(e) for e in plan.encoder_names):
         ends = forward_on + ends + backward_on  # unit d is lane d
     else:
