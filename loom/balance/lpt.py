@@ -185,7 +185,7 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int,
             # key; the usual case when items far outnumber ranks): every rank takes an item and
             # the new keys are Q itself, sorted, so the buffers swap instead of copying back
             ps[pos : pos + m] = K
-            Q.sort()
+            Q.sort(kind="stable")  # timsort: Q is mostly one descending run (see below)
             K, q_buf = Q, K
             pos += m
             continue
@@ -211,7 +211,7 @@ def _lpt_integer_core(wi: np.ndarray, num_ranks: int,
                         k = t0 + j
         ps[pos : pos + k] = Kp[:k]
         Kp[:k] = Q[:k]
-        K.sort()
+        K.sort(kind="stable")
         pos += k
     ps &= mask  # rank per item, in LPT order
     if groups is not None and full and m > 1:
