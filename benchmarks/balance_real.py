@@ -252,7 +252,7 @@ def _worker(rank: int, world_size: int, group: str, policy: str, cfg_dict: dict,
             "num_microbatches": got.layout.num_microbatches, "llm_padded_over_real": llm_padded / llm_tokens,
             "mb_max_over_mean": {phase: s["microbatches"] for phase, s in stats.items()},
             "slots": {phase: [list(slot) for slot in slots] for phase, slots in got.layout.slots.items()},
-            "kept_given": bool(got.layout.kept_given),
+            "kept_given": bool(got.layout.kept_given), "eager_forward": int(got.layout.eager_forward),
             "predicted_gain": float(got.layout.predicted_gain.get("total", 0.0)),
         }
         if trace_dir is not None:
@@ -302,7 +302,8 @@ class Group(WorkerGroup):
         step["cpu"] = [info["cpu"] for info in infos]
         step["gc"] = [info["gc"] for info in infos]
         step.update({k: infos[0][k] for k in ("num_microbatches", "mb_max_over_mean", "llm_padded_over_real",
-                                              "slots", "kept_given", "predicted_gain", "indices")})
+                                              "slots", "kept_given", "predicted_gain", "indices",
+                                              "eager_forward")})
         self.steps.append(step)
         return step
 
@@ -396,6 +397,8 @@ def summarize_batching(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
             # steps where the policy kept the given layout (its predicted gain below balance.min_gain)
             "kept_given": _mean([float(s["kept_given"]) for s in st]),
             "predicted_gain": _mean([s["predicted_gain"] for s in st]),
+            # the encoders' mean extra warmup the layouts asked for (Entrain's eager forward)
+            "eager_forward": _mean([s["eager_forward"] for s in st]),
             "peak_rss_mb": run["peak_rss_mb"][name],
         }
     return out
@@ -548,12 +551,12 @@ def _print_table(run: str, summary: dict[str, dict[str, Any]], ratio_figs: dict[
                      f"{s['mb_max_over_mean']['vision']:.2f}", f"{s['mb_max_over_mean']['llm']:.2f}",
                      f"{s['llm_padded_over_real']:.2f}", f"{s['mean_microbatches']:.1f}",
                      f"{100 * s['same_layout_as_none']:.0f}%", f"{100 * s['kept_given']:.0f}%",
-                     f"{100 * s['predicted_gain']:.1f}%", s["peak_rss_mb"]])
+                     f"{100 * s['predicted_gain']:.1f}%", f"{s['eager_forward']:.2f}", s["peak_rss_mb"]])
     spread_is = next(iter(ratio_figs.values()))["spread_is"]
     print(f"\n{run} (plan / LLM rows; value [spread: {spread_is}] over the repeats)")
     print(format_table(["policy", "step ms", "none / policy", "dispatch ms", "engine step ms", "compute r0/r1 ms",
                         "vision mb max/mean", "llm mb max/mean", "LLM padded/real", "microbatches",
-                        "none's layout", "kept given", "predicted gain", "peak RSS MB"], rows))
+                        "none's layout", "kept given", "predicted gain", "eager forward", "peak RSS MB"], rows))
     per_repeat = "; ".join(f"{p} " + " ".join(f"{r:.3f}" for r in summary[p]["repeat_ratio"])
                            for p in names if p != BASELINE)
     print(f"per-repeat none / policy (step-time sums on the same batches): {per_repeat}")

@@ -375,7 +375,9 @@ def test_eager_forward_deepens_encoder_warmup_and_stays_valid(demo) -> None:
     model, arch, dataset = demo
     plan = _plan(model, "pipe", 8)
     metas = [dataset.meta(i) for i in range(24)]
-    layout = make_layout(BalanceConfig(default="entrain"), plan, sample_costs(arch, metas))
+    # entrain_eager_max = 0: the layout's own warmup stays 1F1B's, so `eager` alone deepens it
+    layout = make_layout(BalanceConfig(default="entrain", entrain_eager_max=0), plan, sample_costs(arch, metas))
+    assert layout.eager_forward == 0
     run = dataclasses.replace(plan, num_microbatches=layout.num_microbatches)
 
     def before_first_backward(schedule, rank):
@@ -390,6 +392,9 @@ def test_eager_forward_deepens_encoder_warmup_and_stays_valid(demo) -> None:
     assert eager.actions[llm] == base.actions[llm]
     with pytest.raises(BalanceError, match="balance.eager_forward"):
         BalanceConfig(eager_forward=-1).check()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(BalanceError, match="balance.entrain_eager_max"):
+            BalanceConfig(entrain_eager_max=bad).check()
 
 
 # ---- a right-padded LLM: microbatches cost count x longest -----------------------------------

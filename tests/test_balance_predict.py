@@ -159,7 +159,8 @@ def test_make_layout_uses_the_policy_layout_only_above_min_gain(policy: str) -> 
     given = make_layout(BalanceConfig(), plan, costs, llm_batching="packed")
     own = make_layout(BalanceConfig(default=policy, min_gain=-1.0), plan, costs, llm_batching="packed")
     gain = own.predicted_gain["total"]
-    before, after = predict_steps([given, own], plan, costs, llm_padded=False)
+    before = predict_steps([given], plan, costs, llm_padded=False)[0]
+    after = predict_steps([own], plan, costs, llm_padded=False, eager=own.eager_forward)[0]  # Entrain's own warmup
     assert gain == pytest.approx((before.step - after.step) / before.step, abs=1e-6)
     assert gain > 0.05, own.slots  # the policy pairs heavy with light: a real predicted gain
     used = make_layout(BalanceConfig(default=policy, min_gain=gain / 2), plan, costs, llm_batching="packed")
@@ -169,6 +170,42 @@ def test_make_layout_uses_the_policy_layout_only_above_min_gain(policy: str) -> 
     assert kept.kept_given and kept.is_identity()
     assert kept.predicted_gain["total"] == pytest.approx(gain)
     assert kept.arrays["llm"][0].tolist() == given.arrays["llm"][0].tolist()
+
+
+def test_entrain_takes_the_eager_forward_its_prediction_finds_fastest() -> None:
+    """Entrain's eager forward (entrain.md §3.6) as part of its policy: the encoders' extra
+    warmup is the shallowest depth, within ``balance.entrain_eager_max`` beyond
+    ``balance.eager_forward``, of those the 1F1B prediction finds fastest; the schedule built
+    from the layout runs it."""
+    from loom.schedule.generators import build_schedule
+
+    rng = np.random.default_rng(3)
+    # [vision] -> [llm], vision the busier rank, but a microbatch's LLM forward and backward
+    # outlast the next vision forward: 1F1B leaves the vision rank waiting for its first gradient
+    plan = _plan(8)
+    deepened = 0
+    for _ in range(6):
+        n = 48
+        costs = _costs(rng.lognormal(0, 0.5, n), 0.6 * rng.lognormal(0, 0.5, n))
+        for base, cap in ((0, 2), (1, 1), (0, 0)):
+            config = BalanceConfig(default="entrain", min_gain=-1.0, eager_forward=base, entrain_eager_max=cap)
+            own = make_layout(config, plan, costs, llm_batching="packed")
+            steps = [predict_steps([own], plan, costs, llm_padded=False, eager=e)[0].step
+                     for e in range(base, base + cap + 1)]
+            assert own.eager_forward == base + steps.index(min(steps))
+            given = make_layout(BalanceConfig(eager_forward=base), plan, costs, llm_batching="packed")
+            before = predict_steps([given], plan, costs, llm_padded=False, eager=base)[0].step
+            assert own.predicted_gain["total"] == pytest.approx((before - min(steps)) / before, abs=1e-6)
+            assert build_schedule(plan, layout=own).actions == build_schedule(plan, layout=own,
+                                                                              eager=own.eager_forward).actions
+            deepened += own.eager_forward > base
+    assert deepened > 0  # the fill bubble this plan has: some batches gain from a deeper warmup
+    # colocated: every encoder forward runs first anyway, a deeper warmup gains nothing
+    coloc = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", data_parallel=2)], num_microbatches=8,
+                 placement="colocated").resolve({"vision": 4, "llm": 4})
+    costs = _costs(rng.lognormal(0, 0.5, 48), rng.lognormal(0, 0.5, 48))
+    assert make_layout(BalanceConfig(default="entrain", min_gain=-1.0), coloc, costs,
+                       llm_batching="packed").eager_forward == 0
 
 
 # ---- against a play of the schedule loom really runs ----------------------------------------
@@ -242,7 +279,9 @@ def test_policy_layouts_match_a_play_of_the_real_schedule(policy: str, dp: int) 
         costs = _costs(rng.lognormal(0, 1, n), rng.lognormal(0, 1, n))
         given = make_layout(BalanceConfig(), plan, costs, llm_batching="packed")
         own = make_layout(BalanceConfig(default=policy, min_gain=-1.0), plan, costs, llm_batching="packed")
-        p_given, p_own = predict_steps([given, own], plan, costs, llm_padded=False)
+        p_given = predict_steps([given], plan, costs, llm_padded=False)[0]
+        # the encoders' warmup Entrain chose (its eager forward), which the real schedule runs
+        p_own = predict_steps([own], plan, costs, llm_padded=False, eager=own.eager_forward)[0]
         t_given, t_own = _play(plan, given, costs), _play(plan, own, costs)
         assert p_given.step == pytest.approx(t_given)
         assert p_own.step == pytest.approx(t_own)

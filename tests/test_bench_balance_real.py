@@ -28,7 +28,7 @@ def test_turn_orders_balance_positions_and_predecessors(n):
 def _step(total: float, **parts: float) -> dict:
     return {"total": total, "dispatch": parts.get("dispatch", 0.01), "engine_step": parts.get("engine", total - 0.01),
             "compute": [total / 2, total / 2], "cpu": [parts.get("cpu0", total), parts.get("cpu1", total)], "gc": [0.0, 0.0], "num_microbatches": 8,
-            "llm_padded_over_real": 1.0, "mb_max_over_mean": {"llm": 1.0}, "slots": {}, "kept_given": False,
+            "llm_padded_over_real": 1.0, "mb_max_over_mean": {"llm": 1.0}, "slots": {}, "kept_given": False, "eager_forward": 0,
             "predicted_gain": 0.0}
 
 

@@ -165,6 +165,7 @@ max_grad_norm = 1.5
 order = "disttrain"
 policy = {llm = "none"}
 eager_forward = 2
+entrain_eager_max = 1
 ranks_per_node = 2
 nodewise_time_limit = 0.5
 min_gain = 0.1

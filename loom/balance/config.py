@@ -35,6 +35,11 @@ class BalanceConfig:
     # extra microbatches every encoder stage forwards before its first backward (Entrain's
     # eager forward, entrain.md §3.6); each holds one more microbatch of activations
     eager_forward: int = 0
+    # Entrain's eager forward as part of its policy (entrain.md §3.6: "as many forward passes as
+    # memory constraints allow"): the ``entrain`` policy deepens the encoders' warmup by up to this
+    # many microbatches beyond ``eager_forward``, as deep as its 1F1B prediction finds faster
+    # (ties: shallower). Each holds one more microbatch of encoder activations; 0 turns it off
+    entrain_eager_max: int = 2
     # ranks that share a node (consecutive global ranks); above 1, OrchMLLM's node-wise
     # rearrangement (orchmllm.md §3.10) permutes each round's balanced bins over the round's
     # slots so fewer payload bytes cross nodes. 1: every rank its own node, rearrangement off
@@ -64,6 +69,10 @@ class BalanceConfig:
             raise BalanceError(f"balance.order = {self.order!r}: choose one of {list(ORDERS)}")
         if isinstance(self.eager_forward, bool) or not isinstance(self.eager_forward, int) or self.eager_forward < 0:
             raise BalanceError(f"balance.eager_forward = {self.eager_forward!r}: use 0 or more extra microbatches")
+        if (isinstance(self.entrain_eager_max, bool) or not isinstance(self.entrain_eager_max, int)
+                or self.entrain_eager_max < 0):
+            raise BalanceError(f"balance.entrain_eager_max = {self.entrain_eager_max!r}: use 0 or more extra "
+                               f"microbatches (0: Entrain keeps balance.eager_forward's warmup)")
         if isinstance(self.ranks_per_node, bool) or not isinstance(self.ranks_per_node, int) or self.ranks_per_node < 1:
             raise BalanceError(
                 f"balance.ranks_per_node = {self.ranks_per_node!r}: use a positive integer (the ranks of one node; "

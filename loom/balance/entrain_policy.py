@@ -28,6 +28,9 @@ milliseconds, so this module runs the same steps on arrays, all replicas in lock
    replicas' graphs (block diagonal, `scipy.sparse.csgraph.maximum_bipartite_matching`). ``T*``
    is exact for the ``V`` it is given; ``V`` is exact up to half a unit per item (the reference's
    bound, at this module's unit), and the realised loads use the samples' true costs.
+5. Eager forward (§3.6): the encoders' extra warmup, as deep as the 1F1B prediction finds
+   faster, up to ``balance.entrain_eager_max`` microbatches (the paper's memory bound), carried
+   by the layout (``eager_forward``) to `build_schedule`.
 
 With a right-padded LLM (loom's default) an LLM microbatch costs its row count times its
 longest row, not the sum: a deferral is kept only where it lowers the pair's padded cost. The
@@ -61,13 +64,19 @@ from loom.schedule.layout import BatchLayout, LayoutError
 SUBSET_SUM_RESOLUTION_POLICY = 512
 
 
-def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> BatchLayout:
+def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True, eager: int = 0,
+                   eager_max: int = 0) -> BatchLayout:
     """Entrain: replica assignment, K_eff, stratified microbatches (or, for a right-padded LLM,
     microbatches of similar row cost where the 1F1B prediction finds them faster), deferral,
-    interleaving. Slot ``j`` is position ``j // dp`` of replica ``j % dp``'s interleaved order.
-    The plan has passed `check_balance_config` (`make_layout` runs it first): equal
-    data-parallel degrees, microbatches and samples multiples of them (entrain.md §3.4, B/DP
-    samples each)."""
+    interleaving, eager forward. Slot ``j`` is position ``j // dp`` of replica ``j % dp``'s
+    interleaved order. The plan has passed `check_balance_config` (`make_layout` runs it first):
+    equal data-parallel degrees, microbatches and samples multiples of them (entrain.md §3.4,
+    B/DP samples each).
+
+    Eager forward (§3.6): the layout's ``eager_forward`` is the encoders' extra warmup, from
+    ``eager`` (``balance.eager_forward``) up to ``eager + eager_max``, the shallowest of the
+    depths the 1F1B prediction finds fastest. The paper forwards "as many as memory constraints
+    allow"; ``eager_max`` is that bound, and depths that gain nothing are not taken."""
     dp = plan.spec(LLM).data_parallel
     m = plan.num_microbatches
     n = costs.num_samples
@@ -90,7 +99,13 @@ def entrain_layout(plan: Plan, costs: SampleCosts, llm_padded: bool = True) -> B
         if padded.step < paper.step:
             mb = runs
     position, defer = pairwise_deferral(mb, w, k, row_cost)
-    return _entrain_layout(plan, members, mb, position, defer, k)
+    layout = _entrain_layout(plan, members, mb, position, defer, k)
+    layout.eager_forward = eager
+    if eager_max and plan.encoder_names:
+        steps = [predict_steps([layout], plan, costs, llm_padded, eager=e)[0].step
+                 for e in range(eager, eager + eager_max + 1)]
+        layout.eager_forward = eager + int(np.argmin(steps))  # the first of equal minima: the shallowest
+    return layout
 
 
 def _entrain_layout(plan: Plan, members: np.ndarray, mb: np.ndarray, position: np.ndarray, defer: np.ndarray,

@@ -126,7 +126,7 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     if set(chosen.values()) == {"disttrain"}:
         layout = disttrain_layout(plan, costs, padded)
     elif set(chosen.values()) == {"entrain"}:
-        layout = entrain_layout(plan, costs, padded)
+        layout = entrain_layout(plan, costs, padded, config.eager_forward, config.entrain_eager_max)
     else:
         layout = orchmllm_layout(plan, costs, chosen, config.order, padded, config.ranks_per_node,
                                  config.nodewise_time_limit)
@@ -136,6 +136,8 @@ def make_layout(config: BalanceConfig, plan: Plan, costs: SampleCosts, llm_batch
     # where the predicted gain does not pay for the decision and the exchange; the model is the
     # layout's 1F1B step time (`loom.balance.predict`), per phase its busiest stage's compute
     before, after = predict_steps([given, layout], plan, costs, padded, eager=config.eager_forward)
+    if layout.eager_forward > config.eager_forward:  # the policy's own warmup (Entrain's eager forward)
+        after = predict_steps([layout], plan, costs, padded, eager=layout.eager_forward)[0]
     gain = (before.step - after.step) / before.step if before.step > 0 else 0.0
     layout.predicted_gain = {"total": round(gain, 6)} | {
         p: round((before.busy[p] - after.busy[p]) / before.busy[p], 6) if before.busy[p] > 0 else 0.0 for p in phases}

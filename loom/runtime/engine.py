@@ -121,7 +121,7 @@ class ParallelEngine:
     def schedule_for(self, layout: BatchLayout) -> Schedule:
         """The (validated) schedule of an iteration with ``layout``; identical layouts share
         one, so a steady data mix pays for generation and validation once."""
-        key = layout.key()  # a digest of the slots: no tuple per sample each step
+        key = (layout.key(), layout.eager_forward)  # a digest of the slots: no tuple per sample each step
         if key not in self._schedules:
             if len(self._schedules) >= 64:
                 self._schedules.clear()

@@ -379,9 +379,12 @@ def build_schedule(
     split backward (entrain.md §3.6): the part whose gradients are due at once at its usual
     place, the deferred part just before the rank's next backward, when their gradients have
     arrived; the input gradient to an earlier encoder stage leaves after the last part.
-    ``eager`` deepens the encoders' warmup by that many microbatches (see `warmup_lookahead`).
+    ``eager`` deepens the encoders' warmup by that many microbatches (see `warmup_lookahead`), or
+    by the layout's ``eager_forward`` where that is deeper (the policy's choice).
     """
     kind = plan.schedule if kind is None else kind
+    if layout is not None:
+        eager = max(eager, layout.eager_forward)
     if kind not in KINDS:
         raise ValueError(f"schedule kind {kind!r} is unknown: choose one of {list(KINDS)}")
     if layout is not None:

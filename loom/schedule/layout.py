@@ -52,6 +52,10 @@ class BatchLayout:
         self.kept_given = kept_given
         self.predicted_gain: dict[str, float] = dict(predicted_gain or {})
         self.kept_why = ""
+        # extra microbatches the encoders forward before their first backward under this layout,
+        # as its policy chose them (Entrain's eager forward); `build_schedule` deepens the warmup
+        # to at least this
+        self.eager_forward = 0
         # OrchMLLM's node-wise rearrangement (loom.balance.rearrange): per phase, the slot each
         # slot's samples had before the permutation, and the cross-node bytes before/after
         self.unpermuted_slot: dict[str, np.ndarray] = {}

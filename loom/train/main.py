@@ -162,7 +162,7 @@ def train(cfg: TrainConfig, run_dir: Path, resume: Path | None = None) -> int | 
                 "policy": got.layout.policy, "kept_given": got.layout.kept_given, "predicted_gain": got.layout.predicted_gain,
                 "kept_why": got.layout.kept_why,
                 "nodewise": got.layout.nodewise,
-                "num_microbatches": got.layout.num_microbatches,
+                "num_microbatches": got.layout.num_microbatches, "eager_forward": got.layout.eager_forward,
                 "max_over_mean": load_stats(got.layout, cfg.plan, got.costs),
                 "microbatches": {p: [[done.indices[s] for s in slot] for slot in v] for p, v in got.layout.slots.items()},
             }) + "\n")
