@@ -133,6 +133,7 @@ SIMULATE = [
     (["optim.max_grad_norm=-1.0"], "optim.max_grad_norm = -1.0"),
     (["cost.efficiency=1.5"], "cost.efficiency = 1.5"),
     (["cost.bogus=1"], "'bogus'"),
+    (["--policy", "entrain", "--entrain-eager-max", "-1"], "--entrain-eager-max -1"),
 ]
 
 

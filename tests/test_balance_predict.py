@@ -200,6 +200,16 @@ def test_entrain_takes_the_eager_forward_its_prediction_finds_fastest() -> None:
                                                                               eager=own.eager_forward).actions
             deepened += own.eager_forward > base
     assert deepened > 0  # the fill bubble this plan has: some batches gain from a deeper warmup
+    # with a generator after the LLM the layout keeps the depth its encoders and LLM were given
+    gen = Plan([ModuleSpec("vision"), ModuleSpec("llm"), ModuleSpec("image")], num_microbatches=8).resolve(
+        {"vision": 4, "llm": 4, "image": 4}, generators=["image"])
+    for _ in range(6):
+        costs = _costs(rng.lognormal(0, 0.5, 48), 0.6 * rng.lognormal(0, 0.5, 48), image=rng.lognormal(-2, 0.5, 48))
+        config = BalanceConfig(default="entrain", min_gain=-1.0)
+        whole = make_layout(config, gen, costs, llm_batching="packed")
+        inner = make_layout(config, gen.without_generators(), costs, llm_batching="packed")
+        assert whole.eager_forward == inner.eager_forward
+        deepened += inner.eager_forward > 0
     # colocated: every encoder forward runs first anyway, a deeper warmup gains nothing
     coloc = Plan([ModuleSpec("vision", data_parallel=2), ModuleSpec("llm", data_parallel=2)], num_microbatches=8,
                  placement="colocated").resolve({"vision": 4, "llm": 4})

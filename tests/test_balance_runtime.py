@@ -150,7 +150,7 @@ def _run_case(rank: int, case: str, path: Path) -> None:
                 ran.setdefault(module, []).extend(got.batches.get((module, j), got.batches.get(j)).sample_ids)
     save_rank(path, float(loss), engine.named_parameters(), role=cfg.plan.role_of(rank), ran=ran,
               # every action is timed from its own start (wall-clock epoch seconds) to its end
-              reordered=reordered, timeline_ok=all(e.start_s > 1e9 and 0 <= e.duration_s < 600 for e in result.timeline))
+              reordered=reordered, eager_forward=got.layout.eager_forward, timeline_ok=all(e.start_s > 1e9 and 0 <= e.duration_s < 600 for e in result.timeline))
 
 
 def _reference(case: str):
@@ -188,10 +188,11 @@ CASES = {
 # vision in 2 chunks per rank, filled chunk by chunk); firststage:
 # DistTrain's layout (a sample of every module per microbatch) with the encoders inside the LLM's first stage
 # pipe2dp2tokens: data.microbatch_tokens cuts the batch into 6 microbatches instead of the plan's 4
+# pipe2-entrain: the encoders' deeper warmup Entrain's policy chooses itself (the layout's eager_forward)
 FOLDED = {"pipe2dp2-none": ["pipe2dp2tokens-none"], "mixed-orchmllm": ["mixedzb-orchmllm"], "omni-entrain": ["interleavedpacked-entrain"],
           "pipe2-disttrain": ["colocated-orchmllm"], "dp2-orchmllm": ["colocdp2-orchmllm"], "pipe2-none": ["optimus-none"],
           "pipe2packed-entrain": ["optimus-orchmllm"], "pipe2dp2-disttrain": ["firststage-disttrain"],
-          "pipe2eager-entrain": ["optimuschunks-orchmllm"]}
+          "pipe2eager-entrain": ["optimuschunks-orchmllm", "pipe2-entrain"]}
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -207,6 +208,8 @@ def _check(case: str, world: int, out: Path, prefix: str) -> None:
 
     assert_matches_reference(results, model, ref_loss)
     assert all(r["timeline_ok"] for r in results), "a timeline event with a bogus start or duration"
+    if case == "pipe2-entrain":  # Entrain chose its own eager forward (balance.eager_forward is 0 here)
+        assert all(r["eager_forward"] > 0 for r in results), "the policy kept 1F1B's warmup: no deeper schedule ran"
     if case.startswith("optimus"):  # the fill really moved encoder work (else this is the colocated case again)
         assert any(r["reordered"] for r in results), "the bubble fill left every rank's order as built"
 

@@ -174,6 +174,7 @@ def _with_generators(layout: BatchLayout, plan: Plan, costs: SampleCosts, chosen
     for g, index in own:
         out.set_slot_index(g, index)
     out.kept_why, out.contiguous, out.nodewise = layout.kept_why, layout.contiguous, layout.nodewise
+    out.eager_forward = layout.eager_forward  # the encoders' warmup the inner policy chose
     out.unpermuted_slot = dict(layout.unpermuted_slot)
     if LLM in out.unpermuted_slot:
         out.unpermuted_slot.update({g: out.unpermuted_slot[LLM] for g in plan.generator_names})

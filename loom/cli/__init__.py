@@ -148,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-forward", type=int, default=0, metavar="N",
                    help="encoders forward N more microbatches before their first "
                         "backward (Entrain's eager forward; every policy, as balance.eager_forward in a run)")
+    p.add_argument("--entrain-eager-max", type=int, default=2, metavar="N",
+                   help="the entrain policy deepens that warmup by up to N more microbatches where its "
+                        "prediction finds it faster (balance.entrain_eager_max in a run; 0: off)")
     add_failure_flags(p)  # --failures TRACE: Oobleck against restart (docs/elastic.md)
     p.set_defaults(fn=cmd_simulate)
 

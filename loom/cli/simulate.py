@@ -27,13 +27,16 @@ DEFAULT_SCENARIO = REPO_ROOT / "configs" / "sim" / "llama3-70b-vith-1024xh100.to
 # ---- flags ------------------------------------------------------------------------------------
 def policies_of(args: argparse.Namespace) -> list[str] | None:
     """``--policy`` values (repeatable, comma lists) in order, without repeats; ``None`` if not
-    given. Raises `CliError` naming ``--policy`` / ``--order`` / ``--eager-forward``."""
+    given. Raises `CliError` naming ``--policy`` / ``--order`` / ``--eager-forward`` /
+    ``--entrain-eager-max``."""
     from loom.balance.policy import ORDERS, POLICIES
 
     if args.order not in ORDERS:
         raise CliError(f"--order {args.order!r} is unknown; choose one of {', '.join(ORDERS)}")
     if args.eager_forward < 0:
         raise CliError(f"--eager-forward {args.eager_forward}: use 0 or more microbatches")
+    if args.entrain_eager_max < 0:
+        raise CliError(f"--entrain-eager-max {args.entrain_eager_max}: use 0 or more microbatches (0: off)")
     if not args.policy:
         return None
     names: list[str] = []
@@ -76,7 +79,8 @@ def plans_of(scenario, compare: bool, files: list[str] = ()) -> dict[str, Any]:
     return plans
 
 
-def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager: int) -> list[tuple]:
+def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager: int,
+            entrain_eager_max: int = 2) -> list[tuple]:
     """``(policy label or None, file stem suffix, SimResult, BalancedRun or None)`` per run of
     ``plan``; under policies the first is the ``none`` baseline in the given order."""
     from loom.balance.config import SHARED_SLOTS
@@ -102,7 +106,7 @@ def runs_of(scenario, plan, policies: list[str] | None, order: str, metas, eager
             continue  # the baseline
         label, stem = (name, name) if own_order == "given" else (f"{name} ({own_order} order)",
                                                                   f"{name}.{own_order}-order")
-        config = BalanceConfig(name, order=own_order, eager_forward=eager,
+        config = BalanceConfig(name, order=own_order, eager_forward=eager, entrain_eager_max=entrain_eager_max,
                                ranks_per_node=per_node)
         run = scenario.run_balanced(plan, config, metas=metas)
         runs.append((label, f".{stem}", run.result, run))
@@ -164,7 +168,7 @@ def row_of(scenario, name: str, plan, label, result, balanced, baseline, files: 
 def simulate_plan(scenario, name: str, plan, policies, args, metas, out_dir: Path) -> list[dict]:
     plan.resolve(scenario.arch.layer_counts(), generators=scenario.arch.generator_names)
     plan.to_json(out_dir / f"{name}.plan.json")
-    runs = runs_of(scenario, plan, policies, args.order, metas, args.eager_forward)
+    runs = runs_of(scenario, plan, policies, args.order, metas, args.eager_forward, args.entrain_eager_max)
     rows = []
     for label, suffix, result, balanced in runs:
         if not args.compare and not args.allow_oom:
